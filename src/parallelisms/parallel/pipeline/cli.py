@@ -1,0 +1,58 @@
+"""``parallelisms simulate``: build a schedule, validate it, simulate it, optionally draw it.
+
+The main CLI calls :func:`add_simulate_parser` with its subparsers and dispatches to
+:func:`run_simulate`.  Times are per-microbatch times of one stage (one rank's whole share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .schedules import SCHEDULES, ScheduleError, build_schedule
+from .simulate import Times, plot, simulate
+from .validate import validate
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate a pipeline schedule: bubble rate, makespan, memory",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", required=True, choices=SCHEDULES)
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (interleaved)")
+    p.add_argument("--tf", type=float, default=1.0, help="forward time of one stage per microbatch")
+    p.add_argument("--tb", type=float, default=1.0, help="input-gradient backward time")
+    p.add_argument("--tw", type=float, default=1.0, help="weight-gradient backward time")
+    p.add_argument("--tcomm", type=float, default=0.0, help="cost of each cross-rank dependency")
+    p.add_argument("--plot", metavar="FILE.png|.svg", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return p
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        if min(args.tf, args.tb, args.tw, args.tcomm) < 0:
+            raise ScheduleError("times must be non-negative")
+        if args.plot and not args.plot.lower().endswith((".png", ".svg")):
+            raise ScheduleError(f"--plot must name a .png or .svg file, got {args.plot!r}")
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
+        validate(schedule)
+        sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
+        if args.plot:
+            plot(sim, args.plot)
+    except (ScheduleError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = sim.to_dict()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        peaks = ", ".join(f"{p:g}" for p in result["peak_activations"])
+        print(f"{schedule.name}: pp={schedule.pp} microbatches={schedule.microbatches} chunks={schedule.chunks}")
+        print(f"  makespan {result['makespan']:g}, bubble rate {result['bubble_rate']:.4f}")
+        print(f"  peak activations per rank (microbatches): {peaks}")
+        if args.plot:
+            print(f"  plot written to {args.plot}")
+    return 0
