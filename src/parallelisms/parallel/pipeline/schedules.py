@@ -23,6 +23,8 @@ non-blocking and consecutive send/recv actions may be batched.  ``BACKWARD`` is 
 ``stage-1``).  PipeDream: ``OPTIMIZER`` updates one stage's weights after one microbatch's
 backward, and every F/B of that stage carries ``version``: the number of updates applied before
 the forward.  The backward must use the weights stashed for that version (weight stashing).
+DualPipe: an F with ``overlap=True`` and the backward right after it form one F&B chunk whose
+computation and communication the executor may overlap; run sequentially, they are still correct.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class Schedule:
 
     def rank_of(self, stage: int, mb: int) -> int:
         return self.placement[self.mb_path[mb]][stage]
+
+    def modules_on(self, rank: int) -> list[tuple[int, int]]:
+        """The (path, stage) parameter sets rank ``rank`` holds; the path is the DualPipe copy."""
+        return sorted({(p, s) for p, row in enumerate(self.placement) for s, r in enumerate(row) if r == rank})
 
     def compute(self, rank: int) -> list[Action]:
         """The rank's compute and optimizer actions, communication left out."""
@@ -390,8 +396,8 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         raise ScheduleError(f"{name} with pp={pp} needs at least {need} microbatches, got {microbatches}")
     if name == "interleaved":
         v = 2 if chunks is None else chunks
-        if v < 1:
-            raise ScheduleError(f"chunks must be >= 1, got {v}")
+        if v < 2:
+            raise ScheduleError(f"interleaved needs chunks >= 2 (one chunk is 1f1b), got {v}")
         if microbatches % pp:
             raise ScheduleError(f"interleaved needs microbatches divisible by pp ({pp}), got {microbatches}")
         return interleaved(pp, microbatches, v)

@@ -1,0 +1,129 @@
+"""``parallelisms bench NAME``: this project's implementation against the best runnable peer, same run.
+
+Both run in the same processes on the same model, data and settings, alternating in rounds so drift on a
+shared machine hits both; each reports the median step time, and ``ratio`` = ours / peer (below 1 is
+faster). Every rank uses one thread (two ranks on two cores). Benchmarks are not tests: nothing here
+runs in the test suite. Each entry registers itself in ``BENCHES``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from parallelisms.config import ConfigError, TrainConfig, preset
+from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.launch import RankInfo, launch
+from parallelisms.model import build_model
+
+BENCHES: dict = {}
+
+
+def bench(name: str):
+    def register(fn):
+        BENCHES[name] = fn
+        return fn
+    return register
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
+    p.add_argument("name", help="what to benchmark: " + ", ".join(BENCHES) if BENCHES else "benchmark name")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--world", type=int, default=2, help="ranks")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round and implementation")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--json", action="store_true")
+
+
+def run_bench(args) -> dict:
+    if args.name not in BENCHES:
+        raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {', '.join(BENCHES)}")
+    for name in ("world", "global_batch", "seq_len", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    result = BENCHES[args.name](args)
+    print(f"bench {args.name}: ours {result['ours_s'] * 1e3:.1f} ms, {result['peer']} {result['peer_s'] * 1e3:.1f} ms "
+          f"per step, ratio {result['ratio']:.3f}" + "".join(f", {k} {v:.3f}" for k, v in result.items()
+                                                            if k.endswith("_efficiency")))
+    return result
+
+
+def alternate(runs: dict, steps: int, rounds: int) -> dict[str, float]:
+    """Time ``steps`` calls of each runner per round, alternating over ``rounds``; median per-step seconds.
+    One untimed warm-up step each first."""
+    times = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def single_process_step_time(model_cfg, train_cfg: TrainConfig, steps: int) -> float:
+    """Median step time of plain training on the whole global batch in one process, one thread."""
+    torch.set_num_threads(1)
+    model = build_model(model_cfg, train_cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
+    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
+
+    def step():
+        opt.zero_grad()
+        model(inputs, targets).backward()
+        opt.step()
+    return alternate({"single": step}, steps, 1)["single"]
+
+
+def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rounds: int):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from parallelisms.comm import Comms
+    from parallelisms.mesh import ParallelDims
+    from parallelisms.parallel.data import DataParallel
+
+    meshes = ParallelDims(dp_replicate=info.world_size).build_meshes()
+    comms = Comms(meshes)
+    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).shard(
+        0, info.rank, info.world_size)
+
+    ours_model = build_model(model_cfg, train_cfg.seed)
+    ours = DataParallel(ours_model, comms["dp"], bucket_cap_mb=train_cfg.bucket_mb)
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=train_cfg.lr)
+    peer_model = TorchDDP(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb,
+                          gradient_as_bucket_view=True)
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=train_cfg.lr)
+
+    def ours_step():
+        ours.zero_grad()
+        ours_model(inputs, targets).backward()
+        ours_opt.step()
+
+    def peer_step():
+        peer_opt.zero_grad()
+        peer_model(inputs, targets).backward()
+        peer_opt.step()
+    return alternate({"ours": ours_step, "peer": peer_step}, steps, rounds)
+
+
+@bench("ddp")
+def bench_ddp(args) -> dict:
+    """Our DataParallel against torch DistributedDataParallel (gradient_as_bucket_view, same bucket cap)."""
+    model_cfg = preset(args.preset).validate()
+    train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+    train_cfg.validate(model_cfg, dp=args.world)
+    times = launch(_ddp_rank, args.world, model_cfg, train_cfg, args.steps, args.rounds, backend="gloo", threads=1)[0]
+    single = single_process_step_time(model_cfg, train_cfg, args.steps)
+    return {"bench": "ddp", "world_size": args.world, "params": model_cfg.num_params(),
+            "ours_s": times["ours"], "peer": "torch.nn.parallel.DistributedDataParallel", "peer_s": times["peer"],
+            "ratio": times["ours"] / times["peer"], "single_process_s": single,
+            "ours_scaling_efficiency": single / (args.world * times["ours"]),
+            "peer_scaling_efficiency": single / (args.world * times["peer"])}

@@ -1,0 +1,192 @@
+"""``parallelisms``: train, verify, bench and simulate from the command line.
+
+Bad input is reported as one line (``error: ...``, exit code 2) before any process starts; a rank that
+fails is reported by number (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from parallelisms.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
+from parallelisms.mesh import ParallelDims
+
+DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
+    g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
+
+
+def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
+    g = p.add_argument_group("layout (world size = pp x dp x cp x tp)")
+    g.add_argument("--dp", type=int, default=dp_default, help="data-parallel degree")
+    for name in ("tp", "pp", "cp", "ep"):
+        g.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree")
+    g.add_argument("--find-unused-parameters", action="store_true",
+                   help="treat parameters with no gradient as zero instead of raising")
+
+
+def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("training")
+    d = TrainConfig()
+    g.add_argument("--steps", type=int, default=steps)
+    g.add_argument("--global-batch", type=int, default=DEFAULT_TRAIN["global_batch"], help="sequences per step")
+    g.add_argument("--seq-len", type=int, default=DEFAULT_TRAIN["seq_len"])
+    g.add_argument("--grad-accum", type=int, default=1, help="microbatches per rank per step")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip (0: off)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket cap")
+    g.add_argument("--timeout", type=float, default=d.timeout_s, help="collective timeout, seconds")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+
+
+def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
+    """Turn parsed arguments into validated configs (raises ConfigError)."""
+    model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
+    train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
+                        grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
+                        bucket_mb=args.bucket_mb, timeout_s=args.timeout)
+    dims = ParallelDims(dp_replicate=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters).validate(model, train)
+    return model, train, parallel
+
+
+def _world_and_backend(world: int) -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+
+
+def run_layout(spec, trace: bool = False):
+    """Run ``train_rank`` for ``spec`` on its world size; rank 0's report (or None on other torchrun ranks)."""
+    from parallelisms.launch import RankInfo, launch, under_torchrun
+    from parallelisms.train import train_rank
+
+    world = spec.parallel.dims.world_size
+    if world == 1 and not under_torchrun():
+        import torch
+
+        return train_rank(RankInfo(0, 1, 0, torch.device("cpu")), spec, trace)
+    results = launch(train_rank, world, spec, trace, backend=_world_and_backend(world), timeout_s=spec.train.timeout_s)
+    return results[0]
+
+
+def cmd_train(args) -> int:
+    from parallelisms.train import RunSpec
+
+    model, train, parallel = build_configs(args)
+    spec = RunSpec(model, train, parallel, progress=True)
+    report = run_layout(spec, trace=True)
+    if report is None:  # a non-zero rank under torchrun
+        return 0
+    if args.trace:
+        from parallelisms.comm.trace import Timeline, format_summary, write_chrome_trace
+
+        timelines = []
+        for rank, spans in enumerate(report["spans"]):
+            t = Timeline(rank)
+            t.spans = spans
+            timelines.append(t)
+        write_chrome_trace(timelines, args.trace)
+        print(format_summary(report["overlap_per_rank"]))
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    report.pop("spans", None)
+    report.pop("overlap_per_rank", None)
+    comm = ", ".join(f"{k} {v['calls']:g} calls {v['bytes_per_rank'] / 1e3:,.1f} kB" for k, v in report["comm"].items())
+    print(f"{report['layout']}: loss {report['loss_first']:.4f} -> {report['loss_last']:.4f} in {report['steps']} steps; "
+          f"step {report['step_time_s'] * 1e3:.1f} ms (median), {report['tokens_per_s']:,.0f} tokens/s; "
+          f"comm per step per rank: {comm or 'none'}; exposed comm {report['exposed_comm_fraction']:.1%} of the step")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from parallelisms.train import RunSpec
+    from parallelisms.verify import compare, reference_train
+
+    model, train, parallel = build_configs(args)
+    report = run_layout(RunSpec(model, train, parallel, collect_state=True))
+    if report is None:
+        return 0
+    ref_losses, ref_state = reference_train(model, train)
+    result = {"layout": report["layout"], "world_size": report["world_size"], "steps": train.steps,
+              **compare(report["losses"], report["state"], ref_losses, ref_state, args.tolerance)}
+    print(f"{result['layout']} vs single process over {train.steps} steps: max loss rel diff "
+          f"{result['max_loss_rel_diff']:.2e}, max param rel diff {result['max_param_rel_diff']:.2e} "
+          f"({result['worst_param']}), tolerance {result['tolerance']:.0e}: {'ok' if result['ok'] else 'MISMATCH'}")
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def cmd_bench(args) -> int:
+    from parallelisms.bench import run_bench
+
+    result = run_bench(args)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="parallelisms", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("train", help="train a model on a layout")
+    _add_model_args(p)
+    _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
+    _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
+    p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("verify", help="check a layout against single-process training")
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_train_args(p, steps=5)
+    p.add_argument("--tolerance", type=float, default=1e-5)
+    p.set_defaults(func=cmd_verify)
+
+    from parallelisms.bench import add_bench_parser
+    add_bench_parser(sub)
+
+    try:
+        from parallelisms.parallel.pipeline.cli import add_simulate_parser, run_simulate
+    except ImportError:  # the pipeline simulator is not in this build
+        pass
+    else:
+        add_simulate_parser(sub)
+        sub.choices["simulate"].set_defaults(func=run_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from parallelisms.launch import LaunchError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("PARALLELISMS_DEBUG"):
+            print(exc.details, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The single door for every collective: :class:`Comm`, one per mesh dimension, and autograd-aware ops.
+
+``Comm`` wraps one process group. Each call is recorded in the :class:`CommLedger` and, when a timeline
+is enabled, as a ``comm`` span from issue to completion (asynchronous calls included). A group of one
+rank makes every call a no-op with no record, so single-process reference code runs the same path.
+A failing collective raises :class:`CommError` naming the rank, the collective and the last calls.
+
+The autograd functions are the conjugate pairs of Megatron-LM (Shoeybi et al. 2019) and its sequence
+parallelism (Korthikanti et al. 2023): identity/all-reduce, all-reduce/identity, all-gather/reduce-scatter,
+reduce-scatter/all-gather, split/all-gather, and all-to-all/all-to-all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
+from parallelisms.comm.trace import Timeline
+
+
+# torch >= 2.11 names them *_single; older releases only have the *_tensor spelling.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the call and the recent history."""
+
+
+class Pending:
+    """An asynchronous collective. ``wait()`` blocks (recorded as a ``wait`` span) and returns the result."""
+
+    def __init__(self, comm: "Comm", works: list, result=None, label: str = ""):
+        self.comm, self.works, self.result, self.label = comm, works, result, label
+
+    def wait(self):
+        timeline = self.comm.timeline
+        start = timeline.now() if timeline.enabled else 0
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as exc:
+            raise self.comm.error(self.label, exc) from exc
+        if timeline.enabled:
+            timeline.add(f"wait {self.label}", "wait", start, timeline.now())
+        return self.result
+
+
+class Comm:
+    """Collectives over one mesh dimension ``name`` (its process group ``group``; ``None`` means one rank)."""
+
+    def __init__(self, name: str, group=None, ledger: CommLedger | None = None, timeline: Timeline | None = None):
+        self.name, self.group = name, group
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.timeline = timeline if timeline is not None else Timeline(enabled=False)
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def error(self, what: str, exc: BaseException) -> CommError:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return CommError(f"rank {me}: {what} over '{self.name}' (group rank {self.rank} of {self.size}) failed: "
+                         f"{str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__}; "
+                         f"last collectives: {self.ledger.tail()}")
+
+    def _run(self, kind: str, tensor: torch.Tensor, full_numel: int, launch, async_op: bool, result=None,
+             sent_bytes: float | None = None):
+        """Record, launch and (unless ``async_op``) wait for one collective; returns result or Pending."""
+        nbytes = full_numel * tensor.element_size()
+        sent = ring_bytes_per_rank(kind, nbytes, self.size) if sent_bytes is None else sent_bytes
+        self.ledger.add(kind, self.name, self.size, tensor.dtype, full_numel, sent)
+        label = f"{kind} {full_numel}x{str(tensor.dtype).removeprefix('torch.')}"
+        timeline = self.timeline
+        start = timeline.now() if timeline.enabled else 0
+        try:
+            work = launch()
+            if not async_op:
+                work.wait()
+        except RuntimeError as exc:
+            raise self.error(label, exc) from exc
+        if timeline.enabled:
+            if async_op:
+                work.get_future().then(lambda _: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
+            else:
+                timeline.add(label, "comm", start, timeline.now(), dim=self.name, bytes=sent)
+        return Pending(self, [work], result, label) if async_op else result
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In-place all-reduce of ``tensor``; returns it (or a Pending)."""
+        if self.size == 1:
+            return _Done(tensor) if async_op else tensor
+        return self._run("all_reduce", tensor, tensor.numel(),
+                         lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op, tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
+        """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""
+        if self.size == 1:
+            return _Done(tensor) if async_op else tensor
+        tensor = tensor.contiguous()
+        if dim != 0:
+            stacked = tensor.new_empty((self.size, *tensor.shape))
+            result = self._run("all_gather", tensor, stacked.numel(),
+                               lambda: _all_gather_single(stacked, tensor, group=self.group, async_op=True),
+                               False, stacked)
+            gathered = torch.cat(result.unbind(0), dim=dim)
+            return _Done(gathered) if async_op else gathered
+        if out is None:
+            out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        return self._run("all_gather", tensor, out.numel(),
+                         lambda: _all_gather_single(out, tensor, group=self.group, async_op=True), async_op, out)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False,
+                       out: torch.Tensor | None = None, op=dist.ReduceOp.SUM):
+        """Sum ``tensor`` over ranks and keep this rank's 1/N slice along ``dim``."""
+        if self.size == 1:
+            return _Done(tensor) if async_op else tensor
+        if dim != 0:
+            tensor = torch.stack(tensor.chunk(self.size, dim=dim)).contiguous()
+            shard = tensor.new_empty(tensor.shape[1:])
+            result = self._run("reduce_scatter", tensor, tensor.numel(),
+                               lambda: _reduce_scatter_single(shard, tensor, op=op, group=self.group, async_op=True),
+                               False, shard)
+            return _Done(result) if async_op else result
+        tensor = tensor.contiguous()
+        if out is None:
+            out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        return self._run("reduce_scatter", tensor, tensor.numel(),
+                         lambda: _reduce_scatter_single(out, tensor, op=op, group=self.group, async_op=True),
+                         async_op, out)
+
+    def all_to_all(self, tensor: torch.Tensor, output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None, async_op: bool = False):
+        """Rank i sends the i-th dim-0 block of ``tensor`` (even, or sized by ``input_splits``) to rank i."""
+        if self.size == 1:
+            return _Done(tensor) if async_op else tensor
+        tensor = tensor.contiguous()
+        rows = tensor.shape[0]
+        out_rows = rows if output_splits is None else sum(output_splits)
+        out = tensor.new_empty((out_rows, *tensor.shape[1:]))
+        row_bytes = tensor[0:1].numel() * tensor.element_size() if rows else 0
+        kept = (input_splits[self.rank] if input_splits is not None else rows // self.size)
+        return self._run("all_to_all", tensor, tensor.numel(),
+                         lambda: dist.all_to_all_single(out, tensor, output_splits, input_splits, group=self.group,
+                                                        async_op=True),
+                         async_op, out, sent_bytes=(rows - kept) * row_bytes)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """In-place broadcast from group rank ``src``."""
+        if self.size == 1:
+            return _Done(tensor) if async_op else tensor
+        return self._run("broadcast", tensor, tensor.numel(),
+                         lambda: dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True),
+                         async_op, tensor)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj`` (reports, not training; recorded with unknown size)."""
+        if self.size == 1:
+            return [obj]
+        self.ledger.add("all_gather_object", self.name, self.size, "object", 0, 0.0)
+        out = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise self.error("all_gather_object", exc) from exc
+        return out
+
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]] = (), recvs: list[tuple[torch.Tensor, int]] = ()) -> Pending:
+        """Batched point-to-point: each (tensor, group peer) send and receive issued together; wait the result."""
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(p), self.group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(p), self.group) for t, p in recvs]
+        if not ops:
+            return _Done(None)
+        for kind, items in (("send", sends), ("recv", recvs)):
+            for t, _ in items:
+                self.ledger.add(kind, self.name, self.size, t.dtype, t.numel(),
+                                ring_bytes_per_rank(kind, t.numel() * t.element_size(), self.size))
+        label = f"p2p {len(sends)} send {len(recvs)} recv"
+        start = self.timeline.now() if self.timeline.enabled else 0
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise self.error(label, exc) from exc
+        if self.timeline.enabled:
+            timeline = self.timeline
+            works[-1].get_future().then(lambda _: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
+        return Pending(self, works, None, label)
+
+
+class _Done:
+    """A completed operation with the Pending interface (for one-rank groups)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class Comms:
+    """The :class:`Comm` of every mesh dimension, sharing one ledger and one timeline.
+
+    ``meshes`` maps dimension names to 1-D ``DeviceMesh`` objects (:meth:`ParallelDims.build_meshes`);
+    a name that is absent, or of size one, gives a one-rank Comm.
+    """
+
+    def __init__(self, meshes: dict | None = None, ledger: CommLedger | None = None, timeline: Timeline | None = None):
+        self.meshes = meshes or {}
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.timeline = timeline if timeline is not None else Timeline(enabled=False)
+        self._comms: dict[str, Comm] = {}
+
+    def __getitem__(self, name: str) -> Comm:
+        if name not in self._comms:
+            group = None
+            if name == "world" and dist.is_initialized() and dist.get_world_size() > 1:
+                group = dist.group.WORLD
+            elif name in self.meshes and self.meshes[name].size() > 1:
+                group = self.meshes[name].get_group()
+            self._comms[name] = Comm(name, group, self.ledger, self.timeline)
+        return self._comms[name]
+
+
+# -- autograd-aware collectives (conjugate pairs) ------------------------------------------------------
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, backward_reduce):
+        ctx.comm, ctx.dim, ctx.backward_reduce = comm, dim, backward_reduce
+        return comm.all_gather(x, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.backward_reduce:
+            return ctx.comm.reduce_scatter(grad, dim=ctx.dim), None, None, None
+        return grad.chunk(ctx.comm.size, dim=ctx.dim)[ctx.comm.rank].contiguous(), None, None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.reduce_scatter(x, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=ctx.dim), None, None
+
+
+class _SplitAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, output_splits, input_splits):
+        ctx.comm, ctx.output_splits, ctx.input_splits = comm, output_splits, input_splits
+        return comm.all_to_all(x, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_to_all(grad, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron's f; input of column-parallel)."""
+    return x if comm.size == 1 else _CopyToGroup.apply(x, comm)
+
+
+def reduce_from_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-reduce forward, identity backward (Megatron's g; output of row-parallel)."""
+    return x if comm.size == 1 else _ReduceFromGroup.apply(x, comm)
+
+
+def gather_along(x: torch.Tensor, comm: Comm, dim: int, backward: str = "reduce_scatter") -> torch.Tensor:
+    """All-gather along ``dim``; backward reduce-scatters (sequence parallel) or takes the local slice ("split")."""
+    return x if comm.size == 1 else _GatherAlong.apply(x, comm, dim, backward == "reduce_scatter")
+
+
+def reduce_scatter_along(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward, all-gather backward (sequence-parallel row output)."""
+    return x if comm.size == 1 else _ReduceScatterAlong.apply(x, comm, dim)
+
+
+def split_along(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """Keep this rank's slice along ``dim`` forward, all-gather backward."""
+    return x if comm.size == 1 else _SplitAlong.apply(x, comm, dim)
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, output_splits=None, input_splits=None) -> torch.Tensor:
+    """All-to-all over dim 0 forward; the reverse all-to-all backward (Ulysses, expert dispatch/combine)."""
+    return x if comm.size == 1 else _AllToAll.apply(x, comm, output_splits, input_splits)

@@ -1,0 +1,179 @@
+"""Model and training configuration, presets, Hugging Face ``config.json`` loading, and validation.
+
+Every check here runs before any process starts and fails with :class:`ConfigError`, whose message is
+one line: the constraint that failed, the values, and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A bad input, reported as one line before any process starts."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer (Llama family: RMSNorm, RoPE, GQA, SwiGLU, untied head)."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> "ModelConfig":
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"model {name} must be a positive integer, got {value!r}")
+        require(self.dim % self.n_heads == 0,
+                f"model dim {self.dim} must be divisible by n_heads {self.n_heads}; try n_heads in {_divisors(self.dim)}")
+        require(self.n_heads % self.n_kv_heads == 0,
+                f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}; "
+                f"try n_kv_heads in {_divisors(self.n_heads)}")
+        require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} (dim/n_heads) must be even for rotary positions")
+        require(self.rope_theta > 0 and self.norm_eps > 0, "rope_theta and norm_eps must be positive")
+        return self
+
+    def num_params(self) -> int:
+        """Parameter count (embedding, attention, SwiGLU MLP, two norms per block, final norm, head)."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        mlp = 3 * self.dim * self.ffn_dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * (attn + mlp + 2 * self.dim) + self.dim
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # One training step of `tiny` takes a few milliseconds on one core.
+    "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
+    # A few million parameters: the size the benchmarks use.
+    "small": ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=256),
+    "medium": ModelConfig(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1376, max_seq_len=512),
+    # Real shapes, for estimates and meta-device builds.
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    require(name in PRESETS, f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+_HF_FIELDS = {  # our name: (Hugging Face name, required)
+    "vocab_size": ("vocab_size", True),
+    "dim": ("hidden_size", True),
+    "n_layers": ("num_hidden_layers", True),
+    "n_heads": ("num_attention_heads", True),
+    "ffn_dim": ("intermediate_size", True),
+    "n_kv_heads": ("num_key_value_heads", False),
+    "max_seq_len": ("max_position_embeddings", False),
+    "rope_theta": ("rope_theta", False),
+    "norm_eps": ("rms_norm_eps", False),
+}
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read a Llama-family Hugging Face ``config.json`` into a :class:`ModelConfig`."""
+    path = Path(path)
+    require(path.is_file(), f"config file {str(path)!r} does not exist; pass a Hugging Face config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    require(isinstance(raw, dict), f"config file {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+    missing = [hf for _, (hf, needed) in _HF_FIELDS.items() if needed and hf not in raw]
+    require(not missing, f"config file {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
+    values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}
+    values.setdefault("n_kv_heads", values["n_heads"])
+    for name, value in values.items():
+        kind = float if name in ("rope_theta", "norm_eps") else int
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or value == int(value))
+        require(ok, f"config field {_HF_FIELDS[name][0]} must be a number, got {value!r}")
+        values[name] = kind(value)
+    return ModelConfig(**values).validate()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: global batch, optimizer, steps, seeds."""
+
+    steps: int = 20
+    global_batch: int = 8          # sequences per optimizer step, over all data-parallel ranks
+    seq_len: int = 64
+    grad_accum: int = 1            # microbatches per step on each rank, no communication between them
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0         # global-norm clipping; 0 disables it
+    seed: int = 0
+    bucket_mb: float = 25.0        # data-parallel gradient bucket cap
+    timeout_s: float = 300.0       # collective timeout
+
+    def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
+        require(isinstance(self.steps, int) and self.steps >= 1, f"steps must be at least 1, got {self.steps}")
+        require(self.global_batch >= 1, f"global batch must be at least 1, got {self.global_batch}")
+        require(self.grad_accum >= 1, f"grad accumulation must be at least 1, got {self.grad_accum}")
+        require(self.seq_len >= 2, f"sequence length must be at least 2, got {self.seq_len}")
+        require(self.seq_len <= model.max_seq_len,
+                f"sequence length {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        per_step = dp * self.grad_accum
+        require(self.global_batch % per_step == 0,
+                f"global batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "
+                f"try a global batch of {per_step * max(1, self.global_batch // per_step)}")
+        require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
+        require(self.grad_clip >= 0, f"grad clip must be non-negative, got {self.grad_clip}")
+        require(self.bucket_mb > 0, f"bucket size must be positive, got {self.bucket_mb} MB")
+        require(self.timeout_s > 0, f"timeout must be positive, got {self.timeout_s} s")
+        return self
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout (``dims``) and the options of each parallelism, validated together before launch."""
+
+    dims: "ParallelDims" = None  # type: ignore[assignment]
+    find_unused_parameters: bool = False
+
+    def __post_init__(self):
+        if self.dims is None:
+            from parallelisms.mesh import ParallelDims
+            object.__setattr__(self, "dims", ParallelDims())
+
+    def validate(self, model: ModelConfig, train: TrainConfig) -> "ParallelConfig":
+        dims = self.dims
+        for name in ("tp", "pp", "cp", "ep"):
+            require(getattr(dims, name) == 1,
+                    f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
+        require(dims.dp_replicate == 1 or dims.dp_shard == 1,
+                f"a 2-D data-parallel mesh (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) needs a "
+                f"hybrid sharding strategy, which is not implemented yet; use a single --dp degree")
+        train.validate(model, dp=dims.dp)
+        return self

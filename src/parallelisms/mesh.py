@@ -1,0 +1,77 @@
+"""The layout: named parallel degrees, validated before launch, and the torch ``DeviceMesh`` they build.
+
+Rank order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Rank
+``r = ((((pp_i * R + dr_i) * S + ds_i) * C + cp_i) * T + tp_i)``, so tensor-parallel peers are adjacent
+ranks (the fastest links on a node) and pipeline stages are farthest apart. Expert parallelism does not
+add ranks: the ``ep`` degree is carved out of the ``dp_shard x cp`` ranks (as in torchtitan), so it must
+divide their product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from parallelisms.config import require
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"parallel degree {f.name} must be a positive integer, got {value!r}")
+        require((self.dp_shard * self.cp) % self.ep == 0,
+                f"ep {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp}; "
+                f"try ep in {[d for d in range(1, self.dp_shard * self.cp + 1) if self.dp_shard * self.cp % d == 0]}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    def shape(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_ORDER}
+
+    def describe(self) -> str:
+        short = {"dp_replicate": "dp", "dp_shard": "dpshard"}
+        parts = [f"{short.get(name, name)}{getattr(self, name)}" for name in (*MESH_ORDER, "ep") if getattr(self, name) > 1]
+        return "x".join(parts) if parts else "single"
+
+    def check_world_size(self, world_size: int) -> "ParallelDims":
+        require(self.world_size == world_size,
+                f"layout {self.describe()} needs pp x dp_replicate x dp_shard x cp x tp = {self.world_size} ranks, "
+                f"but the world size is {world_size}; launch {self.world_size} processes or change the degrees")
+        return self
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along every mesh dimension (the documented rank order)."""
+        coords = {}
+        for name in reversed(MESH_ORDER):
+            rank, coords[name] = divmod(rank, getattr(self, name))
+        return coords
+
+    def build_meshes(self, device_type: str = "cpu") -> dict:
+        """The 5-D ``DeviceMesh`` in ``MESH_ORDER`` (key ``"world"``), its 1-D sub-meshes by name, and the
+        flattened ``dp`` (dp_replicate x dp_shard) and ``dp_cp`` (dp x cp) dimensions."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = init_device_mesh(device_type, tuple(self.shape().values()), mesh_dim_names=MESH_ORDER)
+        meshes = {name: world[name] for name in MESH_ORDER}
+        meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
+        meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        meshes["world"] = world
+        return meshes

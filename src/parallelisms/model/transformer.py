@@ -1,0 +1,174 @@
+"""A decoder-only transformer in plain PyTorch (Llama family), with no parallel code in it.
+
+Token embedding, pre-norm blocks of RMSNorm, causal self-attention with rotary positions
+(Su et al. 2021) and optional grouped key/value heads (Ainslie et al. 2023), a SwiGLU MLP
+(Shazeer 2020), a final RMSNorm and an untied output head. Parallelisms swap its modules
+(`wq`, `w_up`, `output`, `loss`, `core`, ...) for parallel ones; every shape the forward needs is read
+from the tensors themselves, so a module holding a shard of the heads or of the FFN width still works.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang and Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [max_seq_len, head_dim // 2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the position angles [seq, head_dim/2]."""
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalAttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(d)) V under a causal mask, q/k/v as [batch, heads, seq, head_dim].
+
+    Key/value heads shared by several query heads (GQA) are repeated here. Context parallelism
+    replaces this module with ring attention; Ulysses wraps it with all-to-alls.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.core = CausalAttentionCore()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w_down(silu(w_gate x) * w_up x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class CrossEntropy(nn.Module):
+    """Mean next-token cross-entropy over all tokens; tensor parallelism swaps in a vocabulary-parallel one."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+class Transformer(nn.Module):
+    """The reference model. ``forward(tokens)`` gives logits; ``forward(tokens, targets)`` the mean loss.
+
+    ``positions`` (default ``0..seq-1``) lets a rank holding a slice of the sequence rotate by the
+    right angles. A pipeline stage is the same class with some parts set to ``None``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.loss = CrossEntropy()
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h))
+        return logits if targets is None else self.loss(logits, targets)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> Transformer:
+    """Deterministic initialisation from ``seed``: N(0, 0.02) for matrices, scaled by 1/sqrt(2L) on the
+    projections into the residual stream (GPT-2, Radford et al. 2019), ones for norms. Drawn on the CPU in
+    parameter order, so every process and every layout gets the same full model."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:
+    """Build the full model, initialised from ``seed``; on ``device='meta'`` nothing is allocated."""
+    cfg.validate()
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg)
+    return init_weights(Transformer(cfg), seed).to(device)

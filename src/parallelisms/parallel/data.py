@@ -1,0 +1,150 @@
+"""Data parallelism written here: gradient buckets all-reduced from backward hooks while backward goes on.
+
+Follows PyTorch DDP (Li et al., VLDB 2020): parameters are grouped into buckets under a byte cap in the
+order their gradients become ready (reverse registration order for a sequential model); every
+parameter's ``.grad`` is a view into its bucket's flat buffer, so accumulation writes straight into the
+buffer that is communicated. When a bucket's last gradient arrives, its all-reduce is launched
+asynchronously; buckets launch in index order so every rank issues the same collectives in the same order.
+One wait at the end of backward, queued on the autograd engine, completes them all. Gradients are
+pre-divided by N and summed, giving the average.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comm
+
+
+class Bucket:
+    """A flat gradient buffer and the parameters whose gradients are views into it."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str]):
+        self.params, self.names = params, names
+        dtype, device = params[0].dtype, params[0].device
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready: set[int] = set()
+        self.pending = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+    """Reverse registration order (the order backward produces gradients), cut at ``cap_bytes``; a bucket
+    holds one dtype and device."""
+    buckets, current, names, size = [], [], [], 0
+    for name, p in reversed(named_params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+            buckets.append(Bucket(current, names))
+            current, names, size = [], [], 0
+        current.append(p)
+        names.append(name)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(current, names))
+    return buckets
+
+
+class DataParallel:
+    """Synchronises gradients of ``module`` over ``comm`` (a data-parallel mesh dimension).
+
+    Use: ``ddp = DataParallel(model, comms["dp"])``; then ``loss.backward()`` leaves averaged gradients.
+    ``with ddp.no_sync():`` accumulates locally for gradient accumulation. ``find_unused_parameters=True``
+    treats parameters that got no gradient as zero instead of raising an error naming them.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, broadcast_parameters: bool = True):
+        self.module, self.comm = module, comm
+        self.find_unused_parameters = find_unused_parameters
+        self.syncing = True
+        self._callback_queued = False
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if broadcast_parameters:
+            with torch.no_grad():
+                for _, p in named:
+                    comm.broadcast(p.data, src=0)
+        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20))
+        self._next_to_launch = 0
+        self._hooks = []
+        for b_index, bucket in enumerate(self.buckets):
+            for p_index, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+                param.grad = view
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(b_index, p_index)))
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _make_hook(self, b_index: int, p_index: int):
+        def hook(param: nn.Parameter):
+            bucket = self.buckets[b_index]
+            view = bucket.views[p_index]
+            if param.grad is not view:  # the grad was replaced (e.g. zero_grad(set_to_none=True)): re-point it
+                view.copy_(param.grad)
+                param.grad = view
+            if not self.syncing:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            bucket.ready.add(p_index)
+            self._launch_ready_buckets()
+        return hook
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.buffer.div_(self.comm.size)
+            bucket.pending = self.comm.all_reduce(bucket.buffer, async_op=True)
+            self._next_to_launch += 1
+
+    def _finish_backward(self) -> None:
+        """Runs once at the end of backward: every bucket launched, then one wait for them all."""
+        self._callback_queued = False
+        missing = [bucket.names[i] for bucket in self.buckets for i in range(len(bucket.params))
+                   if i not in bucket.ready]
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(f"parameter {missing[0]} received no gradient in backward ({len(missing)} such); "
+                               f"pass find_unused_parameters=True to treat unused parameters as zero")
+        for bucket in self.buckets:
+            for i, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+                if i not in bucket.ready:  # unused this step: contributes zero
+                    view.zero_()
+                    param.grad = view
+            bucket.ready = set(range(len(bucket.params)))
+        self._launch_ready_buckets()
+        for bucket in self.buckets:
+            bucket.pending.wait()
+            bucket.pending, bucket.ready = None, set()
+        self._next_to_launch = 0
+
+    # -- user API ----------------------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside this block."""
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+    def zero_grad(self) -> None:
+        """Zero the bucket buffers, keeping every ``.grad`` a view into them."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for param, view in zip(bucket.params, bucket.views):
+                param.grad = view
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
