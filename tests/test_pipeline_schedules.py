@@ -38,6 +38,9 @@ def test_placement(name):
         assert s.placement[0] == (0, 1, 2, 3, 3, 2, 1, 0)
     if name == "dualpipe":  # two directions: rank r holds stage r and stage pp-1-r
         assert s.placement == ((0, 1, 2, 3), (3, 2, 1, 0)) and s.mb_path == (0,) * 8 + (1,) * 8
+        assert s.modules_on(1) == [(0, 1), (1, 2)]
+    if name == "interleaved":
+        assert s.modules_on(1) == [(0, 1), (0, 5)]
 
 
 # --- the validator rejects broken schedules ---------------------------------------------------
@@ -120,7 +123,7 @@ def test_pipedream_weight_stashing():
     (("dualpipe", 4, 4), "needs at least 6 microbatches"),
     (("zb-v", 4, 6), "needs at least 7 microbatches"),
     (("interleaved", 4, 6, 2), "divisible by pp"),
-    (("interleaved", 4, 8, 0), "chunks must be >= 1"),
+    (("interleaved", 4, 8, 1), "chunks >= 2"),
     (("1f1b", 4, 8, 3), "only interleaved takes chunks"),
     (("1f1b", 0, 8), "pp must be >= 1"),
 ])
@@ -168,6 +171,24 @@ def test_dualpipe_deepseek_table2(pp, m):
         sim = simulate(build_schedule("dualpipe", pp, m), Times(tf, tb, tw))
         f_and_b, full_b = tf + tb + tw, tb + tw
         assert sim.bubble == pytest.approx((pp / 2 - 1) * (f_and_b + full_b - 3 * tw))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 20), (8, 16)])
+def test_dualpipev_is_dualpipe_cut_in_half(pp, m):
+    # DualPipeV on pp ranks is DualPipe over PP = 2pp half-size stages: same Table 2 formula
+    for tf, tw in [(1, 1), (1, 0.5), (2, 0.25)]:
+        sim = simulate(build_schedule("dualpipev", pp, m), Times(tf, tf, tw))
+        f, b, w = tf / 2, tf / 2, tw / 2  # one chunk
+        assert sim.bubble == pytest.approx((2 * pp / 2 - 1) * ((f + b + w) + (b + w) - 3 * w))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 6), (4, 8), (4, 16), (8, 24)])
+def test_zb_v_bubble(pp, m):
+    # ZB-V: no bubble when T_F = T_B = T_W; with T_F = T_B it is ZB-H2's (p-1)(T_F+T_B-2T_W) at half
+    # the per-chunk time, with ZB-H1's memory (p microbatches)
+    for tf, tw in [(1, 1), (1, 0.5), (2, 1)]:
+        sim = simulate(build_schedule("zb-v", pp, m), Times(tf, tf, tw))
+        assert sim.bubble == pytest.approx((pp - 1) * (2 * tf - 2 * tw) / 2, abs=1e-9)
 
 
 # --- Zero Bubble paper, Table 5 (measured times of its App. D, 1.5B model, p = 8) ---------------

@@ -64,7 +64,8 @@ class Action:
     overlap: bool = False  # F only: runs as one fused chunk with the next compute action (DualPipe F&B)
 
     def __str__(self) -> str:
-        peer = "" if self.peer is None else f"->r{self.peer}" if self.kind.name.startswith("SEND") else f"<-r{self.peer}"
+        arrow = "->" if self.kind.name.startswith("SEND") else "<-"
+        peer = "" if self.peer is None else f"{arrow}r{self.peer}"
         ver = "" if self.version is None else f"@v{self.version}"
         return f"{self.kind.value}(s{self.stage},mb{self.mb}){peer}{ver}{'&' if self.overlap else ''}"
 
@@ -390,7 +391,8 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
     if pp < 1:
         raise ScheduleError(f"pp must be >= 1, got {pp}")
     if name == "dualpipe" and (pp % 2 or microbatches % 2):
-        raise ScheduleError(f"dualpipe needs an even pp and an even microbatch count, got pp={pp}, microbatches={microbatches}")
+        raise ScheduleError("dualpipe needs an even pp and an even microbatch count, "
+                            f"got pp={pp}, microbatches={microbatches}")
     need = _min_microbatches(name, pp)
     if microbatches < need:
         raise ScheduleError(f"{name} with pp={pp} needs at least {need} microbatches, got {microbatches}")
@@ -403,5 +405,6 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         return interleaved(pp, microbatches, v)
     fixed = 2 if name in ("zb-v", "dualpipev") else 1
     if chunks is not None and chunks != fixed:
-        raise ScheduleError(f"{name} has {fixed} chunk(s) per rank; --chunks {chunks} is invalid (only interleaved takes chunks)")
+        raise ScheduleError(f"{name} has {fixed} chunk(s) per rank; chunks={chunks} is invalid "
+                            "(only interleaved takes chunks)")
     return GENERATORS[name](pp, microbatches)

@@ -8,7 +8,9 @@ DualPipeV: 2) spends ``t / chunks`` on each action.  A full backward costs ``t_b
 
 Every action starts when its rank is free and every input it needs is ready; an input computed on
 another rank is ready ``t_comm`` after it was computed.  Sends never block, receives wait for the
-data, optimizer steps take no time.  Results:
+data, optimizer steps take no time.  A DualPipe F&B chunk (``overlap``) starts when the inputs of
+both its forward and its backward are ready and lasts their sum (no overlap speed-up is assumed,
+so "F&B" = F + B in the DeepSeek-V3 formula).  Results:
 
 * ``timeline[r]``: (action, start, end) per compute action of rank ``r``;
 * ``makespan``: the end of the last action;
@@ -95,7 +97,8 @@ def simulate(schedule: Schedule, times: Times | None = None) -> Simulation:
             while pc[r] < len(lists[r]):
                 a = lists[r][pc[r]]
                 chunk = lists[r][pc[r]:pc[r] + 2] if a.overlap else [a]  # a fused F&B starts as one
-                needs = [n for x in chunk for n in requires(x, S) if n != ("F", x.stage, x.mb) or x is a]
+                inside = {(t, x.stage, x.mb) for x in chunk for t in produces(x)}
+                needs = [n for x in chunk for n in requires(x, S) if n not in inside]
                 if any(n not in ready for n in needs):
                     break
                 start = max([free[r]] + [t + (times.t_comm if src != r else 0.0)
@@ -112,7 +115,8 @@ def simulate(schedule: Schedule, times: Times | None = None) -> Simulation:
                 progress = True
     stuck = [r for r in range(pp) if pc[r] < len(lists[r])]
     if stuck:
-        raise ValueError(f"schedule {schedule.name} cannot run: rank {stuck[0]} waits at {lists[stuck[0]][pc[stuck[0]]]}")
+        r = stuck[0]
+        raise ValueError(f"schedule {schedule.name} cannot run: rank {r} waits at {lists[r][pc[r]]}")
     return Simulation(schedule, times, timeline, [_peak(lists[r], schedule.chunks) for r in range(pp)])
 
 
