@@ -30,11 +30,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("layout (world size = pp x dp x cp x tp)")
-    g.add_argument("--dp", type=int, default=dp_default, help="data-parallel degree")
-    for name in ("tp", "pp", "cp", "ep"):
-        g.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree")
+    g.add_argument("--dp", type=int, default=dp_default,
+                   help="data-parallel degree (replicas for DDP; the shard group for --zero/--fsdp)")
+    g.add_argument("--dp-replicate", type=int, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
+    g.add_argument("--dp-shard", type=int, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
+    for name, text in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        g.add_argument(f"--{name}", type=int, default=1, help=f"{text}-parallel degree")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="treat parameters with no gradient as zero instead of raising")
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
+    g.add_argument("--tp-overlap", action="store_true", help="overlap the input-gradient all-reduce with dW")
+    g = p.add_argument_group("sharded data parallelism")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage 1, 2 or 3")
+    g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
+    g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
+    g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    g = p.add_argument_group("pipeline parallelism")
+    g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe, "
+                                                       "dualpipev or pipedream")
+    g.add_argument("--microbatches", type=int, default=0, help="microbatches per step (default 2 x pp)")
+    g.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved)")
 
 
 def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
@@ -58,9 +74,20 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
                         bucket_mb=args.bucket_mb, timeout_s=args.timeout)
-    dims = ParallelDims(dp_replicate=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters).validate(model, train)
-    return model, train, parallel
+    dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
+                              sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
+                              fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
+                              schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
+    return model, train, parallel.validate(model, train)
+
+
+def _data_parallel_degrees(args) -> dict:
+    """--dp is the replica count for DDP and the shard group for ZeRO/FSDP; --dp-replicate/--dp-shard set both."""
+    if args.dp_replicate is not None or args.dp_shard is not None:
+        return {"dp_replicate": args.dp_replicate or 1, "dp_shard": args.dp_shard or 1}
+    sharded = args.zero > 0 or args.fsdp is not None
+    return {"dp_shard": args.dp} if sharded else {"dp_replicate": args.dp}
 
 
 def _world_and_backend(world: int) -> str:

@@ -161,17 +161,36 @@ class ParallelConfig:
 
     dims: "ParallelDims" = None  # type: ignore[assignment]
     find_unused_parameters: bool = False
+    # tensor parallelism (issue: tensor parallel)
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
+    # sharded data parallelism (issue: ZeRO / FSDP)
+    zero: int = 0                      # 0 (plain DDP), 1, 2, 3
+    fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
+    fsdp_style: str = "flat"           # flat, per_param, reuse
+    mixed_precision: str = "fp32"      # fp32, bf16
+    # pipeline parallelism (issue: pipeline)
+    schedule: str = "1f1b"
+    microbatches: int = 0              # 0: 2 x pp
+    chunks: int = 1                    # virtual stages per rank (interleaved)
 
     def __post_init__(self):
         if self.dims is None:
             from parallelisms.mesh import ParallelDims
             object.__setattr__(self, "dims", ParallelDims())
 
+    def replace(self, **changes) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
     def validate(self, model: ModelConfig, train: TrainConfig) -> "ParallelConfig":
+        """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
         dims = self.dims
         for name in ("tp", "pp", "cp", "ep"):
             require(getattr(dims, name) == 1,
                     f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
+        require(not self.sequence_parallel, "--sp is not implemented yet")
+        require(self.zero == 0 and self.fsdp is None, "--zero and --fsdp are not implemented yet")
+        require(self.mixed_precision == "fp32", "--mixed-precision bf16 is not implemented yet")
         require(dims.dp_replicate == 1 or dims.dp_shard == 1,
                 f"a 2-D data-parallel mesh (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) needs a "
                 f"hybrid sharding strategy, which is not implemented yet; use a single --dp degree")

@@ -21,7 +21,7 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
 from parallelisms.launch import RankInfo
 from parallelisms.model import build_model
-from parallelisms.parallel.common import clip_grad_norm_
+from parallelisms.parallel.common import clip_grad_norm_, gather_full
 from parallelisms.parallel.data import DataParallel
 
 
@@ -82,12 +82,16 @@ class Runner:
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) parameters, by the plain model's names."""
-        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        """The full (unsharded) parameters by the plain model's names; every rank must call it."""
+        with self.comms.ledger.in_phase("report"):
+            return {name: gather_full(p, self.comms).cpu().clone() for name, p in self.model.named_parameters()}
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
-    """Apply the layout to the full model, in a fixed order (pipeline split, TP/SP, CP, EP, ZeRO/FSDP/DDP)."""
+    """Apply the layout to the full model, in a fixed order (pipeline split, TP/SP, CP, EP, ZeRO/FSDP/DDP).
+
+    Each parallelism's branch lives in its own module; this function only decides the order.
+    """
     grad_sync = None
     if parallel.dims.dp > 1:
         grad_sync = DataParallel(model, comms["dp"], bucket_cap_mb=train.bucket_mb,

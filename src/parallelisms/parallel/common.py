@@ -1,5 +1,6 @@
-"""What every parallelism shares: marking a parameter as sharded over mesh dimensions, and the global
-gradient norm over parameters sharded in any way (an all-reduce of squared norms, never of gradients)."""
+"""What every parallelism shares: marking a parameter as sharded over mesh dimensions (and how to
+reassemble it), and the global gradient norm over parameters sharded in any way (an all-reduce of
+squared norms, never of gradients)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,36 @@ from torch import nn
 
 from parallelisms.comm import Comms
 
-SHARD_ATTR = "_parallelisms_sharded_over"
+SHARD_ATTR = "_parallelisms_shards"
 
 
-def mark_sharded(param: nn.Parameter, *dims: str) -> nn.Parameter:
-    """Record that ``param`` holds a different slice on each rank of the mesh dimensions ``dims``."""
-    setattr(param, SHARD_ATTR, tuple(sorted(set(getattr(param, SHARD_ATTR, ())) | set(dims))))
+def mark_sharded(param: nn.Parameter, mesh_dim: str, tensor_dim: int | None = 0,
+                 full_size: int | None = None) -> nn.Parameter:
+    """Record that ``param`` holds a different slice on each rank of mesh dimension ``mesh_dim``: an equal
+    chunk along ``tensor_dim`` of a tensor whose size there is ``full_size`` (trailing padding beyond it is
+    dropped when reassembling). ``tensor_dim=None`` marks a parameter that is sharded but not reassembled
+    by concatenation (the owner gathers it). Several calls record sharding over several dimensions,
+    innermost last."""
+    shards = getattr(param, SHARD_ATTR, ())
+    setattr(param, SHARD_ATTR, shards + ((mesh_dim, tensor_dim, full_size),))
     return param
 
 
 def sharded_over(param: nn.Parameter) -> tuple[str, ...]:
-    return getattr(param, SHARD_ATTR, ())
+    """Mesh dimensions over which ``param`` differs between ranks."""
+    return tuple(sorted({dim for dim, _, _ in getattr(param, SHARD_ATTR, ())}))
+
+
+def gather_full(param: torch.Tensor, comms: Comms) -> torch.Tensor:
+    """Reassemble a parameter marked with :func:`mark_sharded` (all ranks of its dimensions take part)."""
+    full = param.detach()
+    for mesh_dim, tensor_dim, full_size in reversed(getattr(param, SHARD_ATTR, ())):
+        if tensor_dim is None:
+            continue
+        full = comms[mesh_dim].all_gather(full.contiguous(), dim=tensor_dim)
+        if full_size is not None:
+            full = full.narrow(tensor_dim, 0, full_size)
+    return full
 
 
 def global_grad_norm(params, comms: Comms, grads=None) -> torch.Tensor:
