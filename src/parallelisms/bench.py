@@ -127,3 +127,6 @@ def bench_ddp(args) -> dict:
             "ratio": times["ours"] / times["peer"], "single_process_s": single,
             "ours_scaling_efficiency": single / (args.world * times["ours"]),
             "peer_scaling_efficiency": single / (args.world * times["peer"])}
+
+
+import parallelisms.benches  # noqa: E402,F401  (registers the other entries)
