@@ -31,8 +31,9 @@ class CommError(RuntimeError):
 class Pending:
     """An asynchronous collective. ``wait()`` blocks (recorded as a ``wait`` span) and returns the result."""
 
-    def __init__(self, comm: "Comm", works: list, result=None, label: str = ""):
+    def __init__(self, comm: "Comm", works: list, result=None, label: str = "", issued: int | None = None):
         self.comm, self.works, self.result, self.label = comm, works, result, label
+        self.issued = issued  # set when completion cannot be observed: the comm span then ends at the wait
 
     def wait(self):
         timeline = self.comm.timeline
@@ -43,8 +44,20 @@ class Pending:
         except RuntimeError as exc:
             raise self.comm.error(self.label, exc) from exc
         if timeline.enabled:
-            timeline.add(f"wait {self.label}", "wait", start, timeline.now())
+            end = timeline.now()
+            timeline.add(f"wait {self.label}", "wait", start, end)
+            if self.issued is not None:
+                timeline.add(self.label, "comm", self.issued, end, dim=self.comm.name)
         return self.result
+
+
+def _on_completion(work, callback) -> bool:
+    """Run ``callback`` when ``work`` completes; False where the backend cannot say (gloo point-to-point)."""
+    try:
+        work.get_future().then(lambda _: callback())
+    except RuntimeError:
+        return False
+    return True
 
 
 class Comm:
@@ -81,12 +94,13 @@ class Comm:
                 work.wait()
         except RuntimeError as exc:
             raise self.error(label, exc) from exc
+        issued = None
         if timeline.enabled:
-            if async_op:
-                work.get_future().then(lambda _: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
-            else:
+            if not async_op:
                 timeline.add(label, "comm", start, timeline.now(), dim=self.name, bytes=sent)
-        return Pending(self, [work], result, label) if async_op else result
+            elif not _on_completion(work, lambda: timeline.add(label, "comm", start, timeline.now(), dim=self.name)):
+                issued = start
+        return Pending(self, [work], result, label, issued) if async_op else result
 
     # -- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -102,11 +116,11 @@ class Comm:
             return _Done(tensor) if async_op else tensor
         tensor = tensor.contiguous()
         if dim != 0:
-            stacked = tensor.new_empty((self.size, *tensor.shape))
+            stacked = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
             result = self._run("all_gather", tensor, stacked.numel(),
                                lambda: _all_gather_single(stacked, tensor, group=self.group, async_op=True),
                                False, stacked)
-            gathered = torch.cat(result.unbind(0), dim=dim)
+            gathered = torch.cat(result.view(self.size, *tensor.shape).unbind(0), dim=dim)
             return _Done(gathered) if async_op else gathered
         if out is None:
             out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
@@ -119,8 +133,9 @@ class Comm:
         if self.size == 1:
             return _Done(tensor) if async_op else tensor
         if dim != 0:
-            tensor = torch.stack(tensor.chunk(self.size, dim=dim)).contiguous()
-            shard = tensor.new_empty(tensor.shape[1:])
+            chunks = tensor.chunk(self.size, dim=dim)
+            tensor = torch.cat(chunks, dim=0).contiguous()  # rank i's slice becomes the i-th dim-0 block
+            shard = tensor.new_empty(chunks[0].shape)
             result = self._run("reduce_scatter", tensor, tensor.numel(),
                                lambda: _reduce_scatter_single(shard, tensor, op=op, group=self.group, async_op=True),
                                False, shard)
@@ -184,10 +199,10 @@ class Comm:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             raise self.error(label, exc) from exc
-        if self.timeline.enabled:
-            timeline = self.timeline
-            works[-1].get_future().then(lambda _: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
-        return Pending(self, works, None, label)
+        timeline = self.timeline
+        observed = timeline.enabled and _on_completion(
+            works[-1], lambda: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
+        return Pending(self, works, None, label, start if timeline.enabled and not observed else None)
 
 
 class _Done:

@@ -1,0 +1,128 @@
+"""The comm layer: results, ledger bytes (ring formulas), autograd conjugate pairs, timeline arithmetic."""
+
+import pytest
+import torch
+
+from parallelisms.comm import (CommLedger, Comms, Timeline, all_to_all, copy_to_group, gather_along,
+                               reduce_from_group, reduce_scatter_along, ring_bytes_per_rank, split_along)
+from parallelisms.launch import launch
+from parallelisms.mesh import ParallelDims
+
+
+def test_ring_formulas():
+    assert ring_bytes_per_rank("all_reduce", 1000, 4) == 1500
+    assert ring_bytes_per_rank("all_gather", 1000, 4) == 750
+    assert ring_bytes_per_rank("reduce_scatter", 1000, 4) == 750
+    assert ring_bytes_per_rank("all_to_all", 1000, 4) == 750
+    assert ring_bytes_per_rank("send", 1000, 4) == 1000 and ring_bytes_per_rank("recv", 1000, 4) == 0
+
+
+def test_one_rank_comm_is_a_no_op():
+    comms = Comms()
+    x = torch.ones(3)
+    assert comms["dp"].all_reduce(x) is x and comms["tp"].all_gather(x) is x
+    assert comms.ledger.records == []
+
+
+def _collectives(info):
+    n, r = info.world_size, info.rank
+    comms = Comms(ParallelDims(dp_shard=n).build_meshes(), CommLedger(), Timeline(r))
+    c = comms["dp_shard"]
+    out = {}
+    with comms.ledger.in_phase("forward"):
+        out["all_reduce"] = c.all_reduce(torch.full((6,), float(r + 1))).tolist()
+        out["all_gather"] = c.all_gather(torch.tensor([[float(r)]]), dim=1).tolist()
+        out["reduce_scatter"] = c.reduce_scatter(torch.arange(2.0 * n)).tolist()
+        out["all_to_all"] = c.all_to_all(torch.arange(float(n)) + 10 * r).tolist()
+        splits = [1 + (r + j) % 2 for j in range(n)]  # uneven: rank r sends splits[j] rows to rank j
+        recv = [1 + (j + r) % 2 for j in range(n)]
+        out["uneven"] = c.all_to_all(torch.full((sum(splits),), float(r)), recv, splits).tolist()
+        pending = c.all_reduce(torch.ones(4), async_op=True)
+        out["async"] = pending.wait().tolist()
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        buf = torch.empty(2)
+        c.send_recv(sends=[(torch.full((2,), float(r)), nxt)], recvs=[(buf, prv)]).wait()
+        out["p2p"] = buf.tolist()
+
+    # autograd pairs: each backward is the conjugate collective
+    x = torch.full((2, 4), float(r + 1), requires_grad=True)
+    with comms.ledger.in_phase("backward"):
+        copy_to_group(x, c).sum().backward()
+    out["copy_grad"] = x.grad[0, 0].item()
+    x.grad = None
+    y = reduce_from_group(x, c)
+    y.sum().backward()
+    out["reduce_from"] = (y[0, 0].item(), x.grad[0, 0].item())
+    x.grad = None
+    g = gather_along(x, c, dim=1)
+    (g * torch.arange(g.shape[1]).float()).sum().backward()
+    out["gather_grad"] = x.grad[0].tolist()
+    x.grad = None
+    s = reduce_scatter_along(x, c, dim=1)
+    s.sum().backward()
+    out["reduce_scatter_shape"] = (list(s.shape), x.grad.sum().item())
+    x.grad = None
+    sp = split_along(x, c, dim=1)
+    sp.sum().backward()
+    out["split_grad"] = x.grad.sum().item()
+    z = torch.arange(float(n * 2), requires_grad=True)
+    all_to_all(z * (r + 1), c).sum().backward()
+    out["a2a_grad"] = z.grad.tolist()
+    out["ledger"] = [(rec.kind, rec.numel, rec.bytes_per_rank, rec.phase) for rec in comms.ledger.records]
+    out["span_kinds"] = sorted({s.cat for s in comms.timeline.spans})
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(_collectives, 4, threads=1)
+
+
+def test_collective_results(four_ranks):
+    n = 4
+    for r, out in enumerate(four_ranks):
+        assert out["all_reduce"] == [10.0] * 6
+        assert out["all_gather"] == [[0.0, 1.0, 2.0, 3.0]]
+        assert out["reduce_scatter"] == [4.0 * (2 * r), 4.0 * (2 * r + 1)]
+        assert out["all_to_all"] == [10.0 * j + r for j in range(n)]
+        assert out["uneven"] == [float(j) for j in range(n) for _ in range(1 + (j + r) % 2)]
+        assert out["async"] == [4.0] * 4
+        assert out["p2p"] == [float((r - 1) % n)] * 2
+
+
+def test_autograd_conjugates(four_ranks):
+    for r, out in enumerate(four_ranks):
+        assert out["copy_grad"] == 4.0                       # all-reduce of ones over 4 ranks
+        assert out["reduce_from"] == (10.0, 1.0)              # sum forward, identity backward
+        assert out["gather_grad"] == [4.0 * (4 * r + k) for k in range(4)]  # reduce-scatter of 4 equal grads
+        assert out["reduce_scatter_shape"] == ([2, 1], 8.0)   # all-gather of ones
+        assert out["split_grad"] == 8.0                        # the slices' gradients gathered: the full tensor
+        assert out["a2a_grad"] == [float(r + 1)] * 8            # reverse all-to-all of ones, times the scale
+
+
+def test_ledger_bytes(four_ranks):
+    ledger = four_ranks[0]["ledger"]
+    forward = [rec for rec in ledger if rec[3] == "forward"]
+    kinds = [rec[0] for rec in forward]
+    assert kinds[:4] == ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+    assert forward[0][2] == 2 * 3 / 4 * 6 * 4              # all-reduce of 6 fp32
+    assert forward[1][1] == 4 and forward[1][2] == 3 / 4 * 16  # all-gather: full tensor of 4 fp32
+    assert forward[2][1] == 8 and forward[2][2] == 3 / 4 * 32  # reduce-scatter: full input of 8 fp32
+    assert forward[3][2] == 3 / 4 * 16
+    uneven = forward[4]
+    assert uneven[0] == "all_to_all" and uneven[2] == (6 - 1) * 4  # rank 0 keeps 1 of its 6 rows
+    assert [rec[0] for rec in forward[-2:]] == ["send", "recv"] and forward[-1][2] == 0
+    assert "backward" in {rec[3] for rec in ledger}
+    assert four_ranks[0]["span_kinds"] == ["comm", "wait"]
+
+
+def test_overlap_stats_arithmetic():
+    t = Timeline(0)
+    t.add("backward", "compute", 0, 100)
+    t.add("wait", "wait", 80, 100)        # blocked on communication: not busy
+    t.add("bucket 0", "comm", 30, 60)     # hidden behind compute
+    t.add("bucket 1", "comm", 70, 95)     # 70-80 hidden, 80-95 exposed
+    t.add("optimizer", "compute", 100, 120)
+    stats = t.overlap_stats()
+    assert stats == {"comm_ns": 55, "busy_ns": 100, "exposed_ns": 15, "wall_ns": 120}
+    assert t.overlap_stats(0, 50) == {"comm_ns": 20, "busy_ns": 50, "exposed_ns": 0, "wall_ns": 50}
