@@ -12,6 +12,7 @@ import os
 import sys
 
 from parallelisms.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
+from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
@@ -79,7 +80,10 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
-    return model, train, parallel.validate(model, train)
+    parallel = parallel.validate(model, train)
+    if under_torchrun():  # the launcher fixed the world size: the layout must match it
+        dims.check_world_size(int(os.environ["WORLD_SIZE"]))
+    return model, train, parallel
 
 
 def _data_parallel_degrees(args) -> dict:
@@ -188,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(func=cmd_bench)
 
     try:
         from parallelisms.parallel.pipeline.cli import add_simulate_parser, run_simulate
