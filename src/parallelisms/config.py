@@ -185,10 +185,10 @@ class ParallelConfig:
     def validate(self, model: ModelConfig, train: TrainConfig) -> "ParallelConfig":
         """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
         dims = self.dims
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("pp", "cp", "ep"):
             require(getattr(dims, name) == 1,
                     f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
-        require(not self.sequence_parallel, "--sp is not implemented yet")
+        _check_tensor_parallel(self, model, train)
         require(self.zero == 0 and self.fsdp is None, "--zero and --fsdp are not implemented yet")
         require(self.mixed_precision == "fp32", "--mixed-precision bf16 is not implemented yet")
         require(dims.dp_replicate == 1 or dims.dp_shard == 1,
@@ -196,3 +196,29 @@ class ParallelConfig:
                 f"hybrid sharding strategy, which is not implemented yet; use a single --dp degree")
         train.validate(model, dp=dims.dp)
         return self
+
+
+def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
+    """Heads, KV heads and FFN width split evenly over --tp (vocab is padded instead); --sp needs tp > 1 and
+    a sequence length that tp divides."""
+    tp = parallel.dims.tp
+    require(not parallel.sequence_parallel or tp > 1, "--sp (sequence parallelism) needs --tp > 1; add --tp 2")
+    require(not parallel.tp_overlap or tp > 1, "--tp-overlap needs --tp > 1; add --tp 2")
+    if tp == 1:
+        return
+    require(model.n_heads % tp == 0,
+            f"--tp {tp} must divide n_heads {model.n_heads}; try --tp in {_divisors(model.n_heads)}")
+    kv = model.n_kv_heads
+    if tp <= kv:
+        require(kv % tp == 0, f"--tp {tp} must divide n_kv_heads {kv} (or be a multiple of it, replicating KV heads); "
+                              f"try --tp in {[d for d in _divisors(model.n_heads) if kv % d == 0 or d % kv == 0]}")
+    else:
+        require(tp % kv == 0 and (kv * model.head_dim) % tp == 0,
+                f"--tp {tp} exceeds n_kv_heads {kv}, so KV heads are replicated, which needs tp a multiple of "
+                f"n_kv_heads and kv_heads x head_dim = {kv * model.head_dim} divisible by tp; "
+                f"try --tp in {[d for d in _divisors(model.n_heads) if kv % d == 0 or d % kv == 0]}")
+    require(model.ffn_dim % tp == 0,
+            f"--tp {tp} must divide the FFN width {model.ffn_dim}; try --tp in {_divisors(model.ffn_dim)}")
+    require(not parallel.sequence_parallel or train.seq_len % tp == 0,
+            f"--sp shards the sequence over --tp {tp}, so seq_len {train.seq_len} must be divisible by it; "
+            f"try --seq-len {max(tp, train.seq_len // tp * tp)}")

@@ -81,6 +81,11 @@ class Runner:
         self.optimizer_step()
         return loss
 
+    def memory_report(self) -> dict:
+        """Persistent bytes of parameters, gradients and optimizer state on this rank, and peaks."""
+        from parallelisms.parallel.memory import memory_report, tensor_bytes
+        return memory_report(tensor_bytes(self.params), tensor_bytes(p.grad for p in self.params), self.optimizer)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) parameters by the plain model's names; every rank must call it."""
         with self.comms.ledger.in_phase("report"):
@@ -92,6 +97,13 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
     Each parallelism's branch lives in its own module; this function only decides the order.
     """
+    if parallel.dims.tp > 1:
+        from parallelisms.parallel.tensor import apply_tensor_parallel
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
+                              overlap=parallel.tp_overlap)
+    if parallel.zero or parallel.fsdp:
+        from parallelisms.parallel.zero import parallelize_sharded
+        return parallelize_sharded(model, parallel, train, comms)
     grad_sync = None
     if parallel.dims.dp > 1:
         grad_sync = DataParallel(model, comms["dp"], bucket_cap_mb=train.bucket_mb,
@@ -135,8 +147,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
         step_comm = _step_comm(comms.ledger, ledger_marks, measured)
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
-        gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else []},
-                                   info.world_size)
+        gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
+                                           "memory": runner.memory_report()}, info.world_size)
     state = runner.full_state_dict() if spec.collect_state else None
     if info.rank != 0:
         return None
@@ -145,6 +157,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
+        "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }
     if trace:
         per_rank = [_sum_stats(g["overlap"]) for g in gathered]

@@ -1,0 +1,258 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with its sequence parallelism (Korthikanti et al.
+2023), applied to the plain model by swapping modules in place.
+
+A *column-parallel region* is one input ``x`` multiplied by several column-sharded weights (Q/K/V, or
+gate/up): no forward communication (SP: one all-gather of the sequence-sharded ``x``), and in backward
+one all-reduce of the summed input gradient (SP: one reduce-scatter along the sequence). A
+*row-parallel* layer (``wo``, ``w_down``) multiplies its sharded input by a row-sharded weight and
+all-reduces the partial outputs (SP: reduce-scatters them along the sequence). So a block costs 2
+all-reduces (or 2 all-gathers + 2 reduce-scatters) of the block activation in forward and the same in
+backward, 4(N-1)A/N bytes per rank each way. Under SP the column regions keep only the sharded input for
+backward and all-gather it again there (Megatron's choice, which gives Korthikanti's Table 2 memory),
+and the replicated norm weights, which see only their sequence shard, get their gradients all-reduced
+over TP by an identity-forward / all-reduce-backward op on the weight.
+
+``overlap=True`` launches the input-gradient reduction asynchronously and computes the weight gradients
+while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding").
+The vocabulary-parallel embedding and cross-entropy are in :mod:`parallelisms.parallel.vocab`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.comm import Comm, copy_to_group, gather_along
+from parallelisms.parallel.common import mark_sharded
+
+
+class Region:
+    """How a tensor-parallel layer talks to its group: ``comm`` (the TP Comm), ``sequence_parallel`` (the
+    activations outside the TP region are sharded along dim 1, the sequence) and ``overlap``."""
+
+    def __init__(self, comm: Comm, sequence_parallel: bool = False, overlap: bool = False):
+        self.comm, self.sequence_parallel, self.overlap = comm, sequence_parallel, overlap
+
+    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(x, dim=1) if self.sequence_parallel else x
+
+    def reduce_input_grad(self, grad: torch.Tensor, async_op: bool):
+        """Sum ``grad`` over TP (SP: keep this rank's sequence shard); returns something with ``.wait()``."""
+        if not self.sequence_parallel:
+            return self.comm.all_reduce(grad, async_op=True) if async_op else _Ready(self.comm.all_reduce(grad))
+        # Comm reduce-scatters asynchronously along dim 0 only: make the sequence dim 0 (one copy, as the
+        # stacking that a dim-1 reduce-scatter does anyway), then view the shard back as [batch, seq/N, ...].
+        shard = self.comm.reduce_scatter(grad.transpose(0, 1).contiguous(), dim=0, async_op=async_op)
+        return _Then(shard if async_op else _Ready(shard), lambda t: t.transpose(0, 1))
+
+
+class _Ready:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class _Then:
+    def __init__(self, pending, fn):
+        self.pending, self.fn = pending, fn
+
+    def wait(self):
+        return self.fn(self.pending.wait())
+
+
+def _mm2d(a: torch.Tensor) -> torch.Tensor:
+    return a.reshape(-1, a.shape[-1])
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """``(x W_1^T, ..., x W_k^T)`` for the column-sharded weights of one region, one input-gradient reduction."""
+
+    @staticmethod
+    def forward(ctx, x, region: Region, *weights):
+        ctx.region = region
+        ctx.save_for_backward(x, *weights)   # x as given: the sequence shard under SP
+        full = region.gather_seq(x)
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        region = ctx.region
+        x, *weights = ctx.saved_tensors
+        full_shape = (*grads[0].shape[:-1], x.shape[-1])
+        grad_x = torch.mm(_mm2d(grads[0]), weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            grad_x.addmm_(_mm2d(g), w)
+        full = region.gather_seq(x)          # SP: gather the input again instead of keeping it
+        pending = region.reduce_input_grad(grad_x.view(full_shape), async_op=region.overlap)
+        x2d = _mm2d(full)
+        grad_ws = [torch.mm(_mm2d(g).t(), x2d) for g in grads]   # computed while the reduction runs
+        return (pending.wait(), None, *grad_ws)
+
+
+class _RowParallel(torch.autograd.Function):
+    """``x W^T`` with ``x`` and ``W`` sharded along the inner dimension, partial outputs summed over TP
+    in place (no copy); SP: reduce-scattered along the sequence instead. Backward needs no communication
+    (SP: all-gather of the output gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, region: Region):
+        ctx.region = region
+        ctx.save_for_backward(x, weight)
+        y = F.linear(x, weight)
+        if region.sequence_parallel:
+            return region.comm.reduce_scatter(y, dim=1)
+        return region.comm.all_reduce(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = ctx.region.gather_seq(grad.contiguous())
+        g2d = _mm2d(grad)
+        grad_x = torch.mm(g2d, weight).view(*grad.shape[:-1], weight.shape[-1])
+        return grad_x, torch.mm(g2d.t(), _mm2d(x)), None
+
+
+def column_parallel(x: torch.Tensor, region: Region, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Outputs of the column-parallel weights applied to one input (see :class:`_ColumnParallel`)."""
+    if region.comm.size == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _ColumnParallel.apply(x, region, *weights)
+
+
+def shard_rows(full: torch.Tensor, comm: Comm, rows: int | None = None) -> torch.Tensor:
+    """This rank's equal chunk along dim 0 of ``full``, zero-padded to ``rows`` first if given."""
+    full = full.detach()
+    if rows is not None and rows > full.shape[0]:
+        full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+    return full.chunk(comm.size, dim=0)[comm.rank].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """A bias-free linear layer holding rows ``[r*out/N, (r+1)*out/N)`` of the full weight (its ``weight``).
+
+    ``replicas > 1`` is for grouped key/value heads when TP exceeds their number: the full weight is
+    still stored as N equal row chunks, gathered in forward (reduce-scattered in backward, so the shared
+    head's gradient is summed over the ranks using it) and this rank takes the rows of head
+    ``rank // replicas``. ``rows`` pads the output dimension (a vocabulary TP does not divide).
+    """
+
+    def __init__(self, full: nn.Linear, region: Region, replicas: int = 1, head_rows: int = 0,
+                 rows: int | None = None):
+        super().__init__()
+        self.region, self.replicas, self.head_rows = region, replicas, head_rows
+        out_features = full.weight.shape[0]
+        self.weight = nn.Parameter(shard_rows(full.weight, region.comm, rows))
+        mark_sharded(self.weight, region.comm.name, 0, out_features)
+
+    def local_weight(self) -> torch.Tensor:
+        if self.replicas == 1:
+            return self.weight
+        full = gather_along(self.weight, self.region.comm, dim=0)
+        return full.narrow(0, (self.region.comm.rank // self.replicas) * self.head_rows, self.head_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel(x, self.region, self.local_weight())[0]
+
+
+class RowParallelLinear(nn.Module):
+    """A bias-free linear layer holding columns ``[r*in/N, (r+1)*in/N)`` of the full weight."""
+
+    def __init__(self, full: nn.Linear, region: Region):
+        super().__init__()
+        self.region = region
+        in_features = full.weight.shape[1]
+        self.weight = nn.Parameter(shard_rows(full.weight.t(), region.comm).t().contiguous())
+        mark_sharded(self.weight, region.comm.name, 1, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.region.comm.size == 1:
+            return F.linear(x, self.weight)
+        return _RowParallel.apply(x, self.weight, self.region)
+
+
+class ParallelAttention(nn.Module):
+    """Attention over this rank's heads: Q/K/V one column-parallel region, local attention, row-parallel
+    output projection. Same submodule names as the plain ``Attention``."""
+
+    def __init__(self, plain: nn.Module, region: Region, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        tp, self.head_dim, self.region = region.comm.size, plain.head_dim, region
+        replicas = max(1, tp // n_kv_heads)
+        self.wq = ColumnParallelLinear(plain.wq, region)
+        self.wk = ColumnParallelLinear(plain.wk, region, replicas, self.head_dim)
+        self.wv = ColumnParallelLinear(plain.wv, region, replicas, self.head_dim)
+        self.wo = RowParallelLinear(plain.wo, region)
+        self.core = plain.core
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from parallelisms.model.transformer import apply_rotary
+
+        q, k, v = column_parallel(x, self.region, self.wq.weight, self.wk.local_weight(), self.wv.local_weight())
+        batch, seq = q.shape[:2]
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class ParallelFeedForward(nn.Module):
+    """SwiGLU with gate/up one column-parallel region, the activation on the local FFN shard, and a
+    row-parallel down projection."""
+
+    def __init__(self, plain: nn.Module, region: Region):
+        super().__init__()
+        self.region = region
+        self.w_gate = ColumnParallelLinear(plain.w_gate, region)
+        self.w_up = ColumnParallelLinear(plain.w_up, region)
+        self.w_down = RowParallelLinear(plain.w_down, region)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = column_parallel(x, self.region, self.w_gate.weight, self.w_up.weight)
+        return self.w_down(F.silu(gate) * up)
+
+
+class SequenceParallelRMSNorm(nn.Module):
+    """The plain RMSNorm on a sequence shard; its replicated weight passes through identity-forward /
+    all-reduce-backward, so its gradient sums the contributions of every shard (Korthikanti et al. 2023)."""
+
+    def __init__(self, plain: nn.Module, comm: Comm):
+        super().__init__()
+        self.eps, self.comm, self.weight = plain.eps, comm, plain.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * copy_to_group(self.weight, self.comm)
+
+
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
+                          overlap: bool = False) -> nn.Module:
+    """Shard ``model`` (the full seeded plain Transformer, or a pipeline stage of it) over ``comm`` in place.
+
+    Blocks get parallel attention and MLP; the embedding, the output head and the loss become
+    vocabulary-parallel; under SP the norms become sequence-parallel, and the residual stream between
+    the embedding and the head is ``[batch, seq/N, dim]``. Parameter names are those of the plain model;
+    every sharded parameter is marked for :func:`gather_full`. With ``targets`` the model returns the
+    same mean loss as the plain one; without, its logits are this rank's vocabulary shard.
+    """
+    from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+
+    cfg = model.cfg
+    region = Region(comm, sequence_parallel, overlap)
+    padded_vocab = -(-cfg.vocab_size // comm.size) * comm.size
+    for layer in model.layers:
+        layer.attention = ParallelAttention(layer.attention, region, cfg.n_heads, cfg.n_kv_heads)
+        layer.feed_forward = ParallelFeedForward(layer.feed_forward, region)
+        if sequence_parallel:
+            layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
+            layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, region, padded_vocab)
+    if model.output is not None:
+        if sequence_parallel:
+            model.norm = SequenceParallelRMSNorm(model.norm, comm)
+        model.output = ColumnParallelLinear(model.output, region, rows=padded_vocab)
+        model.loss = VocabParallelCrossEntropy(comm, cfg.vocab_size)
+    return model
