@@ -185,7 +185,8 @@ class ParallelConfig:
     def validate(self, model: ModelConfig, train: TrainConfig) -> "ParallelConfig":
         """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
         dims = self.dims
-        for name in ("pp", "cp", "ep"):
+        _check_pipeline(self, model, train)
+        for name in ("cp", "ep"):
             require(getattr(dims, name) == 1,
                     f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
         _check_tensor_parallel(self, model, train)
@@ -196,6 +197,36 @@ class ParallelConfig:
                 f"hybrid sharding strategy, which is not implemented yet; use a single --dp degree")
         train.validate(model, dp=dims.dp)
         return self
+
+
+def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
+    """--pp / --schedule / --microbatches / --chunks: a schedule that exists for these degrees (its own
+    one-line ScheduleError), a layer per virtual stage, a global batch that splits into dp x microbatches."""
+    from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
+
+    dims, name = parallel.dims, parallel.schedule
+    if dims.pp == 1:
+        return
+    require(dims.tp == 1 and dims.cp == 1 and dims.ep == 1 and not parallel.zero and not parallel.fsdp,
+            f"--pp {dims.pp} composes with plain data parallelism (--dp) only so far; drop --tp/--cp/--ep/--zero/--fsdp")
+    require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
+    require(name == "interleaved" or parallel.chunks == 1,
+            f"--chunks {parallel.chunks} applies to --schedule interleaved only ({name} fixes its chunks)")
+    require(train.grad_accum == 1, f"--grad-accum {train.grad_accum} with --pp: the pipeline's --microbatches "
+                                   f"already accumulate; use --microbatches instead")
+    require(name != "pipedream" or dims.dp == 1,
+            f"--schedule pipedream updates weights per microbatch and runs with --dp 1 only, got --dp {dims.dp}")
+    m = parallel.microbatches or 2 * dims.pp
+    try:
+        schedule = build_schedule(name, dims.pp, m, parallel.chunks if name == "interleaved" else None)
+    except ScheduleError as exc:
+        raise ConfigError(f"--schedule {exc}") from None
+    require(model.n_layers >= schedule.num_stages,
+            f"{model.n_layers} layers cannot fill {schedule.num_stages} pipeline stages ({name}: pp {dims.pp} x "
+            f"{schedule.chunks} chunk(s)); use at least {schedule.num_stages} layers or a smaller --pp/--chunks")
+    require(train.global_batch % (dims.dp * m) == 0,
+            f"global batch {train.global_batch} must split into dp x microbatches = {dims.dp} x {m}; "
+            f"try --global-batch {dims.dp * m * max(1, train.global_batch // (dims.dp * m))}")
 
 
 def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:

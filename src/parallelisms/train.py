@@ -86,6 +86,10 @@ class Runner:
         from parallelisms.parallel.memory import memory_report, tensor_bytes
         return memory_report(tensor_bytes(self.params), tensor_bytes(p.grad for p in self.params), self.optimizer)
 
+    def report(self) -> dict:
+        """Layout-specific figures merged into rank 0's report (e.g. the pipeline bubble); every rank calls it."""
+        return {}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) parameters by the plain model's names; every rank must call it."""
         with self.comms.ledger.in_phase("report"):
@@ -97,6 +101,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
     Each parallelism's branch lives in its own module; this function only decides the order.
     """
+    if parallel.dims.pp > 1:
+        from parallelisms.parallel.pipeline.runner import PipelineRunner
+        return PipelineRunner.for_layout(model, parallel, train, comms)
     if parallel.dims.tp > 1:
         from parallelisms.parallel.tensor import apply_tensor_parallel
         apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
@@ -150,6 +157,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": runner.memory_report()}, info.world_size)
     state = runner.full_state_dict() if spec.collect_state else None
+    extra = runner.report()
     if info.rank != 0:
         return None
     median = statistics.median(step_times[measured])
@@ -159,6 +167,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }
+    report.update(extra)
     if trace:
         per_rank = [_sum_stats(g["overlap"]) for g in gathered]
         report["overlap_per_rank"] = per_rank

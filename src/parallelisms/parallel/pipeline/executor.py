@@ -1,0 +1,227 @@
+"""The pipeline executor: runs any schedule of :mod:`.schedules` on real stages with batched
+point-to-point communication, and the training runner built on it.
+
+Each rank walks its action list in order. Consecutive communication actions form one batch: the sends
+are posted together and never waited for until they are needed again (a stage output is freed when its
+send completes), the receives are posted together and waited for. Point-to-point messages between two
+ranks match in posting order, and some schedules (ZB-V, DualPipeV) receive in a different order than the
+peer sends; so a receive first posts every earlier message of that peer, in the peer's order, into
+buffers kept for later. That never deadlocks (sends do not block) and needs no tags (NCCL has none).
+
+Backward split (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024): under a split schedule every
+linear layer of a stage is swapped for one whose backward returns the input gradient at once and, while
+the ``I`` action runs, leaves (weight, output gradient, input) in a :class:`WeightGradStore`; the ``W``
+action of that (stage, microbatch) computes the weight gradients from it later, in the bubbles. Norm and
+embedding weights (a vector add) are computed in ``I``. Activations are dropped right after the
+backward that consumes them; the loss of a microbatch is scaled by 1/M so the gradient is the mean's.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.comm import Comm, Timeline
+from parallelisms.parallel.pipeline.schedules import COMM, Action, Kind, Schedule
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work per (stage, microbatch): the Zero Bubble paper's W-store."""
+
+    def __init__(self):
+        self.key = None
+        self.pending: dict[tuple[int, int], list] = {}
+
+    @contextmanager
+    def deferring(self, key: tuple[int, int]):
+        self.key = key
+        self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def put(self, weight: nn.Parameter, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pending[self.key].append((weight, grad_out, inp))
+
+    def flush(self, key: tuple[int, int]) -> None:
+        """The weight gradients deferred under ``key``, accumulated into ``.grad``."""
+        for weight, grad_out, inp in self.pending.pop(key, []):
+            grad = grad_out.flatten(0, -2).t().mm(inp.flatten(0, -2))
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad.add_(grad)
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.store.key is not None:
+            ctx.store.put(weight, grad_out, x)
+            return grad_in, None, None
+        return grad_in, grad_out.flatten(0, -2).t().mm(x.flatten(0, -2)), None
+
+
+class SplitLinear(nn.Module):
+    """A bias-free linear layer (same ``weight`` parameter) whose weight gradient can be deferred."""
+
+    def __init__(self, linear: nn.Linear, store: WeightGradStore):
+        super().__init__()
+        assert linear.bias is None, "the model's linear layers have no bias"
+        self.weight = linear.weight
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitLinearFn.apply(x, self.weight, self.store)
+
+
+def split_linears(module: nn.Module, store: WeightGradStore) -> None:
+    """Swap every ``nn.Linear`` inside ``module`` for a :class:`SplitLinear` (parameter names unchanged)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SplitLinear(child, store))
+
+
+_TAG = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "B"}
+
+
+class Executor:
+    """Runs rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index -> module).
+
+    Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
+    ``on_optimizer(action)`` runs an OPT action, ``on_stage_done(stage)`` follows the stage's last
+    weight-gradient work of the step (data-parallel gradient sync starts there).
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
+                 timeline: Timeline, store: WeightGradStore | None = None,
+                 forward_fn=None, on_optimizer=None, on_stage_done=None):
+        self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
+        self.actions = schedule.ranks[rank]
+        self.store = store or WeightGradStore()
+        self.forward_fn = forward_fn or (lambda a, module, x, y: module(x, y))
+        self.on_optimizer = on_optimizer or (lambda a: None)
+        self.on_stage_done = on_stage_done or (lambda stage: None)
+        # the order in which each peer sends to this rank: receives are posted in that order
+        self.send_order = {peer: [(_TAG[a.kind], a.stage, a.mb) for a in schedule.ranks[peer]
+                                  if a.kind in (Kind.SEND_F, Kind.SEND_B) and a.peer == rank]
+                           for peer in range(schedule.pp)}
+        last = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                last[a.stage] = i
+        self.stage_done_at = {i: s for s, i in last.items()}
+        self.records: list[tuple[str, int, int, int, int]] = []  # (kind, stage, mb, start ns, end ns)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def run(self, tokens: list[torch.Tensor], targets: list[torch.Tensor], hidden_dim: int,
+            scale: float) -> list[torch.Tensor]:
+        """Run the schedule once over microbatches ``tokens``/``targets``; the losses computed here."""
+        rows, seq = tokens[0].shape
+        self.shape, self.scale = (rows, seq, hidden_dim), scale
+        self.tokens, self.targets = tokens, targets
+        self.acts: dict = {}      # (stage, mb) -> output of stage, waiting for stage + 1
+        self.grads: dict = {}     # (stage, mb) -> gradient of stage's input, waiting for stage - 1
+        self.saved: dict = {}     # (stage, mb) -> (input, output) until its backward
+        self.posted: dict = {}    # (tag, stage, mb) -> (buffer, batch) of posted receives
+        self.cursor = {peer: 0 for peer in self.send_order}
+        self.sends: list = []     # posted send batches (their tensors stay alive until complete)
+        self.losses: list[torch.Tensor] = []
+        self.records = []
+        i = 0
+        try:
+            while i < len(self.actions):
+                j = i + 1
+                if self.actions[i].kind in COMM:
+                    while j < len(self.actions) and self.actions[j].kind in COMM:
+                        j += 1
+                    self._communicate(self.actions[i:j])
+                else:
+                    self._compute(self.actions[i], i)
+                i = j
+            for pending, _ in self.sends:
+                pending.wait()
+        finally:
+            self.sends, self.saved, self.acts, self.grads, self.posted = [], {}, {}, {}, {}
+        return self.losses
+
+    # -- communication ---------------------------------------------------------------------------------
+    def _communicate(self, group: tuple[Action, ...]) -> None:
+        sends = [(self.acts.pop((a.stage, a.mb)) if a.kind is Kind.SEND_F else self.grads.pop((a.stage, a.mb)),
+                  a.peer) for a in group if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+        if sends:
+            self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0].works)]
+            self.sends.append((self.comm.send_recv(sends=sends), sends))
+        recvs = [a for a in group if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        batch = []
+        for a in recvs:  # post, in the peer's send order, everything up to each wanted message
+            key, order = (_TAG[a.kind], a.stage, a.mb), self.send_order[a.peer]
+            while key not in self.posted and not any(k == key for k, _, _ in batch):
+                early = order[self.cursor[a.peer]]
+                self.cursor[a.peer] += 1
+                batch.append((early, torch.empty(self.shape), a.peer))
+        if batch:
+            pending = self.comm.send_recv(recvs=[(buf, peer) for _, buf, peer in batch])
+            handle = {"pending": pending, "done": False}
+            for key, buf, _ in batch:
+                self.posted[key] = (buf, handle)
+        for a in recvs:
+            buf, handle = self.posted.pop((_TAG[a.kind], a.stage, a.mb))
+            if not handle["done"]:
+                handle["pending"].wait()
+                handle["done"] = True
+            (self.acts if a.kind is Kind.RECV_F else self.grads)[(a.stage, a.mb)] = buf
+
+    # -- computation -----------------------------------------------------------------------------------
+    def _compute(self, a: Action, index: int) -> None:
+        start = Timeline.now()
+        with self.timeline.span(f"{a.kind.value} s{a.stage} mb{a.mb}", "compute"):
+            if a.kind is Kind.FORWARD:
+                self._forward(a)
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+                self._backward(a)
+            elif a.kind is Kind.BACKWARD_WEIGHT:
+                self.store.flush((a.stage, a.mb))
+            elif a.kind is Kind.OPTIMIZER:
+                self.on_optimizer(a)
+        self.records.append((a.kind.value, a.stage, a.mb, start, Timeline.now()))
+        if index in self.stage_done_at:
+            self.on_stage_done(self.stage_done_at[index])
+
+    def _forward(self, a: Action) -> None:
+        key, module = (a.stage, a.mb), self.stages[a.stage]
+        if a.stage == 0:
+            x = self.tokens[a.mb]
+        else:
+            x = self.acts.pop((a.stage - 1, a.mb)).detach().requires_grad_()
+        out = self.forward_fn(a, module, x, self.targets[a.mb] if module.is_last else None)
+        self.saved[key] = (x, out)
+        if module.is_last:
+            self.losses.append(out.detach())
+        else:
+            self.acts[key] = out.detach()
+
+    def _backward(self, a: Action) -> None:
+        key, module = (a.stage, a.mb), self.stages[a.stage]
+        x, out = self.saved.pop(key)
+        grad = torch.full_like(out, self.scale) if module.is_last else self.grads.pop((a.stage + 1, a.mb))
+        if a.kind is Kind.BACKWARD_INPUT:
+            with self.store.deferring(key):
+                torch.autograd.backward(out, grad)
+        else:
+            torch.autograd.backward(out, grad)
+        if a.stage > 0:
+            self.grads[key] = x.grad

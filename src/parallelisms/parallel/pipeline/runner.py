@@ -1,0 +1,173 @@
+"""The pipeline-parallel training step: split the plain model into stages, run the schedule, synchronise
+gradients over data parallelism and between DualPipe's two copies, clip by the global norm, step.
+
+Layout: ``comms["pp"]`` carries activations and gradients between stages, ``comms["dp"]`` the gradient
+all-reduce of each stage (one flat buffer per stage, launched asynchronously right after that stage's
+last weight-gradient work of the step, so it overlaps the rest of the schedule, and waited before the
+optimizer). DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path 0) and ``pp-1-s``
+(path 1); the two copies exchange gradient buffers and both add, so they stay identical.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comms
+from parallelisms.config import ParallelConfig, TrainConfig
+from parallelisms.data.loader import microbatches
+from parallelisms.parallel.common import global_grad_norm, mark_sharded
+from parallelisms.parallel.data import Bucket
+from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore, split_linears
+from parallelisms.parallel.pipeline.partition import equal_bounds
+from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
+from parallelisms.parallel.pipeline.simulate import Times, simulate
+from parallelisms.parallel.pipeline.stage import build_stages
+from parallelisms.train import Runner
+
+
+def schedule_for(parallel: ParallelConfig) -> Schedule:
+    """The schedule a layout runs (microbatches default to 2 x pp; chunks only for interleaved)."""
+    pp = parallel.dims.pp
+    chunks = parallel.chunks if parallel.schedule == "interleaved" else None
+    return build_schedule(parallel.schedule, pp, parallel.microbatches or 2 * pp, chunks)
+
+
+class PipelineRunner(Runner):
+    """Runs one schedule per optimizer step; the returned loss is the global mean over microbatches."""
+
+    def __init__(self, model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms,
+                 bounds: list[int] | None = None):
+        self.schedule = schedule_for(parallel)
+        self.pp_comm, self.dp_comm = comms["pp"], comms["dp"]
+        rank = self.pp_comm.rank
+        self.bounds = bounds or equal_bounds(model.cfg.n_layers, self.schedule.num_stages)
+        wanted = self.schedule.modules_on(rank)
+        self.stages = build_stages(model, self.bounds, wanted)
+        self.copies = {s for path, s in wanted if path == 1}  # DualPipe's second copies
+        self.hidden_dim = model.cfg.dim
+        store = WeightGradStore()
+        if self.schedule.split_backward:
+            for stage in self.stages.values():
+                split_linears(stage, store)
+        super().__init__(nn.ModuleList(self.stages.values()), comms, cfg, None)
+        for s, stage in self.stages.items():
+            if s not in self.copies:
+                for p in stage.parameters():
+                    mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
+        self.buckets = {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()])
+                        for s, st in self.stages.items()}
+        self.dp_pending: list = []
+        self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
+                                 **self.executor_hooks())
+        self.step_records: list[list] = []
+
+    @classmethod
+    def for_layout(cls, model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms) -> "PipelineRunner":
+        """The runner of ``parallel.schedule``: PipeDream's asynchronous updates have their own."""
+        if parallel.schedule == "pipedream":
+            from parallelisms.parallel.pipeline.pipedream import PipeDreamRunner
+            return PipeDreamRunner(model, parallel, cfg, comms)
+        return cls(model, parallel, cfg, comms)
+
+    def executor_hooks(self) -> dict:
+        return {"on_stage_done": self._sync_stage}
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.buffer.zero_()
+            for param, view in zip(bucket.params, bucket.views):
+                param.grad = view
+
+    def _sync_stage(self, stage: int) -> None:
+        """Launch the data-parallel average of one stage's gradients (the stage's backward is complete)."""
+        if self.dp_comm.size > 1:
+            buffer = self.buckets[stage].buffer.div_(self.dp_comm.size)
+            self.dp_pending.append(self.dp_comm.all_reduce(buffer, async_op=True))
+
+    def _sum_dualpipe_copies(self) -> None:
+        """Rank r and rank pp-1-r hold the same two stages; each adds the other's gradient buffers."""
+        if not self.copies:
+            return
+        peer = self.schedule.pp - 1 - self.pp_comm.rank
+        mine = sorted(self.buckets)
+        theirs = [torch.empty_like(self.buckets[s].buffer) for s in mine]
+        self.pp_comm.send_recv(sends=[(self.buckets[s].buffer, peer) for s in mine],
+                               recvs=list(zip(theirs, [peer] * len(mine)))).wait()
+        for s, other in zip(mine, theirs):  # the peer holds the same two stages, sent in the same order
+            self.buckets[s].buffer.add_(other)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        m = self.schedule.microbatches
+        micro = microbatches(inputs, targets, m)
+        ledger = self.comms.ledger
+        with ledger.in_phase("pipeline"):
+            losses = self.executor.run([x for x, _ in micro], [y for _, y in micro], self.hidden_dim, 1.0 / m)
+        with ledger.in_phase("backward"):
+            for pending in self.dp_pending:
+                pending.wait()
+            self.dp_pending = []
+            self._sum_dualpipe_copies()
+        self.step_records.append(self.executor.records)
+        local = torch.stack(losses).sum().reshape(1) / m if losses else torch.zeros(1)
+        with ledger.in_phase("report"):
+            return self.pp_comm.all_reduce(local).reshape(())
+
+    def optimizer_step(self) -> None:
+        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
+            if self.cfg.grad_clip > 0:  # DualPipe's second copies are left out of the norm, not of the clip
+                norm_params = [p for s, st in self.stages.items() if s not in self.copies for p in st.parameters()]
+                norm = global_grad_norm(norm_params, self.comms)
+                coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+                for p in self.params:
+                    p.grad.mul_(coef)
+            self.optimizer.step()
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model by plain names, gathered from every pipeline rank (path-0 copies)."""
+        mine = {name: p.detach().cpu().clone() for s, st in self.stages.items() if s not in self.copies
+                for name, p in st.named_parameters()}
+        with self.comms.ledger.in_phase("report"):
+            parts = self.pp_comm.all_gather_object(mine)
+        return {name: t for part in parts for name, t in part.items()}
+
+    def report(self) -> dict:
+        """Measured bubble (Zero Bubble definition) and per-action times, against the simulator fed with
+        those times; every rank must call it."""
+        steps = self.step_records[1:] or self.step_records
+        mine = []
+        for records in steps:
+            compute = [r for r in records if r[0] in "FBIW"]
+            mine.append({"span": compute[-1][4] - compute[0][3], "busy": sum(r[4] - r[3] for r in compute),
+                         "times": [(r[0], r[4] - r[3]) for r in compute]})
+        with self.comms.ledger.in_phase("report"):
+            ranks = self.pp_comm.all_gather_object(mine)
+        return {"pipeline": pipeline_bubble(self.schedule, ranks)}
+
+
+def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]]) -> dict:
+    """Median over steps of the measured bubble rate (longest span minus mean busy time, over the longest
+    span) and the simulator's bubble rate for the measured mean per-action times (t_comm = 0)."""
+    rates = []
+    for step in zip(*ranks):
+        cost = max(r["span"] for r in step)
+        rates.append((cost - statistics.fmean(r["busy"] for r in step)) / cost)
+    by_kind: dict[str, list[int]] = {}
+    for rank in ranks:
+        for step in rank:
+            for kind, ns in step["times"]:
+                by_kind.setdefault(kind, []).append(ns)
+    mean = {k: statistics.fmean(v) / 1e9 * schedule.chunks for k, v in by_kind.items()}  # one stage's share
+    if "I" in mean:
+        times = Times(mean["F"], mean["I"], mean.get("W", 0.0))
+    else:
+        times = Times(mean["F"], mean["B"], 0.0)
+    sim = simulate(schedule, times)
+    return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
+            "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
+            "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w}
