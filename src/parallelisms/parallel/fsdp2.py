@@ -1,0 +1,408 @@
+"""Per-parameter sharding in the style of FSDP2 (PyTorch ``fully_shard``: every parameter a DTensor sharded
+on dim 0; Zhao et al. 2023 for FSDP, the torch 2.4 per-parameter rewrite for FSDP2).
+
+Each parameter keeps its identity: the ``nn.Parameter`` object the user's optimizer and ``state_dict``
+hold stays registered in its module, and its ``.data`` becomes this rank's dim-0 rows (``ceil(d0 / N)``,
+zero-padded on the last ranks), a view into one flat per-unit shard buffer so a unit is all-gathered by
+one collective without a copy-in. A unit is a transformer block, the embedding, or the final norm plus
+output head. Around a unit's forward:
+
+* pre-hook: wait for (or issue) the unit's all-gather, copy the rank-major result out into full
+  parameters (FSDP2's copy-out), swap them in as fresh leaf tensors, and prefetch the next unit's
+  all-gather asynchronously;
+* post-hook: restore the sharded parameters and free the full ones (FULL_SHARD; SHARD_GRAD_OP keeps
+  them to backward). The last unit stays gathered, its backward comes next.
+
+Autograd keeps no full weight alive between forward and backward: a ``saved_tensors_hooks`` pair stores a
+reference (unit, size, stride, offset) for any saved tensor living in a gathered unit's storage and, in
+backward, re-gathers the unit on first use and prefetches the previous unit that saved weights. When every
+full leaf of a unit has accumulated its gradient, the gradients are copied in rank-major order, divided by
+N and reduce-scattered asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views);
+one wait at the end of backward completes them. :mod:`parallelisms.parallel.yafsdp` reuses this engine
+with a flat layout and two preallocated buffer pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comm, Comms
+from parallelisms.config import TrainConfig
+from parallelisms.parallel.common import mark_sharded
+from parallelisms.train import Runner
+
+
+class BufferStats:
+    """The engine's own accounting of the temporary buffers it allocates (gathered weights, gradient
+    communication buffers): allocations, live count and bytes, and the peak of live bytes. A released
+    buffer's storage is resized to zero, so views autograd still holds (the forward leaves) keep no memory."""
+
+    def __init__(self):
+        self.allocations = {"weight": 0, "grad": 0}
+        self.live = {"weight": 0, "grad": 0}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def allocate(self, kind: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        self.allocations[kind] += 1
+        self.live[kind] += 1
+        self.live_bytes += buf.untyped_storage().nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return buf
+
+    def release(self, kind: str, buf: torch.Tensor | None) -> None:
+        if buf is not None and buf.untyped_storage().nbytes():
+            self.live[kind] -= 1
+            self.live_bytes -= buf.untyped_storage().nbytes()
+            buf.untyped_storage().resize_(0)
+
+    def report(self) -> dict:
+        return {"buffer_allocations": dict(self.allocations), "live_buffers": dict(self.live),
+                "buffer_peak_bytes": self.peak_bytes}
+
+
+class Unit:
+    """A group of modules communicated together: its (module, attribute, parameter) entries, their shards,
+    and the gathered state of the current step."""
+
+    def __init__(self, index: int, modules: list[nn.Module]):
+        self.index, self.modules = index, modules
+        self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters() if p.requires_grad]
+        self.shapes = [p.shape for _, _, p in self.entries]
+        self.shard: torch.Tensor | None = None       # flat local shard (params' .data are views)
+        self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views)
+        self.grad_fresh = True                        # the next reduce-scatter may overwrite ``grad``
+        self.pending = None                           # in-flight all-gather
+        self.gathered: torch.Tensor | None = None     # the all-gather destination
+        self.full: list[torch.Tensor] | None = None   # full parameters (views into one storage)
+        self.full_storage: torch.Tensor | None = None
+        self.leaves: list[torch.Tensor] | None = None
+        self.accumulated = 0
+        self.saves_weights = False                    # some saved tensor of its forward is a weight
+        self.grads_prepared = False
+
+
+def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
+    *path, name = qualified.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
+def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
+    """Embedding, each block, and final norm with the output head (the parts a pipeline stage has)."""
+    units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
+    units += [[layer] for layer in model.layers]
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    return units + ([head] if head else [])
+
+
+class PerParamSharding:
+    """FSDP2-style sharding of ``model`` over ``comm`` (one data-parallel mesh dimension).
+
+    ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). Use ``zero_grad``
+    before each step; gradients are averaged over the ranks when backward returns.
+    """
+
+    style = "per_param"
+
+    def __init__(self, model: nn.Module, comm: Comm, reshard_after_forward: bool = True):
+        self.model, self.comm, self.reshard_after_forward = model, comm, reshard_after_forward
+        self.stats = BufferStats()
+        self.units = [Unit(i, mods) for i, mods in enumerate(transformer_units(model))]
+        covered = {id(p) for u in self.units for _, _, p in u.entries}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+        if missing:
+            raise ValueError(f"parameter {missing[0]} is outside every sharding unit ({len(missing)} such)")
+        self._pending_grads: list[tuple[Unit, object, torch.Tensor]] = []
+        self._callback_queued = False
+        self._saved_hooks = None
+        with torch.no_grad():
+            for unit in self.units:
+                self._shard(unit)
+                unit.grad = torch.zeros_like(unit.shard)
+        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
+                       model.register_forward_hook(self._root_post_forward)]
+        for unit in self.units:
+            self._hooks.append(unit.modules[0].register_forward_pre_hook(lambda *_, u=unit: self._pre_forward(u)))
+            self._hooks.append(unit.modules[-1].register_forward_hook(lambda *_, u=unit: self._post_forward(u)))
+        self.zero_grad()
+
+    # -- layout (overridden by the flat, buffer-reusing layout) ------------------------------------------
+    def _rows(self, shape: torch.Size) -> tuple[int, int]:
+        """Rows per rank (dim-0 chunk, padded) and elements per row of a parameter of ``shape``."""
+        return -(-shape[0] // self.comm.size), shape[1:].numel()
+
+    def _shard(self, unit: Unit) -> None:
+        """Replace each parameter's data by its dim-0 rows, a view into one flat shard per unit."""
+        if any(len(shape) == 0 for shape in unit.shapes):
+            raise ValueError("per-parameter sharding needs parameters with at least one dimension")
+        sizes = [rows * width for rows, width in map(self._rows, unit.shapes)]
+        unit.shard = torch.zeros(sum(sizes), dtype=unit.entries[0][2].dtype, device=unit.entries[0][2].device)
+        offset, rank = 0, self.comm.rank
+        for (_, _, p), shape, size in zip(unit.entries, unit.shapes, sizes):
+            mine = p.detach().reshape(-1)[rank * size:(rank + 1) * size]
+            view = unit.shard[offset:offset + size]
+            view[:mine.numel()].copy_(mine)
+            p.data = view.view(-1, *shape[1:])
+            mark_sharded(p, self.comm.name, 0, shape[0])
+            offset += size
+
+    def _gather_destination(self, unit: Unit) -> torch.Tensor:
+        return self.stats.allocate("weight", unit.shard.numel() * self.comm.size, unit.shard)
+
+    def _unflatten(self, unit: Unit, gathered: torch.Tensor, full: torch.Tensor) -> list[torch.Tensor]:
+        """Copy-out: rank-major gathered rows into ``full``, param-major; the full parameters as views."""
+        ranks = gathered.view(self.comm.size, -1)
+        out, offset = [], 0
+        for shard_offset, shape, (_, _, p) in zip(_offsets(unit), unit.shapes, unit.entries):
+            dst = full[offset:offset + shape.numel()]
+            _copy_rows(ranks[:, shard_offset:shard_offset + p.numel()], dst, into_ranks=False)
+            out.append(dst.view(shape))
+            offset += shape.numel()
+        return out
+
+    def _materialize(self, unit: Unit) -> None:
+        """Gathered shards -> ``unit.full`` (views into ``unit.full_storage``); frees the gather buffer."""
+        unit.full_storage = self.stats.allocate("weight", sum(s.numel() for s in unit.shapes), unit.shard)
+        unit.full = self._unflatten(unit, unit.gathered, unit.full_storage)
+        self.stats.release("weight", unit.gathered)
+        unit.gathered = None
+
+    def _release(self, unit: Unit) -> None:
+        """Reshard: free the full parameters (the forward leaves are views of them and keep no memory)."""
+        self.stats.release("weight", unit.full_storage)
+        unit.full = unit.full_storage = None
+
+    def _prepare_grads(self, unit: Unit) -> None:
+        """Before the unit's first gradient accumulates (the flat layout points grads into its buffer)."""
+
+    def _grad_send_buffer(self, unit: Unit) -> torch.Tensor:
+        """Copy-in: the unit's full gradients laid out rank-major for the reduce-scatter."""
+        send = self.stats.allocate("grad", unit.shard.numel() * self.comm.size, unit.shard)
+        ranks = send.view(self.comm.size, -1)
+        for shard_offset, leaf, (_, _, p) in zip(_offsets(unit), unit.leaves, unit.entries):
+            dst = ranks[:, shard_offset:shard_offset + p.numel()]
+            if leaf.grad is None:
+                dst.zero_()
+            else:
+                _copy_rows(dst, leaf.grad.reshape(-1), into_ranks=True)
+            leaf.grad = None
+        return send
+
+    def _grad_sent(self, send: torch.Tensor) -> None:
+        """The reduce-scatter reading ``send`` completed."""
+        self.stats.release("grad", send)
+
+    def _param_grad_views(self, unit: Unit) -> list[torch.Tensor]:
+        return [unit.grad[o:o + p.numel()].view_as(p) for o, (_, _, p) in zip(_offsets(unit), unit.entries)]
+
+    # -- gathering ---------------------------------------------------------------------------------------
+    def _issue_gather(self, unit: Unit) -> None:
+        unit.gathered = self._gather_destination(unit)
+        unit.pending = self.comm.all_gather(unit.shard, out=unit.gathered, async_op=True)
+
+    def _ensure_full(self, unit: Unit) -> list[torch.Tensor]:
+        if unit.full is None:
+            if unit.pending is None:
+                self._issue_gather(unit)
+            unit.pending.wait()
+            unit.pending = None
+            with torch.no_grad():
+                self._materialize(unit)
+        return unit.full
+
+    def _prefetch(self, index: int, backward: bool) -> None:
+        if 0 <= index < len(self.units):
+            unit = self.units[index]
+            if unit.full is None and unit.pending is None and (unit.saves_weights or not backward):
+                self._issue_gather(unit)
+
+    # -- forward hooks -----------------------------------------------------------------------------------
+    def _root_pre_forward(self, *_):
+        for unit in self.units:  # parameters may have changed since the last gather (optimizer step)
+            if unit.pending is not None:
+                self._ensure_full(unit)
+            self._release(unit)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+
+    def _root_post_forward(self, *_):
+        self._saved_hooks.__exit__(None, None, None)
+        self._saved_hooks = None
+
+    def _pre_forward(self, unit: Unit) -> None:
+        full = self._ensure_full(unit)
+        self._prefetch(unit.index + 1, backward=False)
+        unit.saves_weights, unit.accumulated = False, 0
+        unit.leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in full]
+        for (module, name, _), leaf in zip(unit.entries, unit.leaves):
+            module._parameters[name] = leaf
+            if leaf.requires_grad:
+                leaf.register_hook(lambda grad, u=unit: self._before_accumulate(u, grad))
+                leaf.register_post_accumulate_grad_hook(lambda _, u=unit: self._after_accumulate(u))
+
+    def _post_forward(self, unit: Unit) -> None:
+        for module, name, param in unit.entries:
+            module._parameters[name] = param
+        if self.reshard_after_forward and unit.index != len(self.units) - 1:
+            self._release(unit)
+
+    # -- saved tensors: references instead of full weights -----------------------------------------------
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.numel():
+            ptr = tensor.untyped_storage().data_ptr()
+            for unit in self.units:
+                if unit.full_storage is not None and unit.full_storage.untyped_storage().data_ptr() == ptr:
+                    unit.saves_weights = True
+                    return unit, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+        return tensor
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        unit, size, stride, offset = packed
+        if unit.full is None:
+            self._ensure_full(unit)
+            for index in range(unit.index - 1, -1, -1):  # the previous unit that needs its weights
+                if self.units[index].saves_weights:
+                    self._prefetch(index, backward=True)
+                    break
+        return unit.full_storage.as_strided(size, stride, offset)
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    def _before_accumulate(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        if not unit.grads_prepared:
+            unit.grads_prepared = True
+            self._prepare_grads(unit)
+        return grad
+
+    def _after_accumulate(self, unit: Unit) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        unit.accumulated += 1
+        if unit.accumulated == len(unit.leaves):
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit: Unit) -> None:
+        """Average the unit's gradients into its shard: asynchronous, waited at the end of backward."""
+        with torch.no_grad():
+            send = self._grad_send_buffer(unit).div_(self.comm.size)
+        out = unit.grad if unit.grad_fresh else torch.empty_like(unit.grad)
+        pending = self.comm.reduce_scatter(send, out=out, async_op=True)
+        self._pending_grads.append((unit, pending, out, send))
+        unit.grad_fresh, unit.grads_prepared, unit.leaves = False, False, None
+        self._release(unit)
+
+    def _finish_backward(self) -> None:
+        """End of backward: units with some unused parameters are reduced too, then every wait."""
+        self._callback_queued = False
+        for unit in reversed(self.units):
+            if unit.leaves is not None and unit.accumulated:
+                self._reduce_scatter(unit)
+        with torch.no_grad():
+            for unit, pending, out, send in self._pending_grads:
+                pending.wait()
+                self._grad_sent(send)
+                if out is not unit.grad:
+                    unit.grad.add_(out)
+        self._pending_grads = []
+        for unit in self.units:
+            unit.accumulated, unit.leaves = 0, None
+
+    # -- user API ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the gradient shards, keeping each ``param.grad`` a view into its unit's flat buffer."""
+        for unit in self.units:
+            unit.grad.zero_()
+            unit.grad_fresh = True
+            for (_, _, p), view in zip(unit.entries, self._param_grad_views(unit)):
+                p.grad = view
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full parameters by the plain model's names (every rank takes part)."""
+        by_id = {}
+        for unit in self.units:
+            gathered = self.comm.all_gather(unit.shard)
+            full = torch.empty(sum(s.numel() for s in unit.shapes), dtype=unit.shard.dtype)
+            for (_, _, p), tensor in zip(unit.entries, self._unflatten(unit, gathered, full)):
+                by_id[id(p)] = tensor
+        return {name: by_id[id(p)] for name, p in self.model.named_parameters()}
+
+    def persistent_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: parameter and gradient shards (and reused buffers)."""
+        params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        grads = sum(u.grad.numel() * u.grad.element_size() for u in self.units)
+        return {"params": params, "grads": grads}
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+
+
+def _offsets(unit: Unit) -> list[int]:
+    """Start of each parameter's rows inside the unit's flat shard."""
+    offsets, offset = [], 0
+    for _, _, p in unit.entries:
+        offsets.append(offset)
+        offset += p.numel()
+    return offsets
+
+
+def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool) -> None:
+    """Move between a [N, chunk] rank-major block and a flat tensor holding its first ``flat.numel()``
+    elements in order (the rest of the block is padding, zeroed when writing into the block)."""
+    chunk = ranks.shape[1]
+    whole, rest = divmod(flat.numel(), chunk)
+    if into_ranks:
+        ranks[:whole].copy_(flat[:whole * chunk].view(whole, chunk))
+        if whole < ranks.shape[0]:
+            ranks[whole, :rest].copy_(flat[whole * chunk:])
+            ranks[whole, rest:].zero_()
+            ranks[whole + 1:].zero_()
+    else:
+        flat[:whole * chunk].view(whole, chunk).copy_(ranks[:whole])
+        if rest:
+            flat[whole * chunk:].copy_(ranks[whole, :rest])
+
+
+class ShardedRunner(Runner):
+    """The training step over a sharding engine (this module's or the buffer-reusing one): the optimizer
+    holds the model's own parameters, whose data and gradients are the local shards."""
+
+    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, engine: PerParamSharding):
+        self.engine = engine
+        super().__init__(model, comms, cfg, None)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.comms.ledger.in_phase("report"):
+            return {name: t.cpu().clone() for name, t in self.engine.full_state_dict().items()}
+
+    def memory_report(self) -> dict:
+        """Per-rank persistent bytes of parameters, gradients and optimizer state, and the peak of those
+        plus the engine's temporary buffers (activations not included)."""
+        report = self.engine.persistent_bytes()
+        report["optimizer"] = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                                  for t in state.values() if torch.is_tensor(t))
+        report["persistent"] = report["params"] + report["grads"] + report["optimizer"]
+        stats = self.engine.stats.report()
+        report["peak"] = report["persistent"] + stats["buffer_peak_bytes"]
+        return {**report, **stats}
+
+
+def shard_runner(model: nn.Module, comms: Comms, cfg: TrainConfig, style: str, strategy: str) -> ShardedRunner:
+    """The runner for ``--fsdp full_shard|shard_grad_op --fsdp-style per_param|reuse``."""
+    if style == "reuse":
+        from parallelisms.parallel.yafsdp import ReuseSharding
+        engine = ReuseSharding(model, comms["dp_shard"])
+    else:
+        engine = PerParamSharding(model, comms["dp_shard"], reshard_after_forward=strategy != "shard_grad_op")
+    return ShardedRunner(model, comms, cfg, engine)
