@@ -190,11 +190,7 @@ class ParallelConfig:
             require(getattr(dims, name) == 1,
                     f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
         _check_tensor_parallel(self, model, train)
-        require(self.zero == 0 and self.fsdp is None, "--zero and --fsdp are not implemented yet")
-        require(self.mixed_precision == "fp32", "--mixed-precision bf16 is not implemented yet")
-        require(dims.dp_replicate == 1 or dims.dp_shard == 1,
-                f"a 2-D data-parallel mesh (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) needs a "
-                f"hybrid sharding strategy, which is not implemented yet; use a single --dp degree")
+        _check_sharded_data_parallel(self)
         train.validate(model, dp=dims.dp)
         return self
 
@@ -227,6 +223,44 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     require(train.global_batch % (dims.dp * m) == 0,
             f"global batch {train.global_batch} must split into dp x microbatches = {dims.dp} x {m}; "
             f"try --global-batch {dims.dp * m * max(1, train.global_batch // (dims.dp * m))}")
+
+
+def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
+    """--zero / --fsdp / --mixed-precision: a known stage or strategy, a data-parallel group to shard over, a
+    2-D dp_replicate x dp_shard mesh exactly for the hybrid strategies."""
+    from parallelisms.parallel.fsdp import HYBRID, STRATEGIES
+
+    dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
+    two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
+    require(zero in (0, 1, 2, 3), f"--zero {zero} is not a ZeRO stage; use 1, 2 or 3 (or 0 for plain DDP)")
+    require(fsdp is None or fsdp in STRATEGIES, f"unknown --fsdp strategy {fsdp!r}; choose one of {', '.join(STRATEGIES)}")
+    require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "
+                                 f"(--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)")
+    require(parallel.mixed_precision in ("fp32", "bf16"),
+            f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
+    require(parallel.mixed_precision == "fp32" or zero or fsdp,
+            "--mixed-precision bf16 needs --zero or --fsdp (plain DDP trains in fp32); add --zero 1")
+    require(not zero or dims.dp > 1,
+            f"--zero {zero} shards over data-parallel ranks but the data-parallel degree is {dims.dp}; use --dp 2 or more")
+    require(not zero or not two_d,
+            f"--zero {zero} shards over one data-parallel dimension, but the layout is 2-D (dp_replicate "
+            f"{dims.dp_replicate} x dp_shard {dims.dp_shard}); use --dp {dims.dp}, or --fsdp hybrid_shard for 2-D")
+    if fsdp in HYBRID:
+        require(two_d, f"--fsdp {fsdp} shards within dp_shard and replicates across dp_replicate, so it needs a 2-D "
+                       f"layout with both above 1 (got dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}); "
+                       f"use --dp-replicate 2 --dp-shard 2, or --fsdp full_shard for 1-D")
+    else:
+        require(not two_d, f"a 2-D data-parallel mesh (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) "
+                           f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
+    require(fsdp is None or dims.dp > 1,
+            f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
+    require(not (zero or fsdp) or (dims.tp == 1 and dims.pp == 1 and dims.cp == 1),
+            f"--zero/--fsdp combine with data parallelism only so far (got {dims.describe()}); drop --tp/--pp/--cp")
+    require(not (zero or fsdp) or parallel.fsdp_style == "flat" or fsdp is not None,
+            f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
+    require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
+            f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
+    require(parallel.fsdp_style == "flat", f"--fsdp-style {parallel.fsdp_style} is not implemented yet; use flat")
 
 
 def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:

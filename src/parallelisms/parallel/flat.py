@@ -1,0 +1,336 @@
+"""The flat-parameter sharding engine behind ZeRO-1/2/3 and the FSDP1 strategies.
+
+ZeRO (Rajbhandari et al., SC'20) partitions optimizer state (stage 1), gradients (stage 2) and
+parameters (stage 3) over the N data-parallel ranks; FSDP (Zhao et al., VLDB'23) does the same with one
+*flat parameter* per wrapped unit. Here both are configurations of one engine:
+
+* a :class:`FlatUnit` concatenates the parameters of a wrapping unit (the embedding, one transformer
+  block, the head = final norm + output) into one flat buffer ``full`` (padded to a multiple of N) that
+  the modules' weights view, and keeps this rank's 1/N slice ``shard`` as an fp32 ``nn.Parameter`` (the
+  master weights the optimizer updates; a view of ``full`` when nothing more is needed);
+* a :class:`ShardingPlan` says which states are sharded and when parameters are resharded.
+
+API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse variants)::
+
+    plan = ShardingPlan(shard_params=True, shard_grads=True, reshard_after_forward=True,
+                        shard_dim="dp", replicate_dim=None, compute_dtype=torch.float32)
+    engine = ShardedEngine(model, module_units(model), plan, comms)
+    engine.parameters()       # the fp32 shards (nn.Parameter, .grad = reduced gradient shard): optimizer input
+    with engine.no_sync(): ...  # local accumulation (only while gradients are not sharded)
+    engine.zero_grad(); loss.backward()   # hooks gather, prefetch, reshard and reduce-scatter
+    engine.after_step()       # all-gather updated shards into persistent full buffers (stages 1-2)
+    engine.full_state_dict()  # {name: full fp32 tensor}, a collective
+    engine.memory()           # persistent bytes by kind and transient peaks
+
+Communication per unit and step (fp32, N ranks, ring): stages 1-2 reduce-scatter the gradient in
+backward and all-gather the updated parameters after the step, 2(N-1)/N x G like DDP's all-reduce;
+stage 3 / FULL_SHARD all-gathers before forward and again before backward (the parameters were freed
+after forward) and reduce-scatters, 1.5x that. Gradients are divided by the data-parallel size and
+reduced in fp32; with a replicate dimension (HYBRID_SHARD) the reduced shard is all-reduced over it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comm, Comms
+from parallelisms.parallel.common import mark_sharded
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Which states are sharded over ``shard_dim`` and when parameters are resharded.
+
+    ``shard_params``: parameters are freed between uses and gathered for forward and backward (ZeRO-3,
+    FULL_SHARD, SHARD_GRAD_OP). ``reshard_after_forward``: free them again after forward (FULL_SHARD) or
+    keep them until after backward (SHARD_GRAD_OP). ``shard_grads``: only the reduced gradient shard
+    persists, reduced once per microbatch (ZeRO-2/3); otherwise the full gradient persists and is reduced
+    once per step (ZeRO-1, NO_SHARD). Optimizer state is always per shard (NO_SHARD: a shard of one).
+    """
+
+    shard_params: bool = False
+    shard_grads: bool = False
+    reshard_after_forward: bool = True
+    shard_dim: str | None = "dp"       # None: no sharding (NO_SHARD)
+    replicate_dim: str | None = None   # all-reduce of reduced shards (HYBRID_SHARD, NO_SHARD)
+    compute_dtype: torch.dtype = torch.float32
+
+
+def module_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The wrapping units of the transformer in forward order: embedding, each block, head (norm + output)."""
+    units = [("tok_embeddings", [model.tok_embeddings])]
+    units += [(f"layers.{i}", [block]) for i, block in enumerate(model.layers)]
+    units.append(("head", [model.norm, model.output]))
+    return units
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _gather_into(comm: Comm, shard: torch.Tensor, out: torch.Tensor, async_op: bool = False):
+    """All-gather ``shard`` into ``out`` (a plain copy on one rank)."""
+    if comm.size > 1:
+        return comm.all_gather(shard, out=out, async_op=async_op)
+    if shard.data_ptr() != out.data_ptr():
+        out.copy_(shard)
+    return None
+
+
+class FlatUnit:
+    """The parameters of ``modules`` as one flat buffer ``full`` plus this rank's fp32 ``shard``."""
+
+    def __init__(self, name: str, modules: list[nn.Module], plan: ShardingPlan, shard_comm: Comm):
+        self.name, self.modules = name, modules
+        self.slots = []  # (wrapped module, owning submodule, attribute, qualified name inside the wrapped module)
+        for mod in modules:
+            for qual, _ in mod.named_parameters():
+                *path, attr = qual.split(".")
+                self.slots.append((mod, mod.get_submodule(".".join(path)), attr, qual))
+        params = [owner._parameters[attr] for _, owner, attr, _ in self.slots]
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        n, rank = shard_comm.size, shard_comm.rank
+        self.shard_numel = math.ceil(self.numel / n)
+        self.padded = self.shard_numel * n
+        master = torch.zeros(self.padded, dtype=torch.float32, device=params[0].device)
+        torch.cat([p.detach().reshape(-1).float() for p in params], out=master[:self.numel])
+        self.full = master.to(plan.compute_dtype, copy=True).requires_grad_(True)
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        # the fp32 master slice: a view of ``full`` when that is fp32 and persistent, else its own storage
+        self.shard_is_view = not plan.shard_params and plan.compute_dtype == torch.float32
+        self.shard = nn.Parameter(self.full.data[lo:hi] if self.shard_is_view else master[lo:hi].clone())
+        if n > 1:
+            mark_sharded(self.shard, shard_comm.name, tensor_dim=None)
+        for _, owner, attr, _ in self.slots:
+            del owner._parameters[attr]
+        self.gathered = True
+        self.pending_gather = None
+
+    def qualified_names(self, model: nn.Module) -> list[str]:
+        """The parameters' names in ``model`` (the plain model's ``named_parameters`` names)."""
+        prefix = {id(m): n for n, m in model.named_modules()}
+        return [f"{prefix[id(mod)]}.{qual}" if prefix[id(mod)] else qual for mod, _, _, qual in self.slots]
+
+    def attach(self) -> None:
+        """Point the modules' weights at views of ``full`` (called before each forward)."""
+        views = self.full[:self.numel].split(self.numels)
+        for (_, owner, attr, _), view, shape in zip(self.slots, views, self.shapes):
+            setattr(owner, attr, view.view(shape))
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+
+
+class ShardedEngine:
+    """Applies ``plan`` to ``units`` of ``model`` over the mesh dimensions in ``comms`` (see module doc)."""
+
+    def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
+                 comms: Comms):
+        self.model, self.plan = model, plan
+        self.shard_comm = comms[plan.shard_dim] if plan.shard_dim else Comm("none", None, comms.ledger, comms.timeline)
+        self.replicate_comm = (comms[plan.replicate_dim] if plan.replicate_dim
+                               else Comm("none", None, comms.ledger, comms.timeline))
+        self.dp_size = self.shard_comm.size * self.replicate_comm.size
+        self.units = [FlatUnit(name, modules, plan, self.shard_comm) for name, modules in units]
+        self.names = [unit.qualified_names(model) for unit in self.units]
+        self.syncing = True
+        self._callback_queued = False
+        self._in_flight = None            # (unit, Pending, fp32 gradient being reduced)
+        self.live = {"params": 0, "grads": 0}
+        self.peak = {"params": 0, "grads": 0}
+        self._hooks = []
+        for index, unit in enumerate(self.units):
+            if plan.shard_params:
+                unit.free()
+            else:
+                unit.attach()
+            self._hooks.append(unit.modules[0].register_forward_pre_hook(self._pre_forward_hook(index)))
+            self._hooks.append(unit.modules[-1].register_forward_hook(self._post_forward_hook(index)))
+            self._hooks.append(unit.full.register_post_accumulate_grad_hook(self._post_backward_hook(index)))
+
+    # -- transient memory bookkeeping ------------------------------------------------------------------------
+    def _track(self, kind: str, delta: int) -> None:
+        self.live[kind] += delta
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
+
+    # -- parameters: gather, prefetch, reshard ------------------------------------------------------------------
+    def _unshard(self, unit: FlatUnit) -> None:
+        """Launch the all-gather of ``unit`` (asynchronous; :meth:`_wait_unshard` completes it)."""
+        if unit.gathered or unit.pending_gather is not None:
+            return
+        unit.allocate()
+        self._track("params", _nbytes(unit.full))
+        src = unit.shard.detach().to(self.plan.compute_dtype)
+        unit.pending_gather = (_gather_into(self.shard_comm, src, unit.full.data, async_op=True), src)
+
+    def _wait_unshard(self, unit: FlatUnit) -> None:
+        self._unshard(unit)
+        if unit.pending_gather is not None:
+            pending, _ = unit.pending_gather
+            if pending is not None:
+                pending.wait()
+            unit.pending_gather = None
+            unit.gathered = True
+
+    def _reshard(self, unit: FlatUnit) -> None:
+        if self.plan.shard_params and unit.gathered:
+            unit.free()
+            self._track("params", -_nbytes(unit.full))
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _pre_forward_hook(self, index: int):
+        def hook(module, args):
+            unit = self.units[index]
+            self._wait_unshard(unit)
+            unit.attach()
+            if self.plan.shard_params and index + 1 < len(self.units):
+                self._unshard(self.units[index + 1])          # prefetch: overlaps this unit's forward
+        return hook
+
+    def _post_forward_hook(self, index: int):
+        def hook(module, args, output):
+            unit = self.units[index]
+            if self.plan.reshard_after_forward:
+                self._reshard(unit)
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self._pre_backward(index))
+            elif not torch.is_grad_enabled():
+                self._reshard(unit)
+            return output
+        return hook
+
+    def _pre_backward(self, index: int) -> None:
+        """The gradient of the unit's output arrived: gather its parameters, prefetch the previous unit's."""
+        self._queue_final_callback()
+        if self.plan.shard_params:
+            self._wait_unshard(self.units[index])
+            if index > 0:
+                self._unshard(self.units[index - 1])          # overlaps this unit's backward
+
+    def _post_backward_hook(self, index: int):
+        def hook(full: torch.Tensor):
+            unit = self.units[index]
+            self._queue_final_callback()
+            if self.plan.shard_params:
+                self._reshard(unit)
+            if self.syncing:
+                self._launch_reduce(unit)
+        return hook
+
+    # -- gradients: reduce-scatter to owners ---------------------------------------------------------------------
+    def _launch_reduce(self, unit: FlatUnit) -> None:
+        """Reduce-scatter ``unit``'s gradient (fp32, pre-divided by the data-parallel size), one in flight."""
+        self._finish_reduce()
+        grad = unit.full.grad
+        grad32 = grad.float() if grad.dtype != torch.float32 else grad
+        grad32.div_(self.dp_size)
+        if self.plan.shard_grads:
+            unit.full.grad = None
+            self._track("grads", _nbytes(grad) + (_nbytes(grad32) if grad32 is not grad else 0))
+        pending = self.shard_comm.reduce_scatter(grad32, async_op=True)
+        self._in_flight = (unit, pending, grad, grad32)
+
+    def _finish_reduce(self) -> None:
+        if self._in_flight is None:
+            return
+        unit, pending, grad, grad32 = self._in_flight
+        self._in_flight = None
+        reduced = pending.wait()
+        self.replicate_comm.all_reduce(reduced)
+        if self.plan.shard_grads:
+            self._track("grads", -(_nbytes(grad) + (_nbytes(grad32) if grad32 is not grad else 0)))
+            if unit.shard.grad is None:
+                unit.shard.grad = torch.zeros_like(unit.shard)
+            unit.shard.grad.add_(reduced)
+        else:  # ZeRO-1 / NO_SHARD: the shard's gradient is a slice of the persistent full gradient if dtypes agree
+            if unit.shard_is_view:
+                lo = self.shard_comm.rank * unit.shard_numel
+                unit.shard.grad = grad[lo:lo + unit.shard_numel]
+            elif unit.shard.grad is None:
+                unit.shard.grad = torch.zeros_like(unit.shard)
+            if unit.shard.grad.data_ptr() != reduced.data_ptr():
+                unit.shard.grad.copy_(reduced)
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        """End of backward: complete the last reduction, free whatever is still gathered."""
+        self._callback_queued = False
+        self._finish_reduce()
+        for unit in self.units:
+            if unit.pending_gather is not None:
+                self._wait_unshard(unit)
+            self._reshard(unit)
+
+    # -- user API ------------------------------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """The fp32 shards, one per unit, for the optimizer (``.grad`` holds the reduced gradient shard)."""
+        return [unit.shard for unit in self.units]
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate locally without communication; a no-op when gradients are sharded (reduced per microbatch)."""
+        if self.plan.shard_grads:
+            yield
+            return
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            if unit.shard.grad is not None:
+                unit.shard.grad.zero_()
+            if unit.full.grad is not None:
+                unit.full.grad.zero_()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Refresh the persistent full parameters from the updated shards (all-gather; stages 1-2)."""
+        if self.plan.shard_params:
+            return
+        for unit in self.units:
+            _gather_into(self.shard_comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full and fp32, by the plain model's names (all ranks call it)."""
+        state = {}
+        for unit, names in zip(self.units, self.names):
+            flat = self.shard_comm.all_gather(unit.shard.detach().clone())
+            for name, piece, shape in zip(names, flat[:unit.numel].split(unit.numels), unit.shapes):
+                state[name] = piece.view(shape).cpu().clone()
+        return state
+
+    def memory(self) -> dict[str, int]:
+        """Persistent bytes held by the engine: compute-dtype parameters, gradients, fp32 master copies."""
+        params = sum(_nbytes(u.full) for u in self.units if not self.plan.shard_params)
+        params += sum(_nbytes(u.shard) for u in self.units if self.plan.shard_params
+                      and self.plan.compute_dtype == torch.float32)
+        master = sum(_nbytes(u.shard) for u in self.units if self.plan.compute_dtype != torch.float32)
+        grads = sum(_nbytes(u.full.grad) for u in self.units if not self.plan.shard_grads)
+        grads += sum(_nbytes(u.shard.grad) for u in self.units
+                     if u.shard.grad is not None and (self.plan.shard_grads or not u.shard_is_view))
+        return {"params": params, "grads": grads, "master": master,
+                "gathered_params_peak": self.peak["params"], "grad_buffers_peak": self.peak["grads"]}
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+

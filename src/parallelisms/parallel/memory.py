@@ -1,0 +1,73 @@
+"""Per-rank memory accounting: what a run holds (measured from its tensors) and what ZeRO predicts.
+
+ZeRO (Rajbhandari et al., SC'20, section 5) counts model states per rank for Psi parameters on N ranks:
+parameters, gradients and optimizer state (Adam's two moments, plus fp32 master weights in mixed
+precision). Stage 1 divides optimizer state by N, stage 2 also gradients, stage 3 also parameters.
+Here bytes per element are explicit, so the same formulas cover fp32 training (4-byte parameters and
+gradients, no separate master) and bf16 (2-byte parameters and gradients, 4-byte master copies).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (views of one storage counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (Adam: exp_avg, exp_avg_sq, step)."""
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+
+
+def process_peak_bytes() -> int:
+    """Peak resident memory of this process (CPU: ru_maxrss) or peak CUDA allocation when on a GPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def zero_formula(numel: int, n: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
+                 master_bytes: int = 0, optim_bytes: int = 8, largest_unit: int = 0, bucket: int = 0) -> dict:
+    """Persistent bytes per rank predicted by ZeRO for ``numel`` parameters on ``n`` ranks at ``stage`` (0-3).
+
+    ``master_bytes``: fp32 master copy per element (4 in mixed precision, 0 when the parameters are fp32);
+    ``optim_bytes``: optimizer state per element (Adam: 8). ``largest_unit`` (elements) is the largest
+    unit gathered at a time in stage 3; ``bucket`` (bytes) the gradient bucket in flight in stage 2.
+    """
+    shard = numel / n
+    params = numel * param_bytes if stage < 3 else shard * param_bytes
+    grads = numel * grad_bytes if stage < 2 else shard * grad_bytes
+    optimizer = (numel if stage < 1 else shard) * (optim_bytes + master_bytes)
+    out = {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+    out["peak_model_states"] = out["total"] + (largest_unit * param_bytes if stage == 3 else 0) + \
+        (bucket if stage >= 2 else 0)
+    return out
+
+
+def memory_report(params_bytes: int, grads_bytes: int, optimizer, master_bytes: int = 0,
+                  transient: dict | None = None) -> dict:
+    """The ``memory`` entry of a train report: persistent bytes by kind, transient peaks, process peak."""
+    optim = optimizer_state_bytes(optimizer) + master_bytes
+    report = {"params": params_bytes, "grads": grads_bytes, "optimizer": optim,
+              "persistent": params_bytes + grads_bytes + optim}
+    transient = transient or {}
+    report.update(transient)
+    report["peak_model_states"] = report["persistent"] + sum(transient.values())
+    report["process_peak"] = process_peak_bytes()
+    return report

@@ -1,0 +1,76 @@
+"""ZeRO-1/2/3 (Rajbhandari et al., SC'20) as plans of the flat-parameter engine, and the runner of every
+sharded data-parallel layout (ZeRO stages and FSDP strategies alike).
+
+* Stage 1: optimizer state (and fp32 master weights in bf16) partitioned. The full gradient persists and
+  accumulates locally across microbatches; after the last one each unit's gradient is reduce-scattered
+  from its backward hook (units are the buckets, launched in ready order, one in flight), each rank
+  runs AdamW on its flat fp32 shard, and an all-gather refreshes the full parameters.
+* Stage 2: gradients partitioned too: every microbatch reduce-scatters each unit's gradient and keeps
+  only the reduced shard (G/N persistent, plus the buckets in flight).
+* Stage 3: parameters partitioned too: a unit is all-gathered just before its forward (the next one is
+  prefetched) and again before its backward, freed after each, its gradient reduce-scattered to owners.
+
+API: ``zero_plan(stage, dims, compute_dtype)`` gives the :class:`ShardingPlan`;
+``ShardedRunner(model, comms, train_cfg, plan)`` is a :class:`parallelisms.train.Runner`;
+``parallelize_sharded(model, parallel, train, comms)`` picks the plan from a :class:`ParallelConfig`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comms
+from parallelisms.config import ParallelConfig, TrainConfig
+from parallelisms.parallel.common import clip_grad_norm_
+from parallelisms.parallel.flat import ShardedEngine, ShardingPlan, module_units
+from parallelisms.parallel.memory import memory_report
+from parallelisms.train import Runner, make_optimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:
+    """ZeRO stage 1, 2 or 3 over the flattened data-parallel dimension ``dp``."""
+    return ShardingPlan(shard_params=stage >= 3, shard_grads=stage >= 2, reshard_after_forward=True,
+                        shard_dim="dp", replicate_dim=None, compute_dtype=compute_dtype)
+
+
+class ShardedRunner(Runner):
+    """A training step whose optimizer sees only this rank's flat fp32 shards (any :class:`ShardingPlan`)."""
+
+    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, plan: ShardingPlan, units=None):
+        self.model, self.comms, self.cfg, self.plan = model, comms, cfg, plan
+        self.engine = ShardedEngine(model, units if units is not None else module_units(model), plan, comms)
+        self.grad_sync = self.engine
+        self.params = self.engine.parameters()
+        self.optimizer = make_optimizer(self.params, cfg)
+
+    def optimizer_step(self) -> None:
+        """Clip by the global norm (squared shard norms all-reduced), AdamW on the shards, refresh parameters."""
+        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
+            if self.cfg.grad_clip > 0:
+                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms)
+            self.optimizer.step()
+            self.engine.after_step()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.comms.ledger.in_phase("report"):
+            return self.engine.full_state_dict()
+
+    def memory_report(self) -> dict:
+        held = self.engine.memory()
+        return memory_report(held["params"], held["grads"], self.optimizer, held["master"],
+                             {"gathered_params_peak": held["gathered_params_peak"],
+                              "grad_buffers_peak": held["grad_buffers_peak"]})
+
+
+def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
+    """The runner for ``--zero K`` or ``--fsdp STRATEGY`` (flat style)."""
+    dtype = DTYPES[parallel.mixed_precision]
+    if parallel.zero:
+        plan = zero_plan(parallel.zero, dtype)
+    else:
+        from parallelisms.parallel.fsdp import fsdp_plan
+        plan = fsdp_plan(parallel.fsdp, dtype)
+    return ShardedRunner(model, comms, train, plan)
