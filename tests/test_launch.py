@@ -1,0 +1,43 @@
+"""A failing rank is named and does not leave the others hanging; collectives time out."""
+
+import time
+
+import pytest
+import torch
+
+from parallelisms.comm import Comms
+from parallelisms.launch import LaunchError, launch
+from parallelisms.mesh import ParallelDims
+
+
+def _rank_one_fails(info):
+    comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
+    if info.rank == 1:
+        raise ValueError("rank one gives up")
+    comms["dp"].all_reduce(torch.ones(1))  # rank 0 would wait here forever without the launcher
+    return "unreachable"
+
+
+def _rank_one_skips_a_collective(info):
+    comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
+    comms["dp"].all_reduce(torch.ones(1))
+    if info.rank == 0:
+        comms["dp"].all_reduce(torch.ones(1))  # never matched: times out
+    else:
+        time.sleep(30)
+    return "done"
+
+
+def test_failing_rank_is_named_and_the_others_are_stopped():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed .*ValueError: rank one gives up"):
+        launch(_rank_one_fails, 2, threads=1)
+    assert time.monotonic() - start < 60
+
+
+def test_unmatched_collective_times_out_with_the_rank_and_its_history():
+    with pytest.raises(LaunchError) as info:
+        launch(_rank_one_skips_a_collective, 2, threads=1, timeout_s=3)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed") and "CommError: rank 0: all_reduce" in message
+    assert "last collectives:" in message
