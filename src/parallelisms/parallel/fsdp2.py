@@ -153,8 +153,10 @@ class PerParamSharding:
     def _gather_destination(self, unit: Unit) -> torch.Tensor:
         return self.stats.allocate("weight", unit.shard.numel() * self.comm.size, unit.shard)
 
-    def _unflatten(self, unit: Unit, gathered: torch.Tensor, full: torch.Tensor) -> list[torch.Tensor]:
+    def _unflatten(self, unit: Unit, gathered: torch.Tensor, full: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Copy-out: rank-major gathered rows into ``full``, param-major; the full parameters as views."""
+        if full is None:
+            full = torch.empty(sum(s.numel() for s in unit.shapes), dtype=gathered.dtype, device=gathered.device)
         ranks = gathered.view(self.comm.size, -1)
         out, offset = [], 0
         for shard_offset, shape, (_, _, p) in zip(_offsets(unit), unit.shapes, unit.entries):
@@ -171,8 +173,9 @@ class PerParamSharding:
         self.stats.release("weight", unit.gathered)
         unit.gathered = None
 
-    def _release(self, unit: Unit) -> None:
-        """Reshard: free the full parameters (the forward leaves are views of them and keep no memory)."""
+    def _release(self, unit: Unit, stale: bool = False) -> None:
+        """Reshard: free the full parameters (the forward leaves are views of them and keep no memory).
+        ``stale``: the shards changed since the gather."""
         self.stats.release("weight", unit.full_storage)
         unit.full = unit.full_storage = None
 
@@ -225,7 +228,7 @@ class PerParamSharding:
         for unit in self.units:  # parameters may have changed since the last gather (optimizer step)
             if unit.pending is not None:
                 self._ensure_full(unit)
-            self._release(unit)
+            self._release(unit, stale=True)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 
@@ -266,10 +269,7 @@ class PerParamSharding:
         unit, size, stride, offset = packed
         if unit.full is None:
             self._ensure_full(unit)
-            for index in range(unit.index - 1, -1, -1):  # the previous unit that needs its weights
-                if self.units[index].saves_weights:
-                    self._prefetch(index, backward=True)
-                    break
+            self._prefetch(unit.index - 1, backward=True)
         return unit.full_storage.as_strided(size, stride, offset)
 
     # -- gradients ---------------------------------------------------------------------------------------
@@ -329,8 +329,7 @@ class PerParamSharding:
         by_id = {}
         for unit in self.units:
             gathered = self.comm.all_gather(unit.shard)
-            full = torch.empty(sum(s.numel() for s in unit.shapes), dtype=unit.shard.dtype)
-            for (_, _, p), tensor in zip(unit.entries, self._unflatten(unit, gathered, full)):
+            for (_, _, p), tensor in zip(unit.entries, self._unflatten(unit, gathered)):
                 by_id[id(p)] = tensor
         return {name: by_id[id(p)] for name, p in self.model.named_parameters()}
 

@@ -1,0 +1,118 @@
+"""Buffer reuse in the style of YaFSDP (Yandex 2024): two preallocated full-weight buffers and two
+gradient buffers, used round-robin by alternating units, gradients accumulated straight into the buffer
+the reduce-scatter sends.
+
+The layout is flat, as in YaFSDP and FSDP1: a unit's parameters are concatenated (padded to a multiple
+of N) and rank r owns the r-th contiguous chunk. The all-gather of a unit therefore lands the unit's
+parameters, in order, in weight buffer ``index % 2``; the full parameters are views into it, with no
+copy-out and no allocation. Each original ``nn.Parameter`` keeps its identity: its data is the (possibly
+empty) 1-D piece of this rank's chunk that belongs to it (FSDP1's ``use_orig_params``), so the user's
+optimizer and ``state_dict`` keys are the plain model's.
+
+In backward, before a unit's first gradient accumulates, gradient buffer ``index % 2`` is reclaimed
+(waiting for the reduce-scatter of the unit two places later), zeroed, and each full leaf's ``.grad`` is
+pointed at its slice, so autograd's accumulation adds into the communication buffer itself. A buffer
+still holding a unit (the last ones of forward) is not gathered again in backward. Everything else (the
+hooks, saved-tensor references, prefetch, waits) is the engine of :mod:`parallelisms.parallel.fsdp2`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comm
+from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
+
+
+class ReuseSharding(PerParamSharding):
+    """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD)."""
+
+    style = "reuse"
+
+    def __init__(self, model: nn.Module, comm: Comm):
+        self.weight_buffers: list[torch.Tensor | None] = [None, None]
+        self.grad_buffers: list[torch.Tensor | None] = [None, None]
+        self.owners: list[Unit | None] = [None, None]
+        super().__init__(model, comm, reshard_after_forward=True)
+        self.buffer_numel = max(u.shard.numel() for u in self.units) * comm.size
+
+    # -- layout --------------------------------------------------------------------------------------------
+    def _shard(self, unit: Unit) -> None:
+        """Concatenate, pad to N equal chunks, keep chunk ``rank``; each parameter views its piece of it."""
+        total = sum(s.numel() for s in unit.shapes)
+        chunk = -(-total // self.comm.size)
+        start = self.comm.rank * chunk
+        like = unit.entries[0][2]
+        unit.shard = torch.zeros(chunk, dtype=like.dtype, device=like.device)
+        offset = 0
+        for (_, _, p), shape in zip(unit.entries, unit.shapes):
+            lo, hi = max(offset, start), max(min(offset + shape.numel(), start + chunk), start)
+            piece = unit.shard[lo - start:max(hi, lo) - start]
+            piece.copy_(p.detach().reshape(-1)[lo - offset:max(hi, lo) - offset])
+            p.data = piece
+            mark_sharded(p, self.comm.name, None)
+            offset += shape.numel()
+
+    def _buffer(self, buffers: list, kind: str, unit: Unit) -> torch.Tensor:
+        slot = unit.index % 2
+        if buffers[slot] is None:
+            buffers[slot] = self.stats.allocate(kind, self.buffer_numel, unit.shard)
+        return buffers[slot][:unit.shard.numel() * self.comm.size]
+
+    def _gather_destination(self, unit: Unit) -> torch.Tensor:
+        slot = unit.index % 2
+        previous = self.owners[slot]
+        if previous is not None and previous is not unit:
+            previous.full = previous.full_storage = None
+        self.owners[slot] = unit
+        return self._buffer(self.weight_buffers, "weight", unit)
+
+    def _unflatten(self, unit: Unit, gathered: torch.Tensor, full: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The full parameters are views into the gathered buffer (no copy)."""
+        out, offset = [], 0
+        for shape in unit.shapes:
+            out.append(gathered[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return out
+
+    def _materialize(self, unit: Unit) -> None:
+        unit.full_storage = self.weight_buffers[unit.index % 2]
+        unit.full, unit.gathered = self._unflatten(unit, unit.gathered), None
+
+    def _release(self, unit: Unit, stale: bool = False) -> None:
+        """The buffer keeps the unit until another unit takes it over, unless its shards changed."""
+        if stale:
+            unit.full = unit.full_storage = None
+            if self.owners[unit.index % 2] is unit:
+                self.owners[unit.index % 2] = None
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def _prepare_grads(self, unit: Unit) -> None:
+        """Reclaim and zero this unit's gradient buffer; point every full leaf's ``.grad`` into it."""
+        buffer = self._buffer(self.grad_buffers, "grad", unit)
+        for _, pending, _, send in self._pending_grads:
+            if send.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                pending.wait()
+        buffer.zero_()
+        offset = 0
+        for leaf in unit.leaves:
+            leaf.grad = buffer[offset:offset + leaf.numel()].view_as(leaf)
+            offset += leaf.numel()
+
+    def _grad_send_buffer(self, unit: Unit) -> torch.Tensor:
+        if not unit.grads_prepared:  # no gradient reached this unit: send zeros
+            self._prepare_grads(unit)
+        for leaf in unit.leaves:
+            leaf.grad = None
+        return self._buffer(self.grad_buffers, "grad", unit)
+
+    def _grad_sent(self, send: torch.Tensor) -> None:
+        """The gradient buffers are kept for the next units."""
+
+    def persistent_bytes(self) -> dict[str, int]:
+        report = super().persistent_bytes()
+        report["buffers"] = sum(b.numel() * b.element_size() for b in self.weight_buffers + self.grad_buffers
+                                if b is not None)
+        return report
