@@ -129,4 +129,50 @@ def bench_ddp(args) -> dict:
             "peer_scaling_efficiency": single / (args.world * times["peer"])}
 
 
+def _all_reduce_rank(info: RankInfo, sizes: list[int], repeats: int, pieces: int):
+    from parallelisms.comm import Comms
+    from parallelisms.mesh import ParallelDims
+
+    comm = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())["dp"]
+    buffers = {numel: torch.ones(numel) for numel in sizes}
+    for buf in buffers.values():  # warm every size up before timing any
+        comm.all_reduce(buf)
+    timings = alternate({numel: (lambda b=buf: comm.all_reduce(b)) for numel, buf in buffers.items()}, repeats, 5)
+    total = sizes[-1]
+    small = [torch.ones(total // pieces) for _ in range(pieces)]
+
+    def unfused():  # one after another, as the model's K alpha + beta M assumes
+        for t in small:
+            comm.all_reduce(t)
+    fused = torch.ones(total)
+    both = alternate({"unfused": unfused, "fused": lambda: comm.all_reduce(fused)}, repeats, 3)
+    return timings, both
+
+
+@bench("alpha-beta")
+def bench_alpha_beta(args) -> dict:
+    """Fit the Hockney model to this machine's all-reduce, then test its bucketing prediction: K small
+    all-reduces against one fused all-reduce of the same total bytes."""
+    from parallelisms.comm.ledger import ring_bytes_per_rank
+    from parallelisms.perf.collectives import fit
+
+    sizes = [2**k for k in range(8, 23, 2)]  # 1 KiB .. 16 MiB of fp32
+    pieces = 64
+    timings, both = launch(_all_reduce_rank, args.world, sizes, args.steps, pieces, backend="gloo", threads=1)[0]
+    sent = [ring_bytes_per_rank("all_reduce", 4 * n, args.world) for n in sizes]
+    model, r2 = fit(sent, [timings[n] for n in sizes])
+    total_bytes = 4 * sizes[-1]
+    predicted = {name: model.collective_time("all_reduce", total_bytes, args.world, calls)
+                 for name, calls in (("unfused", pieces), ("fused", 1))}
+    return {"bench": "alpha-beta", "world_size": args.world, "alpha_s": model.alpha_s,
+            "beta_s_per_byte": model.beta_s_per_byte, "bandwidth_GB_per_s": model.bandwidth_bytes_per_s / 1e9,
+            "r2": r2, "sizes_bytes": [4 * n for n in sizes], "seconds": [timings[n] for n in sizes],
+            "bucketing": {"pieces": pieces, "total_bytes": total_bytes, "measured_unfused_s": both["unfused"],
+                          "measured_fused_s": both["fused"], "predicted_unfused_s": predicted["unfused"],
+                          "predicted_fused_s": predicted["fused"]},
+            # the common keys of every entry: ours = the model's prediction, peer = the measurement
+            "ours_s": predicted["unfused"], "peer": "measured unfused all-reduces", "peer_s": both["unfused"],
+            "ratio": predicted["unfused"] / both["unfused"]}
+
+
 import parallelisms.benches  # noqa: E402,F401  (registers the other entries)
