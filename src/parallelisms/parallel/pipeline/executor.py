@@ -45,8 +45,9 @@ class WeightGradStore:
             self.key = None
 
     def put(self, weight: nn.Parameter, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.pending[self.key].append((weight, grad_out, inp))
+        self.pending[self.key].append((weight, grad_out.detach(), inp.detach()))
 
+    @torch.no_grad()
     def flush(self, key: tuple[int, int]) -> None:
         """The weight gradients deferred under ``key``, accumulated into ``.grad``."""
         for weight, grad_out, inp in self.pending.pop(key, []):

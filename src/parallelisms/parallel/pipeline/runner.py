@@ -75,6 +75,10 @@ class PipelineRunner(Runner):
     def executor_hooks(self) -> dict:
         return {"on_stage_done": self._sync_stage}
 
+    def loss_scale(self) -> float:
+        """Each microbatch's mean loss is scaled by 1/M: the accumulated gradient is the batch mean's."""
+        return 1.0 / self.schedule.microbatches
+
     # -- gradients -------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for bucket in self.buckets.values():
@@ -106,7 +110,8 @@ class PipelineRunner(Runner):
         micro = microbatches(inputs, targets, m)
         ledger = self.comms.ledger
         with ledger.in_phase("pipeline"):
-            losses = self.executor.run([x for x, _ in micro], [y for _, y in micro], self.hidden_dim, 1.0 / m)
+            losses = self.executor.run([x for x, _ in micro], [y for _, y in micro], self.hidden_dim,
+                                       self.loss_scale())
         with ledger.in_phase("backward"):
             for pending in self.dp_pending:
                 pending.wait()

@@ -1,0 +1,108 @@
+"""PipeDream (Narayanan et al., SOSP 2019): asynchronous 1F1B, one weight update per microbatch, with
+weight stashing; and the single-process reference that reproduces its delayed updates exactly.
+
+Semantics made exact. Every stage keeps its own optimizer and steps it right after each microbatch's
+backward (the schedule's OPTIMIZER action) with that microbatch's gradient (the gradient of its mean
+loss; global-norm clipping is per stage, since stages update at different times). The forward of a
+microbatch uses the stage's current weights (version v = updates applied so far) and its backward must
+use the same weights, although the stage has been updated since: the forward runs on a stashed copy of
+version v (``torch.func.functional_call`` with fresh leaves over the stash), whose gradients feed the
+update. In 1F1B order stage s of p runs p-1-s forwards ahead of its first backward, so microbatch k's
+forward there sees version max(0, k - (p-1-s)) of the window (the window ends in a drain, so windows
+start at version ``step x m``): :func:`pipedream_reference` trains the plain model with exactly those
+versions, without any schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from parallelisms.config import ModelConfig, TrainConfig
+from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.data.loader import microbatches
+from parallelisms.model import build_model
+from parallelisms.parallel.pipeline.partition import equal_bounds
+from parallelisms.parallel.pipeline.runner import PipelineRunner
+from parallelisms.parallel.pipeline.schedules import Action
+from parallelisms.parallel.pipeline.stage import stage_of_parameter
+from parallelisms.train import make_optimizer
+
+
+class PipeDreamRunner(PipelineRunner):
+    """Runs the ``pipedream`` schedule: per-stage optimizers stepped inside the schedule, weight stashing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.named = {s: dict(st.named_parameters()) for s, st in self.stages.items()}
+        self.optimizers = {s: make_optimizer(list(named.values()), self.cfg) for s, named in self.named.items()}
+        self.stash: dict[int, tuple[int, dict]] = {}   # stage -> (version, stashed weights)
+        self.leaves: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the leaves its forward used
+        self.updates = {s: 0 for s in self.stages}     # updates applied in this window
+
+    def executor_hooks(self) -> dict:
+        return {"forward_fn": self._forward, "on_optimizer": self._update}
+
+    def loss_scale(self) -> float:
+        return 1.0  # every update uses one microbatch's mean loss
+
+    def _forward(self, a: Action, module, x, targets):
+        if a.version != self.updates[a.stage]:
+            raise RuntimeError(f"stage {a.stage} forward of mb {a.mb} expects version {a.version}, "
+                               f"but {self.updates[a.stage]} updates were applied")
+        version, weights = self.stash.get(a.stage, (None, None))
+        if version != a.version:  # the first forward of this version stashes it
+            weights = {n: p.detach().clone() for n, p in self.named[a.stage].items()}
+            self.stash[a.stage] = (a.version, weights)
+        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        self.leaves[(a.stage, a.mb)] = leaves
+        return functional_call(module, leaves, (x, targets))
+
+    def _update(self, a: Action) -> None:
+        leaves = self.leaves.pop((a.stage, a.mb))
+        params = list(self.named[a.stage].values())
+        for name, p in self.named[a.stage].items():
+            p.grad = leaves[name].grad
+        if self.cfg.grad_clip > 0:  # local to the stage: no communication inside the asynchronous schedule
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.optimizers[a.stage].step()
+        for p in params:
+            p.grad = None
+        self.updates[a.stage] += 1
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.updates = {s: 0 for s in self.stages}
+        self.stash = {}
+        return self.forward_backward(inputs, targets)  # the updates happen inside the schedule
+
+
+def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int, m: int
+                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process PipeDream: per-step mean losses and final parameters (see the module docstring)."""
+    torch.manual_seed(train_cfg.seed)
+    model = build_model(model_cfg, train_cfg.seed)
+    bounds = equal_bounds(model_cfg.n_layers, pp)
+    groups: dict[int, dict[str, torch.nn.Parameter]] = {s: {} for s in range(pp)}
+    for name, p in model.named_parameters():
+        groups[stage_of_parameter(name, bounds)][name] = p
+    optimizers = {s: make_optimizer(list(g.values()), train_cfg) for s, g in groups.items()}
+    history = {s: [{n: p.detach().clone() for n, p in g.items()}] for s, g in groups.items()}  # by version
+    loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
+    losses = []
+    for step in range(train_cfg.steps):
+        window = []
+        for k, (x, y) in enumerate(microbatches(*loader.batch(step), m)):
+            leaves = {n: w.detach().requires_grad_() for s in range(pp)
+                      for n, w in history[s][step * m + max(0, k - (pp - 1 - s))].items()}
+            loss = functional_call(model, leaves, (x, y))
+            loss.backward()
+            window.append(loss.detach())
+            for s, g in groups.items():
+                for n, p in g.items():
+                    p.grad = leaves[n].grad
+                if train_cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(list(g.values()), train_cfg.grad_clip)
+                optimizers[s].step()
+                history[s].append({n: p.detach().clone() for n, p in g.items()})
+        losses.append((torch.stack(window).sum() / m).item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
