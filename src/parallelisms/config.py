@@ -260,7 +260,12 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
             f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
     require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
             f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
-    require(parallel.fsdp_style == "flat", f"--fsdp-style {parallel.fsdp_style} is not implemented yet; use flat")
+    if parallel.fsdp_style != "flat":
+        strategies = ("full_shard",) if parallel.fsdp_style == "reuse" else ("full_shard", "shard_grad_op")
+        require(fsdp in strategies, f"--fsdp-style {parallel.fsdp_style} runs --fsdp {' or '.join(strategies)}, "
+                                    f"got {fsdp}; use --fsdp-style flat for the others")
+        require(parallel.mixed_precision == "fp32", f"--fsdp-style {parallel.fsdp_style} trains in fp32 only; "
+                                                    f"use --fsdp-style flat for --mixed-precision bf16")
 
 
 def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:

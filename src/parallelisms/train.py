@@ -108,6 +108,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         from parallelisms.parallel.tensor import apply_tensor_parallel
         apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
                               overlap=parallel.tp_overlap)
+    if parallel.fsdp and parallel.fsdp_style != "flat":
+        from parallelisms.parallel.fsdp2 import per_param_runner
+        return per_param_runner(model, parallel, train, comms)
     if parallel.zero or parallel.fsdp:
         from parallelisms.parallel.zero import parallelize_sharded
         return parallelize_sharded(model, parallel, train, comms)

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, Comms
-from parallelisms.config import TrainConfig
+from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner
 
 
@@ -41,26 +42,23 @@ class BufferStats:
     def __init__(self):
         self.allocations = {"weight": 0, "grad": 0}
         self.live = {"weight": 0, "grad": 0}
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.live_bytes = {"weight": 0, "grad": 0}
+        self.peak_bytes = {"weight": 0, "grad": 0}
 
     def allocate(self, kind: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(numel, dtype=like.dtype, device=like.device)
         self.allocations[kind] += 1
         self.live[kind] += 1
-        self.live_bytes += buf.untyped_storage().nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.live_bytes[kind] += buf.untyped_storage().nbytes()
+        self.peak_bytes[kind] = max(self.peak_bytes[kind], self.live_bytes[kind])
         return buf
 
     def release(self, kind: str, buf: torch.Tensor | None) -> None:
         if buf is not None and buf.untyped_storage().nbytes():
             self.live[kind] -= 1
-            self.live_bytes -= buf.untyped_storage().nbytes()
+            self.live_bytes[kind] -= buf.untyped_storage().nbytes()
             buf.untyped_storage().resize_(0)
 
-    def report(self) -> dict:
-        return {"buffer_allocations": dict(self.allocations), "live_buffers": dict(self.live),
-                "buffer_peak_bytes": self.peak_bytes}
 
 
 class Unit:
@@ -292,10 +290,20 @@ class PerParamSharding:
         with torch.no_grad():
             send = self._grad_send_buffer(unit).div_(self.comm.size)
         out = unit.grad if unit.grad_fresh else torch.empty_like(unit.grad)
+        if self._pending_grads:  # one reduce-scatter in flight (as FSDP2): bounds the send buffers to two
+            self._complete(self._pending_grads.pop(0))
         pending = self.comm.reduce_scatter(send, out=out, async_op=True)
         self._pending_grads.append((unit, pending, out, send))
         unit.grad_fresh, unit.grads_prepared, unit.leaves = False, False, None
         self._release(unit)
+
+    @torch.no_grad()
+    def _complete(self, entry) -> None:
+        unit, pending, out, send = entry
+        pending.wait()
+        self._grad_sent(send)
+        if out is not unit.grad:
+            unit.grad.add_(out)
 
     def _finish_backward(self) -> None:
         """End of backward: units with some unused parameters are reduced too, then every wait."""
@@ -303,12 +311,8 @@ class PerParamSharding:
         for unit in reversed(self.units):
             if unit.leaves is not None and unit.accumulated:
                 self._reduce_scatter(unit)
-        with torch.no_grad():
-            for unit, pending, out, send in self._pending_grads:
-                pending.wait()
-                self._grad_sent(send)
-                if out is not unit.grad:
-                    unit.grad.add_(out)
+        for entry in self._pending_grads:
+            self._complete(entry)
         self._pending_grads = []
         for unit in self.units:
             unit.accumulated, unit.leaves = 0, None
@@ -370,7 +374,7 @@ def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool) -> Non
             flat[whole * chunk:].copy_(ranks[whole, :rest])
 
 
-class ShardedRunner(Runner):
+class PerParamRunner(Runner):
     """The training step over a sharding engine (this module's or the buffer-reusing one): the optimizer
     holds the model's own parameters, whose data and gradients are the local shards."""
 
@@ -386,22 +390,22 @@ class ShardedRunner(Runner):
             return {name: t.cpu().clone() for name, t in self.engine.full_state_dict().items()}
 
     def memory_report(self) -> dict:
-        """Per-rank persistent bytes of parameters, gradients and optimizer state, and the peak of those
-        plus the engine's temporary buffers (activations not included)."""
-        report = self.engine.persistent_bytes()
-        report["optimizer"] = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                                  for t in state.values() if torch.is_tensor(t))
-        report["persistent"] = report["params"] + report["grads"] + report["optimizer"]
-        stats = self.engine.stats.report()
-        report["peak"] = report["persistent"] + stats["buffer_peak_bytes"]
-        return {**report, **stats}
+        """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
+        engine's temporary buffers (the reused ones count as persistent) and the buffer counts."""
+        held, stats = self.engine.persistent_bytes(), self.engine.stats
+        transient = {} if "buffers" in held else {"gathered_params_peak": stats.peak_bytes["weight"],
+                                                  "grad_buffers_peak": stats.peak_bytes["grad"]}
+        report = memory_report(held["params"] + held.get("buffers", 0), held["grads"], self.optimizer,
+                               transient=transient)
+        report["buffer_allocations"], report["live_buffers"] = dict(stats.allocations), dict(stats.live)
+        return report
 
 
-def shard_runner(model: nn.Module, comms: Comms, cfg: TrainConfig, style: str, strategy: str) -> ShardedRunner:
+def per_param_runner(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
     """The runner for ``--fsdp full_shard|shard_grad_op --fsdp-style per_param|reuse``."""
-    if style == "reuse":
+    if parallel.fsdp_style == "reuse":
         from parallelisms.parallel.yafsdp import ReuseSharding
         engine = ReuseSharding(model, comms["dp_shard"])
     else:
-        engine = PerParamSharding(model, comms["dp_shard"], reshard_after_forward=strategy != "shard_grad_op")
-    return ShardedRunner(model, comms, cfg, engine)
+        engine = PerParamSharding(model, comms["dp_shard"], reshard_after_forward=parallel.fsdp != "shard_grad_op")
+    return PerParamRunner(model, comms, train, engine)

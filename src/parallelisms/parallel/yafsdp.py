@@ -92,9 +92,10 @@ class ReuseSharding(PerParamSharding):
     def _prepare_grads(self, unit: Unit) -> None:
         """Reclaim and zero this unit's gradient buffer; point every full leaf's ``.grad`` into it."""
         buffer = self._buffer(self.grad_buffers, "grad", unit)
-        for _, pending, _, send in self._pending_grads:
-            if send.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-                pending.wait()
+        for entry in list(self._pending_grads):  # the reduce-scatter still reading this buffer
+            if entry[3].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                self._pending_grads.remove(entry)
+                self._complete(entry)
         buffer.zero_()
         offset = 0
         for leaf in unit.leaves:
