@@ -139,6 +139,11 @@ def cmd_train(args) -> int:
     print(f"{report['layout']}: loss {report['loss_first']:.4f} -> {report['loss_last']:.4f} in {report['steps']} steps; "
           f"step {report['step_time_s'] * 1e3:.1f} ms (median), {report['tokens_per_s']:,.0f} tokens/s; "
           f"comm per step per rank: {comm or 'none'}; exposed comm {report['exposed_comm_fraction']:.1%} of the step")
+    if "pipeline" in report:
+        pipe = report["pipeline"]
+        print(f"pipeline {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
+              f"{pipe['measured_bubble_rate']:.3f}, simulated {pipe['simulated_bubble_rate']:.3f} from measured "
+              f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per stage")
     if args.json:
         print(json.dumps(report))
     return 0
@@ -152,7 +157,12 @@ def cmd_verify(args) -> int:
     report = run_layout(RunSpec(model, train, parallel, collect_state=True))
     if report is None:
         return 0
-    ref_losses, ref_state = reference_train(model, train)
+    if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
+        from parallelisms.parallel.pipeline.pipedream import pipedream_reference
+        ref_losses, ref_state = pipedream_reference(model, train, parallel.dims.pp,
+                                                    parallel.microbatches or 2 * parallel.dims.pp)
+    else:
+        ref_losses, ref_state = reference_train(model, train)
     result = {"layout": report["layout"], "world_size": report["world_size"], "steps": train.steps,
               **compare(report["losses"], report["state"], ref_losses, ref_state, args.tolerance)}
     print(f"{result['layout']} vs single process over {train.steps} steps: max loss rel diff "

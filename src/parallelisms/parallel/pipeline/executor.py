@@ -126,6 +126,7 @@ class Executor:
                 last[a.stage] = i
         self.stage_done_at = {i: s for s, i in last.items()}
         self.records: list[tuple[str, int, int, int, int]] = []  # (kind, stage, mb, start ns, end ns)
+        self.peak_held = 0  # most (stage, microbatch) activations held at once in a step (until B, or W)
 
     # -- one step ------------------------------------------------------------------------------------
     def run(self, tokens: list[torch.Tensor], targets: list[torch.Tensor], hidden_dim: int,
@@ -142,6 +143,7 @@ class Executor:
         self.sends: list = []     # posted send batches (their tensors stay alive until complete)
         self.losses: list[torch.Tensor] = []
         self.records = []
+        self.peak_held = 0
         i = 0
         try:
             while i < len(self.actions):
@@ -210,6 +212,7 @@ class Executor:
             x = self.acts.pop((a.stage - 1, a.mb)).detach().requires_grad_()
         out = self.forward_fn(a, module, x, self.targets[a.mb] if module.is_last else None)
         self.saved[key] = (x, out)
+        self.peak_held = max(self.peak_held, len(self.saved) + len(self.store.pending))
         if module.is_last:
             self.losses.append(out.detach())
         else:

@@ -117,7 +117,7 @@ class PipelineRunner(Runner):
                 pending.wait()
             self.dp_pending = []
             self._sum_dualpipe_copies()
-        self.step_records.append(self.executor.records)
+        self.step_records.append((self.executor.records, self.executor.peak_held))
         local = torch.stack(losses).sum().reshape(1) / m if losses else torch.zeros(1)
         with ledger.in_phase("report"):
             return self.pp_comm.all_reduce(local).reshape(())
@@ -146,10 +146,10 @@ class PipelineRunner(Runner):
         those times; every rank must call it."""
         steps = self.step_records[1:] or self.step_records
         mine = []
-        for records in steps:
+        for records, peak in steps:
             compute = [r for r in records if r[0] in "FBIW"]
             mine.append({"span": compute[-1][4] - compute[0][3], "busy": sum(r[4] - r[3] for r in compute),
-                         "times": [(r[0], r[4] - r[3]) for r in compute]})
+                         "times": [(r[0], r[4] - r[3]) for r in compute], "peak_held": peak})
         with self.comms.ledger.in_phase("report"):
             ranks = self.pp_comm.all_gather_object(mine)
         return {"pipeline": pipeline_bubble(self.schedule, ranks)}
@@ -157,7 +157,8 @@ class PipelineRunner(Runner):
 
 def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]]) -> dict:
     """Median over steps of the measured bubble rate (longest span minus mean busy time, over the longest
-    span) and the simulator's bubble rate for the measured mean per-action times (t_comm = 0)."""
+    span) and the simulator's bubble rate for the measured mean per-action times (t_comm = 0); the peak
+    activations held per rank, measured and simulated."""
     rates = []
     for step in zip(*ranks):
         cost = max(r["span"] for r in step)
@@ -175,4 +176,7 @@ def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]]) -> dict:
     sim = simulate(schedule, times)
     return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
             "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
-            "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w}
+            "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w,
+            # activations held, in (stage, microbatch) units: measured by the executor, and the simulator's
+            "peak_held_per_rank": [max(step["peak_held"] for step in rank) for rank in ranks],
+            "simulated_peak_per_rank": [round(p * schedule.chunks) for p in sim.peak_activations]}
