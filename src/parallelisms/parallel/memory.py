@@ -43,16 +43,18 @@ def process_peak_bytes() -> int:
 
 
 def zero_formula(numel: int, n: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
-                 master_bytes: int = 0, optim_bytes: int = 8, largest_unit: int = 0, bucket: int = 0) -> dict:
+                 master_bytes: int = 0, optim_bytes: int = 8, largest_unit: int = 0, bucket: int = 0,
+                 master_grad_bytes: int = 0) -> dict:
     """Persistent bytes per rank predicted by ZeRO for ``numel`` parameters on ``n`` ranks at ``stage`` (0-3).
 
     ``master_bytes``: fp32 master copy per element (4 in mixed precision, 0 when the parameters are fp32);
-    ``optim_bytes``: optimizer state per element (Adam: 8). ``largest_unit`` (elements) is the largest
+    ``optim_bytes``: optimizer state per element (Adam: 8). ``master_grad_bytes``: the reduced fp32 gradient
+    shard kept beside full bf16 gradients in stages 0-1 (4 in mixed precision). ``largest_unit`` (elements) is the largest
     unit gathered at a time in stage 3; ``bucket`` (bytes) the gradient bucket in flight in stage 2.
     """
     shard = numel / n
     params = numel * param_bytes if stage < 3 else shard * param_bytes
-    grads = numel * grad_bytes if stage < 2 else shard * grad_bytes
+    grads = numel * grad_bytes + shard * master_grad_bytes if stage < 2 else shard * grad_bytes
     optimizer = (numel if stage < 1 else shard) * (optim_bytes + master_bytes)
     out = {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
     out["peak_model_states"] = out["total"] + (largest_unit * param_bytes if stage == 3 else 0) + \

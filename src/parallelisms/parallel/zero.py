@@ -40,7 +40,8 @@ class ShardedRunner(Runner):
     """A training step whose optimizer sees only this rank's flat fp32 shards (any :class:`ShardingPlan`)."""
 
     def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, plan: ShardingPlan, units=None):
-        self.model, self.comms, self.cfg, self.plan = model, comms, cfg, plan
+        super().__init__(model, comms, cfg, grad_sync=None)  # base state; params and optimizer replaced below
+        self.plan = plan
         self.engine = ShardedEngine(model, units if units is not None else module_units(model), plan, comms)
         self.grad_sync = self.engine
         self.params = self.engine.parameters()
