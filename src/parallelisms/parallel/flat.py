@@ -146,7 +146,7 @@ class ShardedEngine:
         self.names = [unit.qualified_names(model) for unit in self.units]
         self.syncing = True
         self._callback_queued = False
-        self._in_flight = None            # (unit, Pending, fp32 gradient being reduced)
+        self._in_flight = None            # (unit, Pending, gradient, its fp32 copy being reduced)
         self.live = {"params": 0, "grads": 0}
         self.peak = {"params": 0, "grads": 0}
         self._hooks = []
@@ -230,14 +230,17 @@ class ShardedEngine:
 
     # -- gradients: reduce-scatter to owners ---------------------------------------------------------------------
     def _launch_reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter ``unit``'s gradient (fp32, pre-divided by the data-parallel size), one in flight."""
-        self._finish_reduce()
+        """Reduce-scatter ``unit``'s gradient (fp32, pre-divided by the data-parallel size), one in flight:
+        the previous unit's reduction completes first, while this gradient already exists (counted)."""
         grad = unit.full.grad
+        if self.plan.shard_grads:
+            self._track("grads", _nbytes(grad))
+        self._finish_reduce()
         grad32 = grad.float() if grad.dtype != torch.float32 else grad
         grad32.div_(self.dp_size)
         if self.plan.shard_grads:
             unit.full.grad = None
-            self._track("grads", _nbytes(grad) + (_nbytes(grad32) if grad32 is not grad else 0))
+            self._track("grads", _nbytes(grad32) if grad32 is not grad else 0)
         pending = self.shard_comm.reduce_scatter(grad32, async_op=True)
         self._in_flight = (unit, pending, grad, grad32)
 
