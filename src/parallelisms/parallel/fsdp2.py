@@ -5,7 +5,7 @@ Each parameter keeps its identity: the ``nn.Parameter`` object the user's optimi
 hold stays registered in its module, and its ``.data`` becomes this rank's dim-0 rows (``ceil(d0 / N)``,
 zero-padded on the last ranks), a view into one flat per-unit shard buffer so a unit is all-gathered by
 one collective without a copy-in. A unit is a transformer block, the embedding, or the final norm plus
-output head. Around a unit's forward:
+output head (the flat engine's ``module_units``). Around a unit's forward:
 
 * pre-hook: wait for (or issue) the unit's all-gather, copy the rank-major result out into full
   parameters (FSDP2's copy-out), swap them in as fresh leaf tensors, and prefetch the next unit's
@@ -30,6 +30,7 @@ from torch import nn
 from parallelisms.comm import Comm, Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner
 
@@ -89,14 +90,6 @@ def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
     return module, name
 
 
-def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
-    """Embedding, each block, and final norm with the output head (the parts a pipeline stage has)."""
-    units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
-    units += [[layer] for layer in model.layers]
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    return units + ([head] if head else [])
-
-
 class PerParamSharding:
     """FSDP2-style sharding of ``model`` over ``comm`` (one data-parallel mesh dimension).
 
@@ -109,7 +102,7 @@ class PerParamSharding:
     def __init__(self, model: nn.Module, comm: Comm, reshard_after_forward: bool = True):
         self.model, self.comm, self.reshard_after_forward = model, comm, reshard_after_forward
         self.stats = BufferStats()
-        self.units = [Unit(i, mods) for i, mods in enumerate(transformer_units(model))]
+        self.units = [Unit(i, modules) for i, (_, modules) in enumerate(module_units(model))]
         covered = {id(p) for u in self.units for _, _, p in u.entries}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
         if missing:

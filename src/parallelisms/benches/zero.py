@@ -1,0 +1,276 @@
+"""``parallelisms bench zero1|zero2|zero3|fsdp``: the sharded data-parallel layouts against torch's own and
+DeepSpeed's, in the same processes, on the same model, data and AdamW settings (no clipping on either).
+
+Peers: ``ZeroRedundancyOptimizer`` over ``DistributedDataParallel`` (ZeRO-1, and the ZeRO-2 headline),
+FSDP1 ``FullyShardedDataParallel`` per strategy (each embedding and block wrapped, the root holding the
+head, like our units), FSDP2 ``fully_shard`` (blocks, then the root), and DeepSpeed stage k when it
+imports (``DS_ACCELERATOR=cpu``). Time: median step seconds, alternating rounds (``bench.alternate``).
+
+Memory, measured the same way for every implementation: the CPU allocator's events under
+``torch.profiler`` (``profile_memory``) from before the full model is built, through wrapping and two
+training steps. ``peak_bytes`` is the highest live total during the steps (parameters, gradients,
+optimizer state, communication buffers, activations), ``allocations_per_step`` the allocator calls in
+the second step. ``peak_memory_ratio`` = ours / peer. Ranks report their own figures; the maximum
+over ranks is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from parallelisms.bench import alternate, bench
+from parallelisms.comm import Comms
+from parallelisms.config import ParallelConfig, TrainConfig, preset
+from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.launch import RankInfo, launch
+from parallelisms.mesh import ParallelDims
+from parallelisms.model import build_model
+from parallelisms.model.transformer import Block
+from parallelisms.train import make_optimizer, parallelize
+
+
+# -- measuring -------------------------------------------------------------------------------------------
+
+def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """(time, bytes) of every allocator event, and the (start, end) of each ``record_function`` region."""
+    from torch._C._profiler import _EventType
+
+    events, regions, stack = [], {}, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name.startswith("bench_"):
+            regions[node.name] = (node.start_time_ns, node.end_time_ns)
+    return sorted(events), regions
+
+
+def profiled(build) -> tuple[object, dict]:
+    """Build an implementation (``build()`` returns its step function) and run two steps under the allocator
+    profiler; returns the step function and its memory figures."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        for name in ("bench_step1", "bench_step2"):
+            with record_function(name):
+                step()
+    events, regions = _allocations(prof)
+    start, (second_start, second_end) = regions["bench_step1"][0], regions["bench_step2"]
+    live, peak, allocations = 0, None, 0
+    for t, size in events:
+        live += size
+        if t >= start:
+            peak = live if peak is None else max(peak, live)
+        if second_start <= t <= second_end and size > 0:
+            allocations += 1
+    return step, {"peak_bytes": peak or 0, "allocations_per_step": allocations}
+
+
+# -- implementations ----------------------------------------------------------------------------------------
+
+def _ours(parallel: ParallelConfig, meshes: dict):
+    def build(model_cfg, train_cfg, batch):
+        model = build_model(model_cfg, train_cfg.seed)
+        runner = parallelize(model, parallel, train_cfg, Comms(meshes))
+        return lambda: runner.train_step(*batch)
+    return build
+
+
+def _plain_step(model: nn.Module, optimizer, batch):
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(*batch).backward()
+        optimizer.step()
+    return step
+
+
+def _torch_zero1(model_cfg, train_cfg, batch):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=train_cfg.lr,
+                                        betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8)
+    return _plain_step(model, optimizer, batch)
+
+
+def _torch_fsdp1(strategy: str, mesh=None):
+    def build(model_cfg, train_cfg, batch):
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(build_model(model_cfg, train_cfg.seed),
+                                         auto_wrap_policy=ModuleWrapPolicy({Block, nn.Embedding}),
+                                         sharding_strategy=ShardingStrategy[strategy.upper()],
+                                         device_id=torch.device("cpu"), device_mesh=mesh)
+        return _plain_step(model, make_optimizer(model.parameters(), train_cfg), batch)
+    return build
+
+
+def _torch_fsdp2(mesh):
+    def build(model_cfg, train_cfg, batch):
+        from torch.distributed.fsdp import fully_shard
+
+        model = build_model(model_cfg, train_cfg.seed)
+        for module in [model.tok_embeddings, *model.layers]:
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _plain_step(model, make_optimizer(model.parameters(), train_cfg), batch)
+    return build
+
+
+def _deepspeed(stage: int):
+    def build(model_cfg, train_cfg, batch):
+        import deepspeed
+
+        model = build_model(model_cfg, train_cfg.seed)
+        config = {"train_micro_batch_size_per_gpu": batch[0].shape[0], "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": stage, **_deepspeed_buckets(train_cfg)},
+                  "optimizer": {"type": "AdamW", "params": {
+                      "lr": train_cfg.lr, "betas": list(train_cfg.betas), "weight_decay": train_cfg.weight_decay,
+                      "eps": 1e-8, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def step():
+            loss = engine(*batch)
+            engine.backward(loss)
+            engine.step()
+        return step
+    return build
+
+
+def _deepspeed_buckets(train_cfg: TrainConfig) -> dict:
+    """DeepSpeed's bucket sizes (elements) at the same cap as ours, instead of its 5e8-element defaults."""
+    elements = int(train_cfg.bucket_mb * 2**20 / 4)
+    return {"reduce_bucket_size": elements, "allgather_bucket_size": elements,
+            "stage3_prefetch_bucket_size": elements, "stage3_param_persistence_threshold": 0}
+
+
+def deepspeed_status() -> str | None:
+    """None when DeepSpeed imports with the CPU accelerator; otherwise why it is left out."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # not installed, or fails to import on this machine
+        return f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
+
+
+# -- the benchmark rank and the entries --------------------------------------------------------------------
+
+def _implementations(name: str, world: int, with_deepspeed: bool) -> tuple[dict, dict]:
+    """(ours, peers) for one benchmark: label -> builder. The first peer is the headline one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = ParallelDims(dp_shard=world)
+    meshes = dims.build_meshes()
+    flat = init_device_mesh("cpu", (world,))
+
+    def config(**kw):
+        return ParallelConfig(dims, **kw)
+    if name in ("zero1", "zero2", "zero3"):
+        stage = int(name[-1])
+        ours = {f"zero{stage}": _ours(config(zero=stage), meshes)}
+        peers = {1: {"torch ZeroRedundancyOptimizer+DDP": _torch_zero1},
+                 2: {"torch ZeroRedundancyOptimizer+DDP": _torch_zero1,
+                     "torch FSDP1 shard_grad_op": _torch_fsdp1("shard_grad_op")},
+                 3: {"torch FSDP2 fully_shard": _torch_fsdp2(flat),
+                     "torch FSDP1 full_shard": _torch_fsdp1("full_shard")}}[stage]
+        if stage == 3:
+            ours["fsdp per_param"] = _ours(config(fsdp="full_shard", fsdp_style="per_param"), meshes)
+            ours["fsdp reuse"] = _ours(config(fsdp="full_shard", fsdp_style="reuse"), meshes)
+        if with_deepspeed:
+            peers[f"DeepSpeed ZeRO stage {stage}"] = _deepspeed(stage)
+        return ours, peers
+    strategies = ["full_shard", "shard_grad_op", "no_shard"]
+    ours = {f"fsdp {s}": _ours(config(fsdp=s), meshes) for s in strategies}
+    peers = {f"torch FSDP1 {s}": _torch_fsdp1(s) for s in strategies}
+    if world >= 4 and world % 2 == 0:
+        hybrid_dims = ParallelDims(dp_replicate=2, dp_shard=world // 2)
+        hybrid_meshes = hybrid_dims.build_meshes()
+        hybrid_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for s in ("hybrid_shard", "hybrid_shard_zero2"):
+            ours[f"fsdp {s}"] = _ours(ParallelConfig(hybrid_dims, fsdp=s), hybrid_meshes)
+            peers[f"torch FSDP1 {s}"] = _torch_fsdp1(s, hybrid_mesh)
+    ours["fsdp per_param"] = _ours(config(fsdp="full_shard", fsdp_style="per_param"), meshes)
+    ours["fsdp reuse"] = _ours(config(fsdp="full_shard", fsdp_style="reuse"), meshes)
+    peers["torch FSDP2 fully_shard"] = _torch_fsdp2(flat)
+    return ours, peers
+
+
+def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, steps: int, rounds: int,
+                with_deepspeed: bool):
+    if with_deepspeed:
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+    batch = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed).shard(
+        0, info.rank, info.world_size)
+    ours, peers = _implementations(name, info.world_size, with_deepspeed)
+    runs, memory = {}, {}
+    for label, build in {**ours, **peers}.items():
+        runs[label], memory[label] = profiled(lambda: build(model_cfg, train_cfg, batch))
+    times = alternate(runs, steps, rounds)
+    return {label: {"s": times[label], **memory[label]} for label in runs}, list(ours), list(peers)
+
+
+def _pair(ours: dict, peer: dict) -> dict:
+    return {"ours_s": ours["s"], "peer_s": peer["s"], "ratio": ours["s"] / peer["s"],
+            "peak_memory_ratio": ours["peak_bytes"] / peer["peak_bytes"],
+            "ours_peak_bytes": ours["peak_bytes"], "peer_peak_bytes": peer["peak_bytes"],
+            "ours_allocations_per_step": ours["allocations_per_step"],
+            "peer_allocations_per_step": peer["allocations_per_step"]}
+
+
+def run_zero_bench(name: str, args) -> dict:
+    model_cfg = preset(args.preset).validate()
+    train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb,
+                            grad_clip=0.0)
+    train_cfg.validate(model_cfg, dp=args.world)
+    why_not = deepspeed_status()
+    per_rank = launch(_bench_rank, args.world, name, model_cfg, train_cfg, args.steps, args.rounds,
+                      why_not is None, backend="gloo", threads=1)
+    ours_labels, peer_labels = per_rank[0][1], per_rank[0][2]
+    results = {label: {"s": per_rank[0][0][label]["s"],
+                       "peak_bytes": max(r[0][label]["peak_bytes"] for r in per_rank),
+                       "allocations_per_step": max(r[0][label]["allocations_per_step"] for r in per_rank)}
+               for label in per_rank[0][0]}
+    headline_ours, headline_peer = ours_labels[0], peer_labels[0]
+    out = {"bench": name, "world_size": args.world, "params": model_cfg.num_params(), "ours": headline_ours,
+           "peer": headline_peer, **_pair(results[headline_ours], results[headline_peer])}
+    out["implementations"] = results
+    out["comparisons"] = {f"{o} vs {p}": _pair(results[o], results[p]) for o, p in _comparisons(ours_labels,
+                                                                                                 peer_labels)}
+    out["deepspeed"] = "included" if why_not is None else f"not run: {why_not}"
+    return out
+
+
+def _comparisons(ours: list[str], peers: list[str]) -> list[tuple[str, str]]:
+    """Each of ours against the peer of the same strategy, per-parameter against FSDP2, reuse against flat."""
+    pairs = []
+    for o in ours:
+        strategy = o.split()[-1]
+        same = [p for p in peers if p.endswith(strategy)]
+        if o.endswith("per_param") or o.endswith("reuse"):
+            same = [p for p in peers if "FSDP2" in p]
+        pairs += [(o, p) for p in (same or peers)]
+    if "fsdp reuse" in ours:
+        flat = "fsdp full_shard" if "fsdp full_shard" in ours else ours[0]
+        pairs.append(("fsdp reuse", flat))
+    return pairs
+
+
+def _entry(name: str):
+    @bench(name)
+    def run(args) -> dict:
+        return run_zero_bench(name, args)
+    run.__doc__ = f"Our {name} against torch (and DeepSpeed when installed): time and peak memory."
+    return run
+
+
+for _name in ("zero1", "zero2", "zero3", "fsdp"):
+    _entry(_name)
