@@ -8,7 +8,8 @@ one all-reduce of the summed input gradient (SP: one reduce-scatter along the se
 all-reduces the partial outputs (SP: reduce-scatters them along the sequence). So a block costs 2
 all-reduces (or 2 all-gathers + 2 reduce-scatters) of the block activation in forward and the same in
 backward, 4(N-1)A/N bytes per rank each way. Under SP the column regions keep only the sharded input for
-backward and all-gather it again there (Megatron's choice, which gives Korthikanti's Table 2 memory),
+backward and all-gather it again there, asynchronously behind the input-gradient GEMMs (Megatron's
+choice, which gives Korthikanti's Table 2 memory),
 and the replicated norm weights, which see only their sequence shard, get their gradients all-reduced
 over TP by an identity-forward / all-reduce-backward op on the weight.
 
@@ -36,6 +37,13 @@ class Region:
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_gather(x, dim=1) if self.sequence_parallel else x
+
+    def start_gather_seq(self, x: torch.Tensor):
+        """Asynchronous :meth:`gather_seq` (gathered sequence-first, viewed back batch-first); ``.wait()``."""
+        if not self.sequence_parallel:
+            return _Ready(x)
+        return _Then(self.comm.all_gather(x.transpose(0, 1).contiguous(), dim=0, async_op=True),
+                     lambda t: t.transpose(0, 1))
 
     def reduce_input_grad(self, grad: torch.Tensor, async_op: bool):
         """Sum ``grad`` over TP (SP: keep this rank's sequence shard); returns something with ``.wait()``."""
@@ -82,12 +90,12 @@ class _ColumnParallel(torch.autograd.Function):
         region = ctx.region
         x, *weights = ctx.saved_tensors
         full_shape = (*grads[0].shape[:-1], x.shape[-1])
+        gathering = region.start_gather_seq(x)   # SP: gather the input again (hidden behind the dX GEMMs)
         grad_x = torch.mm(_mm2d(grads[0]), weights[0])
         for g, w in zip(grads[1:], weights[1:]):
             grad_x.addmm_(_mm2d(g), w)
-        full = region.gather_seq(x)          # SP: gather the input again instead of keeping it
+        x2d = _mm2d(gathering.wait())
         pending = region.reduce_input_grad(grad_x.view(full_shape), async_op=region.overlap)
-        x2d = _mm2d(full)
         grad_ws = [torch.mm(_mm2d(g).t(), x2d) for g in grads]   # computed while the reduction runs
         return (pending.wait(), None, *grad_ws)
 

@@ -1,0 +1,125 @@
+"""``parallelisms bench tp``: our tensor-parallel transformer block (and its MLP alone) against torch
+DTensor ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` (plus ``SequenceParallel``
+norms and sequence-sharded inputs/outputs under ``--sp``), same weights and shapes, forward + backward.
+
+It also reports what the ``--tp-overlap`` option hides, read from the timeline: the time the
+asynchronous input-gradient reductions of the column-parallel regions were in flight, and the part of it
+a rank spent waiting for them (exposed); the rest overlapped the weight-gradient GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallelisms.bench import alternate, bench
+from parallelisms.config import ConfigError, ParallelConfig, TrainConfig, preset
+from parallelisms.launch import RankInfo, launch
+from parallelisms.mesh import ParallelDims
+from parallelisms.model import build_model
+
+
+def _peer_plan(sp: bool) -> dict:
+    """The torchtitan-style DTensor plan for one block of the plain model (its MLP is benchmarked alone too)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    out = Shard(1) if sp else Replicate()
+    plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    plan.update({"feed_forward.w_gate": ColwiseParallel(), "feed_forward.w_up": ColwiseParallel(),
+                 "attention.wo": RowwiseParallel(output_layouts=out),
+                 "feed_forward.w_down": RowwiseParallel(output_layouts=out)})
+    if sp:
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                     "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None)),
+                     "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+    return plan
+
+
+def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps: int, rounds: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from parallelisms.comm import CommLedger, Comms, Timeline
+    from parallelisms.parallel.tensor import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
+    gen = torch.Generator().manual_seed(0)
+    seq = train_cfg.seq_len // info.world_size if sp else train_cfg.seq_len
+    batch = train_cfg.global_batch
+    full = torch.randn(batch, train_cfg.seq_len, model_cfg.dim, generator=gen)
+    x = (full.chunk(info.world_size, dim=1)[info.rank] if sp else full).contiguous().requires_grad_()
+    grad_out = torch.randn(batch, seq, model_cfg.dim, generator=gen)
+
+    timings, runs = {}, {}
+    for overlap in (False, True):
+        timeline = Timeline(info.rank, enabled=False)
+        comms = Comms({"tp": mesh}, CommLedger(), timeline)
+        ours = apply_tensor_parallel(build_model(model_cfg, train_cfg.seed), comms["tp"], sp, overlap)
+        runs[("ours", overlap)] = (ours, timeline)
+    peer = build_model(model_cfg, train_cfg.seed)
+    cos, sin = peer.rope_cos[:train_cfg.seq_len], peer.rope_sin[:train_cfg.seq_len]
+    parallelize_module(peer.layers[0], mesh, _peer_plan(sp))
+    for target in ("block", "mlp"):
+        fns = {}
+        for (_, overlap), (model, _) in runs.items():
+            fns["ours_overlap" if overlap else "ours"] = _step(model.layers[0], x, grad_out, cos, sin, target)
+        fns["peer"] = _step(peer.layers[0], x, grad_out, cos, sin, target)
+        timings[target] = alternate(fns, steps, rounds)
+
+    # What the overlap hides: the backward of one block traced per setting. Its only input-gradient
+    # reductions are the two column-parallel regions' (all-reduce; reduce-scatter under SP).
+    reduction = "reduce_scatter" if sp else "all_reduce"
+    hidden = {}
+    for (_, overlap), (model, timeline) in runs.items():
+        out = model.layers[0](x, cos, sin)
+        timeline.enabled = True
+        start = timeline.now()
+        out.backward(grad_out)
+        end = timeline.now()
+        comm = [s.end - s.start for s in timeline.spans if s.cat == "comm" and s.name.startswith(reduction)]
+        waits = [s.end - s.start for s in timeline.spans if s.cat == "wait"]
+        hidden["overlap" if overlap else "sync"] = {
+            "backward_ms": (end - start) / 1e6, "reduction_ms": sum(comm) / 1e6,
+            "exposed_ms": (sum(waits) if overlap else sum(comm)) / 1e6}
+        timeline.enabled = False
+        timeline.spans.clear()
+    return {"timings": timings, "overlap": hidden}
+
+
+def _step(block, x, grad_out, cos, sin, target: str):
+    module = block if target == "block" else block.feed_forward
+    params = list(module.parameters())
+
+    def run():
+        for p in params:
+            p.grad = None
+        out = module(x, cos, sin) if target == "block" else module(x)
+        out = out.to_local() if hasattr(out, "to_local") else out
+        out.backward(grad_out)
+    return run
+
+
+@bench("tp")
+def bench_tp(args) -> dict:
+    """Our block / MLP against DTensor ColwiseParallel/RowwiseParallel(/SequenceParallel), fwd+bwd."""
+    model_cfg = preset(args.preset).validate()
+    sp, target = getattr(args, "sp", False), getattr(args, "target", "block")
+    train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len)
+    if args.world < 2:
+        raise ConfigError(f"bench tp needs --world >= 2 (the TP degree), got {args.world}")
+    ParallelConfig(ParallelDims(tp=args.world), sequence_parallel=sp).validate(model_cfg, train_cfg)
+    result = launch(_tp_rank, args.world, model_cfg, train_cfg, sp, args.steps, args.rounds, backend="gloo",
+                    threads=1)
+    times = result[0]["timings"]
+    out = {"bench": "tp", "world_size": args.world, "sp": sp, "target": target,
+           "shape": [args.global_batch, args.seq_len, model_cfg.dim],
+           "ours_s": times[target]["ours"], "peer": "torch DTensor parallelize_module "
+           + ("Colwise/Rowwise/SequenceParallel" if sp else "Colwise/RowwiseParallel"),
+           "peer_s": times[target]["peer"], "ratio": times[target]["ours"] / times[target]["peer"]}
+    for name, t in times.items():
+        out[f"{name}_ours_s"], out[f"{name}_ours_overlap_s"], out[f"{name}_peer_s"] = t["ours"], t["ours_overlap"], t["peer"]
+        out[f"{name}_ratio"] = t["ours"] / t["peer"]
+    out["overlap_per_rank"] = [r["overlap"] for r in result]
+    return out
