@@ -47,6 +47,8 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    g = p.add_argument_group("context parallelism")
+    g.add_argument("--cp-attention", default="ring", help="ring (ring attention) or ulysses (all-to-all over heads)")
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe, "
                                                        "dualpipev or pipedream")
@@ -79,7 +81,8 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
+                              schedule=args.schedule, cp_attention=args.cp_attention, microbatches=args.microbatches,
+                              chunks=args.chunks)
     parallel = parallel.validate(model, train)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))

@@ -173,6 +173,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0              # 0: 2 x pp
     chunks: int = 1                    # virtual stages per rank (interleaved)
+    # context parallelism
+    cp_attention: str = "ring"         # ring (ring attention, zigzag shards) or ulysses (all-to-all over heads)
 
     def __post_init__(self):
         if self.dims is None:
@@ -186,10 +188,9 @@ class ParallelConfig:
         """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
         dims = self.dims
         _check_pipeline(self, model, train)
-        for name in ("cp", "ep"):
-            require(getattr(dims, name) == 1,
-                    f"--{name} {getattr(dims, name)} is not implemented yet; only data parallelism (--dp) runs so far")
+        require(dims.ep == 1, f"--ep {dims.ep} is not implemented yet (expert parallelism needs an MoE model)")
         _check_tensor_parallel(self, model, train)
+        _check_context_parallel(self, model, train)
         _check_sharded_data_parallel(self)
         train.validate(model, dp=dims.dp)
         return self
@@ -292,3 +293,18 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
     require(not parallel.sequence_parallel or train.seq_len % tp == 0,
             f"--sp shards the sequence over --tp {tp}, so seq_len {train.seq_len} must be divisible by it; "
             f"try --seq-len {max(tp, train.seq_len // tp * tp)}")
+
+
+def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
+    """--cp / --cp-attention: a sequence the ring's zigzag chunks (or Ulysses' contiguous chunks) divide, and
+    for Ulysses heads the degree divides (after tensor parallelism has split them)."""
+    from parallelisms.parallel.context import check_context_parallel
+
+    dims = parallel.dims
+    require(parallel.cp_attention in ("ring", "ulysses"),
+            f"unknown --cp-attention {parallel.cp_attention!r}; choose ring or ulysses")
+    if dims.cp == 1:
+        return
+    require(not parallel.sequence_parallel, f"--cp {dims.cp} with --sp is not supported yet; drop --sp")
+    check_context_parallel(parallel.cp_attention, dims.cp, model.n_heads // dims.tp,
+                           max(1, model.n_kv_heads // dims.tp), train.seq_len)

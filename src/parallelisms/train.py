@@ -47,6 +47,7 @@ class Runner:
         self.model, self.comms, self.cfg, self.grad_sync = model, comms, cfg, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg)
+        self.positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
 
     def zero_grad(self) -> None:
         if self.grad_sync is not None:
@@ -63,7 +64,11 @@ class Runner:
             last = i == len(micro) - 1
             with (self.grad_sync.no_sync() if self.grad_sync is not None and not last else nullcontext()):
                 with ledger.in_phase("forward"), timeline.span("forward"):
-                    loss = self.model(x, y) / len(micro)
+                    if self.positions is None:
+                        loss = self.model(x, y) / len(micro)
+                    else:
+                        pos = self.positions
+                        loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
             total += loss.detach().float().cpu()
@@ -111,14 +116,20 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.fsdp and parallel.fsdp_style != "flat":
         from parallelisms.parallel.fsdp2 import per_param_runner
         return per_param_runner(model, parallel, train, comms)
+    positions = None
+    if parallel.dims.cp > 1:
+        from parallelisms.parallel.context import apply_context_parallel
+        positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
     if parallel.zero or parallel.fsdp:
         from parallelisms.parallel.zero import parallelize_sharded
         return parallelize_sharded(model, parallel, train, comms)
     grad_sync = None
-    if parallel.dims.dp > 1:
-        grad_sync = DataParallel(model, comms["dp"], bucket_cap_mb=train.bucket_mb,
+    if parallel.dims.dp * parallel.dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
+        grad_sync = DataParallel(model, comms["dp_cp"], bucket_cap_mb=train.bucket_mb,
                                  find_unused_parameters=parallel.find_unused_parameters)
-    return Runner(model, comms, train, grad_sync)
+    runner = Runner(model, comms, train, grad_sync)
+    runner.positions = positions
+    return runner
 
 
 def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:
@@ -153,7 +164,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
-        losses = comms["dp"].all_reduce(torch.stack(losses)) / dims.dp
+        losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
         step_comm = _step_comm(comms.ledger, ledger_marks, measured)
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
