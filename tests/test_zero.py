@@ -154,6 +154,16 @@ def test_persistent_memory_matches_zero_formulas(run):
             assert bf16["memory"][kind] == pytest.approx(want[kind], rel=0.05), (kind, bf16["memory"], want)
 
 
+def test_zero3_prefetches_every_gather_but_the_first_of_each_pass(run):
+    """Forward: the embedding's gather is on demand, each later unit's was issued by the previous unit's
+    pre-forward hook; backward: the head's on demand (freed after forward), each earlier unit's prefetched."""
+    _, reports = run
+    units = MODEL.n_layers + 2
+    memory = reports["zero3"]["memory"]
+    assert memory["on_demand_gathers"] == 2 * BASE.steps
+    assert memory["prefetched_gathers"] == 2 * (units - 1) * BASE.steps
+
+
 def _largest_unit_numel():
     model = build_model(MODEL)
     units = [model.tok_embeddings, *model.layers, model.norm]

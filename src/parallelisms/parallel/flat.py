@@ -147,6 +147,7 @@ class ShardedEngine:
         self.syncing = True
         self._callback_queued = False
         self._in_flight = None            # (unit, Pending, gradient, its fp32 copy being reduced)
+        self.gathers = {"prefetched": 0, "on_demand": 0}  # all-gathers issued ahead of need, or when needed
         self.live = {"params": 0, "grads": 0}
         self.peak = {"params": 0, "grads": 0}
         self._hooks = []
@@ -175,6 +176,8 @@ class ShardedEngine:
         unit.pending_gather = (_gather_into(self.shard_comm, src, unit.full.data, async_op=True), src)
 
     def _wait_unshard(self, unit: FlatUnit) -> None:
+        if not unit.gathered:
+            self.gathers["prefetched" if unit.pending_gather is not None else "on_demand"] += 1
         self._unshard(unit)
         if unit.pending_gather is not None:
             pending, _ = unit.pending_gather

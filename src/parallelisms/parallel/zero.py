@@ -60,10 +60,14 @@ class ShardedRunner(Runner):
             return self.engine.full_state_dict()
 
     def memory_report(self) -> dict:
+        """:func:`memory_report` of the engine's buffers, with the all-gather counts that explain the
+        gathered-parameter peak (prefetched ones hold two units at once)."""
         held = self.engine.memory()
-        return memory_report(held["params"], held["grads"], self.optimizer, held["master"],
-                             {"gathered_params_peak": held["gathered_params_peak"],
-                              "grad_buffers_peak": held["grad_buffers_peak"]})
+        report = memory_report(held["params"], held["grads"], self.optimizer, held["master"],
+                               {"gathered_params_peak": held["gathered_params_peak"],
+                                "grad_buffers_peak": held["grad_buffers_peak"]})
+        report.update({f"{kind}_gathers": count for kind, count in self.engine.gathers.items()})
+        return report
 
 
 def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
