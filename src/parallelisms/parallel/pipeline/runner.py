@@ -57,8 +57,10 @@ class PipelineRunner(Runner):
             if s not in self.copies:
                 for p in stage.parameters():
                     mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
+        # flat per-stage gradient buffers, for one all-reduce per stage and the DualPipe exchange; without
+        # either, gradients are plain (set to None between steps, so the first microbatch's is not an add)
         self.buckets = {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()])
-                        for s, st in self.stages.items()}
+                        for s, st in self.stages.items()} if self.dp_comm.size > 1 or self.copies else {}
         self.dp_pending: list = []
         self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
                                  **self.executor_hooks())
@@ -81,6 +83,9 @@ class PipelineRunner(Runner):
 
     # -- gradients -------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if not self.buckets:
+            for p in self.params:
+                p.grad = None
         for bucket in self.buckets.values():
             bucket.buffer.zero_()
             for param, view in zip(bucket.params, bucket.views):

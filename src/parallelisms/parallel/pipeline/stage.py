@@ -18,7 +18,8 @@ from parallelisms.model.transformer import Transformer
 
 class Stage(nn.Module):
     """Layers ``first .. last-1`` of ``model``, plus the embedding (``first_stage``) and head and loss
-    (``last_stage``). ``forward(x, targets)``: tokens or hidden states in; hidden states or the loss out."""
+    (``last_stage``). ``forward(x, targets)``: tokens or hidden states in; hidden states, or the loss (the
+    logits when ``targets`` is None) out."""
 
     def __init__(self, model: Transformer, layers: range, first_stage: bool, last_stage: bool):
         super().__init__()
@@ -43,7 +44,8 @@ class Stage(nn.Module):
             h = layer(h, cos, sin)
         if self.output is None:
             return h
-        return self.loss(self.output(self.norm(h)), targets)
+        logits = self.output(self.norm(h))
+        return logits if targets is None else self.loss(logits, targets)
 
 
 def build_stages(model: Transformer, bounds: list[int], wanted: list[tuple[int, int]]) -> dict[int, Stage]:

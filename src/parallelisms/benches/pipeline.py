@@ -1,0 +1,129 @@
+"""``parallelisms bench pipeline --schedule S``: our executor against ``torch.distributed.pipelining``'s schedule
+of the same name on the same stages; ``parallelisms bench pipeline-balance``: stages balanced by measured
+per-layer time against equal layer counts on a model with a large vocabulary head.
+
+Both implementations run in the same processes on their own copy of the same seeded model, cut at the same
+layer bounds, one thread per rank, alternating rounds (``bench.alternate``). A step is zero-grad, one pass
+of the schedule over the global batch, and an AdamW step (no clipping: the peer has none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallelisms.bench import alternate, bench
+from parallelisms.comm import Comms
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset, require
+from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.launch import RankInfo, launch
+from parallelisms.mesh import ParallelDims
+from parallelisms.model import build_model
+
+PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def _layout(world: int, schedule: str, microbatches: int) -> ParallelConfig:
+    return ParallelConfig(ParallelDims(pp=world), schedule=schedule, microbatches=microbatches or 2 * world,
+                          chunks=2 if schedule == "interleaved" else 1)
+
+
+def _ours(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig, parallel: ParallelConfig,
+          comms: Comms, bounds=None):
+    from parallelisms.parallel.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms, bounds)
+    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
+    return runner, lambda: runner.train_step(inputs, targets)
+
+
+def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int):
+    """torch.distributed.pipelining on the same stages (a fresh copy of the model, the same bounds)."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
+
+    from parallelisms.parallel.pipeline.stage import build_stages
+    from parallelisms.train import make_optimizer
+
+    schedule = runner.schedule
+    stages = build_stages(build_model(model_cfg, train_cfg.seed), runner.bounds, schedule.modules_on(rank))
+    pipe = [PipelineStage(stages[s], s, schedule.num_stages, torch.device("cpu")) for s in sorted(stages)]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())  # noqa: E731
+    cls = getattr(pipelining, PEERS[schedule.name])
+    peer = cls(pipe[0] if len(pipe) == 1 else pipe, schedule.microbatches, loss_fn=loss_fn)
+    optimizer = make_optimizer([p for st in stages.values() for p in st.parameters()], train_cfg)
+    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
+    args = (inputs,) if 0 in stages else ()
+    target = targets if schedule.num_stages - 1 in stages else None
+
+    def step():
+        optimizer.zero_grad()
+        peer.step(*args, target=target, losses=[] if target is not None else None)
+        optimizer.step()
+    return step
+
+
+def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, rounds: int):
+    comms = Comms(parallel.dims.build_meshes())
+    runner, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
+    peer = _peer_step(model_cfg, train_cfg, runner, comms["pp"].rank)
+    return alternate({"ours": ours, "peer": peer}, steps, rounds)
+
+
+def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
+    model_cfg = preset(args.preset).validate()
+    train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, grad_clip=0.0)
+    require(args.schedule in PEERS, f"bench pipeline --schedule {args.schedule!r} has no torch peer; "
+                                    f"choose one of {', '.join(PEERS)}")
+    parallel = _layout(args.world, args.schedule, args.microbatches)
+    return model_cfg, train_cfg, parallel.validate(model_cfg, train_cfg)
+
+
+@bench("pipeline")
+def bench_pipeline(args) -> dict:
+    """Our executor against torch.distributed.pipelining's schedule of the same name."""
+    model_cfg, train_cfg, parallel = _configs(args)
+    times = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps, args.rounds,
+                   backend="gloo", threads=1)[0]
+    return {"bench": "pipeline", "schedule": args.schedule, "world_size": args.world,
+            "microbatches": parallel.microbatches, "params": model_cfg.num_params(),
+            "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
+            "peer_s": times["peer"], "ratio": times["ours"] / times["peer"]}
+
+
+# -- balancing by measured runtime ----------------------------------------------------------------------
+
+# A model whose last stage is heavy: a 16k vocabulary head on a narrow model.
+BIG_HEAD = ModelConfig(vocab_size=16384, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=256)
+
+
+def _balance_rank(info: RankInfo, model_cfg, train_cfg, parallel, layouts: dict, steps: int, rounds: int):
+    comms = Comms(parallel.dims.build_meshes())
+    runs = {name: _ours(info, model_cfg, train_cfg, parallel, comms, bounds)[1] for name, bounds in layouts.items()}
+    return alternate(runs, steps, rounds)
+
+
+@bench("pipeline-balance")
+def bench_pipeline_balance(args) -> dict:
+    """1F1B step time with stages cut by measured per-layer cost vs equal layer counts (large-vocab head)."""
+    from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs, stage_costs
+
+    train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, grad_clip=0.0)
+    schedule = args.schedule
+    require(schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2"),
+            f"bench pipeline-balance runs a one-stage-per-rank schedule (gpipe, 1f1b, zb-h1, zb-h2), not {schedule}")
+    parallel = _layout(args.world, schedule, args.microbatches).validate(BIG_HEAD, train_cfg)
+    torch.set_num_threads(1)
+    layers, first, last = profile_costs(BIG_HEAD, args.global_batch // parallel.microbatches, args.seq_len)
+    layouts = {"equal": equal_bounds(BIG_HEAD.n_layers, args.world),
+               "balanced": balanced_bounds(layers, first, last, args.world)}
+    times = launch(_balance_rank, args.world, BIG_HEAD, train_cfg, parallel, layouts, args.steps, args.rounds,
+                   backend="gloo", threads=1)[0]
+    return {"bench": "pipeline-balance", "schedule": schedule, "world_size": args.world,
+            "microbatches": parallel.microbatches, "layer_s": layers, "embedding_s": first, "head_s": last,
+            "bounds": layouts,
+            "predicted_stage_s": {k: stage_costs(b, layers, first, last) for k, b in layouts.items()},
+            "ours_s": times["balanced"], "peer": "equal layer counts", "peer_s": times["equal"],
+            "ratio": times["balanced"] / times["equal"],
+            "improvement": 1.0 - times["balanced"] / times["equal"]}
