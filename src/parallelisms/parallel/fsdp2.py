@@ -97,8 +97,6 @@ class PerParamSharding:
     before each step; gradients are averaged over the ranks when backward returns.
     """
 
-    style = "per_param"
-
     def __init__(self, model: nn.Module, comm: Comm, reshard_after_forward: bool = True):
         self.model, self.comm, self.reshard_after_forward = model, comm, reshard_after_forward
         self.stats = BufferStats()
@@ -107,7 +105,7 @@ class PerParamSharding:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
             raise ValueError(f"parameter {missing[0]} is outside every sharding unit ({len(missing)} such)")
-        self._pending_grads: list[tuple[Unit, object, torch.Tensor]] = []
+        self._pending_grads: list[tuple] = []  # (unit, pending reduce-scatter, its output, its input)
         self._callback_queued = False
         self._saved_hooks = None
         with torch.no_grad():

@@ -29,8 +29,6 @@ from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
 class ReuseSharding(PerParamSharding):
     """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD)."""
 
-    style = "reuse"
-
     def __init__(self, model: nn.Module, comm: Comm):
         self.weight_buffers: list[torch.Tensor | None] = [None, None]
         self.grad_buffers: list[torch.Tensor | None] = [None, None]
