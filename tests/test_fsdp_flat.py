@@ -5,11 +5,8 @@ send the bytes their sharding implies, and hold ZeRO-3's memory for FULL_SHARD.
 One launch per world size runs every scenario.
 """
 
-import json
-
 import pytest
 
-from parallelisms.cli import main
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
@@ -102,10 +99,3 @@ def test_memory(run):
         got, want = reports["hybrid_shard"]["memory"], zero_formula(psi, 2, 3)
         assert got["persistent"] == pytest.approx(want["total"], rel=0.05)
 
-
-def test_cli_verify_hybrid_shard(capsys):
-    argv = ["verify", "--dp-replicate", "2", "--dp-shard", "2", "--fsdp", "hybrid_shard", "--steps", "2",
-            "--global-batch", "8", "--seq-len", "32", "--json"]
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["ok"] is True and result["world_size"] == 4

@@ -103,10 +103,6 @@ def reference_train_bf16(model_cfg, cfg: TrainConfig, splits: int = 1):
     return losses, {n: m.detach().clone() for n, m in zip(names, master)}
 
 
-def _scenarios(world):
-    return [name for name, (*_, worlds) in SCENARIOS.items() if world in worlds]
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_reproduces_single_process_adamw(run, references, name):
     world, reports = run
