@@ -15,12 +15,13 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
+from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import compare, reference_train
 
 MODEL = preset("tiny")
-BASE = TrainConfig(steps=3, global_batch=8, seq_len=32)
+BASE = TrainConfig(steps=3, global_batch=8, seq_len=32, bucket_mb=0.3)  # ZeRO-1/2: two gradient buckets
 CLIP = BASE.replace(grad_clip=0.05)  # far below the gradient norm (about 1), so clipping scales every step
 ACCUM = BASE.replace(grad_accum=2)
 # bf16 runs without clipping: a last-bit difference in the clip coefficient (the norm summed in another
@@ -133,14 +134,15 @@ def test_clipping_bites_and_matches(references):
 
 def test_persistent_memory_matches_zero_formulas(run):
     world, reports = run
-    psi, largest_unit = MODEL.num_params(), _largest_unit_numel()
+    psi = MODEL.num_params()
+    largest_unit, largest_bucket = _largest_unit_numel(), _largest_unit_numel(int(BASE.bucket_mb * 2**20))
     for stage in (1, 2, 3):
         got = reports[f"zero{stage}"]["memory"]
         want = zero_formula(psi, world, stage)
         for kind in ("params", "grads", "optimizer"):
             assert got[kind] == pytest.approx(want[kind], rel=0.05), (stage, kind, got, want)
-        if stage == 2:  # one unit's gradient in flight while autograd produces the next
-            assert 0 < got["grad_buffers_peak"] <= 2 * largest_unit * 4
+        if stage == 2:  # one bucket's gradient in flight while autograd produces the next
+            assert largest_bucket * 4 <= got["grad_buffers_peak"] <= 2 * largest_bucket * 4
         if stage == 3:  # the unit computing plus the prefetched next one
             assert largest_unit * 4 <= got["gathered_params_peak"] <= 2 * largest_unit * 4
     bf16 = reports.get("zero1_bf16")
@@ -160,12 +162,10 @@ def test_zero3_prefetches_every_gather_but_the_first_of_each_pass(run):
     assert memory["prefetched_gathers"] == 2 * (units - 1) * BASE.steps
 
 
-def _largest_unit_numel():
-    model = build_model(MODEL)
-    units = [model.tok_embeddings, *model.layers, model.norm]
-    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    sizes[-1] += model.output.weight.numel()
-    return max(sizes)
+def _largest_unit_numel(cap_bytes=None):
+    units = module_units(build_model(MODEL), cap_bytes)
+    assert cap_bytes is None or len(units) == 2
+    return max(sum(p.numel() for m in modules for p in m.parameters()) for _, modules in units)
 
 
 def test_ledger_bytes_match_data_parallel(run):
@@ -180,6 +180,8 @@ def test_ledger_bytes_match_data_parallel(run):
         total = comm["reduce_scatter"]["bytes_per_rank"] + comm["all_gather"]["bytes_per_rank"]
         assert total == pytest.approx((1.5 if stage == 3 else 1.0) * 2 * ring, rel=1e-9)
         assert comm["all_reduce"]["bytes_per_rank"] < 16  # only the squared gradient norm for clipping
+        units = 2 if stage < 3 else MODEL.n_layers + 2  # ZeRO-1/2: two buckets under --bucket-mb 0.3
+        assert comm["reduce_scatter"]["calls"] == pytest.approx(units)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -5,7 +5,8 @@ parameters (stage 3) over the N data-parallel ranks; FSDP (Zhao et al., VLDB'23)
 *flat parameter* per wrapped unit. Here both are configurations of one engine:
 
 * a :class:`FlatUnit` concatenates the parameters of a wrapping unit (the embedding, one transformer
-  block, the head = final norm + output) into one flat buffer ``full`` (padded to a multiple of N) that
+  block, the head = final norm + output; for ZeRO-1/2 consecutive ones merged up to the gradient bucket
+  cap) into one flat buffer ``full`` (padded to a multiple of N) that
   the modules' weights view, and keeps this rank's 1/N slice ``shard`` as an fp32 ``nn.Parameter`` (the
   master weights the optimizer updates; a view of ``full`` when nothing more is needed);
 * a :class:`ShardingPlan` says which states are sharded and when parameters are resharded.
@@ -14,7 +15,7 @@ API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse varia
 
     plan = ShardingPlan(shard_params=True, shard_grads=True, reshard_after_forward=True,
                         shard_dim="dp", replicate_dim=None, compute_dtype=torch.float32)
-    engine = ShardedEngine(model, module_units(model), plan, comms)
+    engine = ShardedEngine(model, module_units(model, cap_bytes=None), plan, comms)
     engine.parameters()       # the fp32 shards (nn.Parameter, .grad = reduced gradient shard): optimizer input
     with engine.no_sync(): ...  # local accumulation (only while gradients are not sharded)
     engine.zero_grad(); loss.backward()   # hooks gather, prefetch, reshard and reduce-scatter
@@ -61,12 +62,26 @@ class ShardingPlan:
     compute_dtype: torch.dtype = torch.float32
 
 
-def module_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The wrapping units of the transformer in forward order: embedding, each block, head (norm + output)."""
+def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
+    """The wrapping units of the transformer in forward order: embedding, each block, head (norm + output).
+
+    With ``cap_bytes``, consecutive units are merged while their parameters fit under it: gradient
+    buckets in the sense of DDP (ZeRO-1/2 communicate a unit's gradient as one bucket)."""
     units = [("tok_embeddings", [model.tok_embeddings])]
     units += [(f"layers.{i}", [block]) for i, block in enumerate(model.layers)]
     units.append(("head", [model.norm, model.output]))
-    return units
+    if cap_bytes is None:
+        return units
+    merged, sizes = [], []
+    for name, modules in units:
+        size = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+        if merged and sizes[-1] + size <= cap_bytes:
+            merged[-1] = (f"{merged[-1][0]}+{name}", merged[-1][1] + modules)
+            sizes[-1] += size
+        else:
+            merged.append((name, list(modules)))
+            sizes.append(size)
+    return merged
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

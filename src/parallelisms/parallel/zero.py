@@ -3,15 +3,17 @@ sharded data-parallel layout (ZeRO stages and FSDP strategies alike).
 
 * Stage 1: optimizer state (and fp32 master weights in bf16) partitioned. The full gradient persists and
   accumulates locally across microbatches; after the last one each unit's gradient is reduce-scattered
-  from its backward hook (units are the buckets, launched in ready order, one in flight), each rank
-  runs AdamW on its flat fp32 shard, and an all-gather refreshes the full parameters.
+  from its backward hook (units are the buckets: consecutive blocks merged under ``--bucket-mb``,
+  launched in ready order, one in flight), each rank runs AdamW on its flat fp32 shard, and an
+  all-gather refreshes the full parameters.
 * Stage 2: gradients partitioned too: every microbatch reduce-scatters each unit's gradient and keeps
   only the reduced shard (G/N persistent, plus the buckets in flight).
 * Stage 3: parameters partitioned too: a unit is all-gathered just before its forward (the next one is
   prefetched) and again before its backward, freed after each, its gradient reduce-scattered to owners.
 
-API: ``zero_plan(stage, dims, compute_dtype)`` gives the :class:`ShardingPlan`;
-``ShardedRunner(model, comms, train_cfg, plan)`` is a :class:`parallelisms.train.Runner`;
+API: ``zero_plan(stage, compute_dtype)`` gives the :class:`ShardingPlan`;
+``ShardedRunner(model, comms, train_cfg, plan, units=None)`` is a :class:`parallelisms.train.Runner`
+(units default to ``module_units(model)``, one per block);
 ``parallelize_sharded(model, parallel, train, comms)`` picks the plan from a :class:`ParallelConfig`.
 """
 
@@ -73,9 +75,9 @@ class ShardedRunner(Runner):
 def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
     """The runner for ``--zero K`` or ``--fsdp STRATEGY`` (flat style)."""
     dtype = DTYPES[parallel.mixed_precision]
-    if parallel.zero:
+    if parallel.zero:  # stages 1-2 communicate gradients in buckets under --bucket-mb; stage 3 per block
         plan = zero_plan(parallel.zero, dtype)
-    else:
-        from parallelisms.parallel.fsdp import fsdp_plan
-        plan = fsdp_plan(parallel.fsdp, dtype)
-    return ShardedRunner(model, comms, train, plan)
+        cap = int(train.bucket_mb * 2**20) if parallel.zero < 3 else None
+        return ShardedRunner(model, comms, train, plan, module_units(model, cap))
+    from parallelisms.parallel.fsdp import fsdp_plan
+    return ShardedRunner(model, comms, train, fsdp_plan(parallel.fsdp, dtype))
