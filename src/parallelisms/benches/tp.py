@@ -57,13 +57,13 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
         timeline = Timeline(info.rank, enabled=False)
         comms = Comms({"tp": mesh}, CommLedger(), timeline)
         ours = apply_tensor_parallel(build_model(model_cfg, train_cfg.seed), comms["tp"], sp, overlap)
-        runs[("ours", overlap)] = (ours, timeline)
+        runs[overlap] = (ours, timeline)
     peer = build_model(model_cfg, train_cfg.seed)
     cos, sin = peer.rope_cos[:train_cfg.seq_len], peer.rope_sin[:train_cfg.seq_len]
     parallelize_module(peer.layers[0], mesh, _peer_plan(sp))
     for target in ("block", "mlp"):
         fns = {}
-        for (_, overlap), (model, _) in runs.items():
+        for overlap, (model, _) in runs.items():
             fns["ours_overlap" if overlap else "ours"] = _step(model.layers[0], x, grad_out, cos, sin, target)
         fns["peer"] = _step(peer.layers[0], x, grad_out, cos, sin, target)
         timings[target] = alternate(fns, steps, rounds)
@@ -72,7 +72,7 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     # reductions are the two column-parallel regions' (all-reduce; reduce-scatter under SP).
     reduction = "reduce_scatter" if sp else "all_reduce"
     hidden = {}
-    for (_, overlap), (model, timeline) in runs.items():
+    for overlap, (model, timeline) in runs.items():
         out = model.layers[0](x, cos, sin)
         timeline.enabled = True
         start = timeline.now()
@@ -97,6 +97,8 @@ def _step(block, x, grad_out, cos, sin, target: str):
             p.grad = None
         out = module(x, cos, sin) if target == "block" else module(x)
         out = out.to_local() if hasattr(out, "to_local") else out
+        if hasattr(out, "trigger_wait"):   # DTensor's output all-reduce is lazy: wait as a consumer would
+            out.trigger_wait()
         out.backward(grad_out)
     return run
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.comm import Comm, copy_to_group, gather_along
+from parallelisms.model.transformer import apply_rotary
 from parallelisms.parallel.common import mark_sharded
 
 
@@ -196,8 +197,6 @@ class ParallelAttention(nn.Module):
         self.core = plain.core
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from parallelisms.model.transformer import apply_rotary
-
         q, k, v = column_parallel(x, self.region, self.wq.weight, self.wk.local_weight(), self.wv.local_weight())
         batch, seq = q.shape[:2]
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
