@@ -35,6 +35,11 @@ class ModelConfig:
     max_seq_len: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # mixture of experts (n_experts 0: dense SwiGLU MLP in every block)
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 0.0       # 0: no capacity limit
+    aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:
@@ -51,13 +56,19 @@ class ModelConfig:
                 f"try n_kv_heads in {_divisors(self.n_heads)}")
         require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} (dim/n_heads) must be even for rotary positions")
         require(self.rope_theta > 0 and self.norm_eps > 0, "rope_theta and norm_eps must be positive")
+        if self.n_experts:
+            require(isinstance(self.n_experts, int) and self.n_experts >= 2,
+                    f"n_experts must be 0 (dense) or at least 2, got {self.n_experts}")
+            require(1 <= self.top_k <= self.n_experts,
+                    f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
+            require(self.capacity_factor >= 0, f"capacity_factor must be non-negative, got {self.capacity_factor}")
         return self
 
     def num_params(self) -> int:
         """Parameter count (embedding, attention, SwiGLU MLP, two norms per block, final norm, head)."""
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
-        mlp = 3 * self.dim * self.ffn_dim
+        mlp = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         return 2 * self.vocab_size * self.dim + self.n_layers * (attn + mlp + 2 * self.dim) + self.dim
 
 
@@ -70,6 +81,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
     # A few million parameters: the size the benchmarks use.
     "small": ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=256),
+    # Mixture of experts: 8 experts, top-2, in every block (expert parallelism needs one).
+    "tiny-moe": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128,
+                            n_experts=8, top_k=2),
     "medium": ModelConfig(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1376, max_seq_len=512),
     # Real shapes, for estimates and meta-device builds.
     "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -94,6 +108,8 @@ _HF_FIELDS = {  # our name: (Hugging Face name, required)
     "max_seq_len": ("max_position_embeddings", False),
     "rope_theta": ("rope_theta", False),
     "norm_eps": ("rms_norm_eps", False),
+    "n_experts": ("num_local_experts", False),        # Mixtral
+    "top_k": ("num_experts_per_tok", False),
 }
 
 
@@ -188,7 +204,7 @@ class ParallelConfig:
         """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
         dims = self.dims
         _check_pipeline(self, model, train)
-        require(dims.ep == 1, f"--ep {dims.ep} is not implemented yet (expert parallelism needs an MoE model)")
+        _check_expert_parallel(self, model)
         _check_tensor_parallel(self, model, train)
         _check_context_parallel(self, model, train)
         _check_sharded_data_parallel(self)
@@ -308,3 +324,18 @@ def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train:
     require(not parallel.sequence_parallel, f"--cp {dims.cp} with --sp is not supported yet; drop --sp")
     check_context_parallel(parallel.cp_attention, dims.cp, model.n_heads // dims.tp,
                            max(1, model.n_kv_heads // dims.tp), train.seq_len)
+
+
+def _check_expert_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """--ep: an MoE model whose experts split evenly; MoE models compose with dp and ep only so far."""
+    dims = parallel.dims
+    if dims.ep > 1:
+        require(model.n_experts > 0, f"--ep {dims.ep} needs a mixture-of-experts model, but this one is dense; "
+                                     f"use --preset tiny-moe or a config with num_local_experts")
+        require(model.n_experts % dims.ep == 0,
+                f"--ep {dims.ep} must divide n_experts {model.n_experts}; "
+                f"try --ep in {[d for d in _divisors(model.n_experts) if d > 1]}")
+    if model.n_experts:
+        plain = dims.tp == dims.pp == dims.cp == 1 and not parallel.zero and not parallel.fsdp
+        require(plain, f"a mixture-of-experts model runs with --dp and --ep only so far, got {dims.describe()} "
+                       f"(zero {parallel.zero}, fsdp {parallel.fsdp}); drop --tp/--pp/--cp/--zero/--fsdp")

@@ -3,8 +3,8 @@
 Rank order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Rank
 ``r = ((((pp_i * R + dr_i) * S + ds_i) * C + cp_i) * T + tp_i)``, so tensor-parallel peers are adjacent
 ranks (the fastest links on a node) and pipeline stages are farthest apart. Expert parallelism does not
-add ranks: the ``ep`` degree is carved out of the ``dp_shard x cp`` ranks (as in torchtitan), so it must
-divide their product.
+add ranks: the ``ep`` degree is carved out of the data-parallel x context-parallel ranks (the innermost
+``ep`` of them form an expert group), so it must divide their product.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ class ParallelDims:
             value = getattr(self, f.name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     f"parallel degree {f.name} must be a positive integer, got {value!r}")
-        require((self.dp_shard * self.cp) % self.ep == 0,
-                f"ep {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp}; "
-                f"try ep in {[d for d in range(1, self.dp_shard * self.cp + 1) if self.dp_shard * self.cp % d == 0]}")
+        ranks = self.dp_replicate * self.dp_shard * self.cp
+        require(ranks % self.ep == 0,
+                f"ep {self.ep} must divide the data-parallel x context-parallel ranks "
+                f"({self.dp_replicate} x {self.dp_shard} x {self.cp} = {ranks}); "
+                f"try ep in {[d for d in range(1, ranks + 1) if ranks % d == 0]}")
 
     @property
     def world_size(self) -> int:
@@ -73,5 +75,9 @@ class ParallelDims:
         meshes = {name: world[name] for name in MESH_ORDER}
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if self.ep > 1:  # ep: the innermost ep ranks of dp x cp; ep_replicate: the ranks holding the same experts
+            dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp_for_ep")
+            experts = dp_cp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("ep_replicate", "ep"))
+            meshes["ep"], meshes["ep_replicate"] = experts["ep"], experts["ep_replicate"]
         meshes["world"] = world
         return meshes

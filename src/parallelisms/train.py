@@ -120,13 +120,18 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.dims.cp > 1:
         from parallelisms.parallel.context import apply_context_parallel
         positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
+    replica_comms = None
+    if parallel.dims.ep > 1:
+        from parallelisms.parallel.expert import apply_expert_parallel
+        apply_expert_parallel(model, comms["ep"])
+        replica_comms = {"ep": comms["ep_replicate"]}
     if parallel.zero or parallel.fsdp:
         from parallelisms.parallel.zero import parallelize_sharded
         return parallelize_sharded(model, parallel, train, comms)
     grad_sync = None
     if parallel.dims.dp * parallel.dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         grad_sync = DataParallel(model, comms["dp_cp"], bucket_cap_mb=train.bucket_mb,
-                                 find_unused_parameters=parallel.find_unused_parameters)
+                                 find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
     runner = Runner(model, comms, train, grad_sync)
     runner.positions = positions
     return runner

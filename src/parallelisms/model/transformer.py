@@ -2,7 +2,7 @@
 
 Token embedding, pre-norm blocks of RMSNorm, causal self-attention with rotary positions
 (Su et al. 2021) and optional grouped key/value heads (Ainslie et al. 2023), a SwiGLU MLP
-(Shazeer 2020), a final RMSNorm and an untied output head. Parallelisms swap its modules
+(Shazeer 2020) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an untied output head. Parallelisms swap its modules
 (`wq`, `w_up`, `output`, `loss`, `core`, ...) for parallel ones; every shape the forward needs is read
 from the tensors themselves, so a module holding a shard of the heads or of the FFN width still works.
 """
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.config import ModelConfig
+from parallelisms.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +101,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.n_experts:
+            self.feed_forward = MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -146,7 +150,12 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         logits = self.output(self.norm(h))
-        return logits if targets is None else self.loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = self.loss(logits, targets)
+        if self.cfg.n_experts and self.cfg.aux_loss_coef:
+            loss = loss + self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers)
+        return loss
 
 
 @torch.no_grad()
@@ -160,7 +169,7 @@ def init_weights(model: Transformer, seed: int) -> Transformer:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            std = residual_std if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")) else 0.02
             param.copy_(torch.randn(param.shape, generator=gen) * std)
     return model
 

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm
+from parallelisms.parallel.common import sharded_over
 
 
 class Bucket:
-    """A flat gradient buffer and the parameters whose gradients are views into it."""
+    """A flat gradient buffer, the parameters whose gradients are views into it, and the group reducing it."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str]):
-        self.params, self.names = params, names
+    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm):
+        self.params, self.names, self.comm = params, names, comm
         dtype, device = params[0].dtype, params[0].device
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         self.views, offset = [], 0
@@ -38,20 +39,21 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of) -> list[Bucket]:
     """Reverse registration order (the order backward produces gradients), cut at ``cap_bytes``; a bucket
-    holds one dtype and device."""
+    holds one dtype, one device and one reducing group (``comm_of(param)``)."""
     buckets, current, names, size = [], [], [], 0
     for name, p in reversed(named_params):
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(current, names))
+        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+                        or comm_of(p) is not comm_of(current[0])):
+            buckets.append(Bucket(current, names, comm_of(current[0])))
             current, names, size = [], [], 0
         current.append(p)
         names.append(name)
         size += nbytes
     if current:
-        buckets.append(Bucket(current, names))
+        buckets.append(Bucket(current, names, comm_of(current[0])))
     return buckets
 
 
@@ -61,11 +63,19 @@ class DataParallel:
     Use: ``ddp = DataParallel(model, comms["dp"])``; then ``loss.backward()`` leaves averaged gradients.
     ``with ddp.no_sync():`` accumulates locally for gradient accumulation. ``find_unused_parameters=True``
     treats parameters that got no gradient as zero instead of raising an error naming them.
+    ``replica_comms`` maps a mesh dimension to the group of ranks holding the same shard, for parameters
+    sharded over that dimension (expert weights: ``{"ep": comms["ep_replicate"]}``): they are broadcast and
+    summed over that group only, and still divided by the full data-parallel size.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, broadcast_parameters: bool = True):
+                 find_unused_parameters: bool = False, broadcast_parameters: bool = True,
+                 replica_comms: dict[str, Comm] | None = None):
         self.module, self.comm = module, comm
+        replica_comms = replica_comms or {}
+
+        def comm_of(param):
+            return next((replica_comms[d] for d in sharded_over(param) if d in replica_comms), comm)
         self.find_unused_parameters = find_unused_parameters
         self.syncing = True
         self._callback_queued = False
@@ -73,8 +83,8 @@ class DataParallel:
         if broadcast_parameters:
             with torch.no_grad():
                 for _, p in named:
-                    comm.broadcast(p.data, src=0)
-        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20))
+                    comm_of(p).broadcast(p.data, src=0)
+        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20), comm_of)
         self._next_to_launch = 0
         self._hooks = []
         for b_index, bucket in enumerate(self.buckets):
@@ -105,7 +115,7 @@ class DataParallel:
             if len(bucket.ready) < len(bucket.params):
                 return
             bucket.buffer.div_(self.comm.size)
-            bucket.pending = self.comm.all_reduce(bucket.buffer, async_op=True)
+            bucket.pending = bucket.comm.all_reduce(bucket.buffer, async_op=True)
             self._next_to_launch += 1
 
     def _finish_backward(self) -> None:
