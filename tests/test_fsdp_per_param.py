@@ -1,5 +1,6 @@
 """Per-parameter sharding (FSDP2 style) and buffer reuse (YaFSDP style) reproduce single-process AdamW,
-keep the user's Parameter objects, and (reuse) allocate exactly two weight and two gradient buffers.
+keep the model's Parameter objects (per_param: the optimizer's too), and (reuse) allocate exactly two
+weight and two gradient buffers.
 
 All scenarios of one world size run in one launch (process start-up dominates on two cores).
 """
@@ -25,7 +26,8 @@ SCENARIOS = {  # name: (fsdp strategy, style, train config)
 
 
 def _identity(world: int, comms: Comms, style: str) -> dict:
-    """The runner's optimizer holds the model's own Parameter objects; state_dict keys are the plain ones."""
+    """The model keeps its own Parameter objects and plain state_dict keys; the optimizer holds them
+    (per_param) or one flat shard per unit (reuse, as YaFSDP)."""
     model = build_model(MODEL, 0)
     before = [id(p) for p in model.parameters()]
     plain_keys = list(build_model(MODEL, 0).state_dict())
@@ -36,7 +38,8 @@ def _identity(world: int, comms: Comms, style: str) -> dict:
     runner.train_step(inputs, inputs)
     grads_are_views = all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
     runner.engine.remove()
-    return {"same_objects": before == [id(p) for p in model.parameters()] == held,
+    expected = before if style == "per_param" else [id(u.flat_param) for u in runner.engine.units]
+    return {"same_objects": before == [id(p) for p in model.parameters()] and held == expected,
             "keys_equal": list(model.state_dict()) == plain_keys, "grads_shard_shaped": grads_are_views,
             "sharded_numel": sum(p.numel() for p in model.parameters())}
 

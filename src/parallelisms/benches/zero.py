@@ -10,8 +10,9 @@ Memory, measured the same way for every implementation: the CPU allocator's even
 ``torch.profiler`` (``profile_memory``) from before the full model is built, through wrapping and two
 training steps. ``peak_bytes`` is the highest live total during the steps (parameters, gradients,
 optimizer state, communication buffers, activations), ``allocations_per_step`` the allocator calls in
-the second step. ``peak_memory_ratio`` = ours / peer. Ranks report their own figures; the maximum
-over ranks is kept.
+the second step. Frees of blocks allocated outside the window are ignored, so garbage of another
+implementation collected meanwhile does not count. ``peak_memory_ratio`` = ours / peer. Ranks report
+their own figures; the maximum over ranks is kept.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from parallelisms.train import make_optimizer, parallelize
 # -- measuring -------------------------------------------------------------------------------------------
 
 def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
-    """(time, bytes) of every allocator event, and the (start, end) of each ``record_function`` region."""
+    """(time, bytes, address) of every allocator event, and the (start, end) of each ``record_function``
+    region."""
     from torch._C._profiler import _EventType
 
     events, regions, stack = [], {}, list(prof.profiler.kineto_results.experimental_event_tree())
@@ -43,7 +45,7 @@ def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]
         node = stack.pop()
         stack.extend(node.children)
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
         elif node.name.startswith("bench_"):
             regions[node.name] = (node.start_time_ns, node.end_time_ns)
     return sorted(events), regions
@@ -61,8 +63,14 @@ def profiled(build) -> tuple[object, dict]:
                 step()
     events, regions = _allocations(prof)
     start, (second_start, second_end) = regions["bench_step1"][0], regions["bench_step2"]
-    live, peak, allocations = 0, None, 0
-    for t, size in events:
+    live, peak, allocations, mine = 0, None, 0, set()
+    for t, size, ptr in events:
+        if size > 0:
+            mine.add(ptr)
+        elif ptr not in mine:  # allocated before this window (another implementation's garbage)
+            continue
+        else:
+            mine.discard(ptr)
         live += size
         if t >= start:
             peak = live if peak is None else max(peak, live)

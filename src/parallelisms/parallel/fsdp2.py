@@ -32,7 +32,7 @@ from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import memory_report
-from parallelisms.train import Runner
+from parallelisms.train import Runner, make_optimizer
 
 
 class BufferStats:
@@ -81,6 +81,7 @@ class Unit:
         self.accumulated = 0
         self.saves_weights = False                    # some saved tensor of its forward is a weight
         self.grads_prepared = False
+        self.flat_param: nn.Parameter | None = None   # the optimizer's flat shard (buffer-reuse layout)
 
 
 def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -194,6 +195,8 @@ class PerParamSharding:
     # -- gathering ---------------------------------------------------------------------------------------
     def _issue_gather(self, unit: Unit) -> None:
         unit.gathered = self._gather_destination(unit)
+        if self.comm.size == 1:  # a one-rank Comm returns its input instead of filling ``out``
+            unit.gathered.copy_(unit.shard)
         unit.pending = self.comm.all_gather(unit.shard, out=unit.gathered, async_op=True)
 
     def _ensure_full(self, unit: Unit) -> list[torch.Tensor]:
@@ -281,6 +284,8 @@ class PerParamSharding:
         with torch.no_grad():
             send = self._grad_send_buffer(unit).div_(self.comm.size)
         out = unit.grad if unit.grad_fresh else torch.empty_like(unit.grad)
+        if self.comm.size == 1:
+            out.copy_(send)
         if self._pending_grads:  # one reduce-scatter in flight (as FSDP2): bounds the send buffers to two
             self._complete(self._pending_grads.pop(0))
         pending = self.comm.reduce_scatter(send, out=out, async_op=True)
@@ -317,6 +322,10 @@ class PerParamSharding:
             unit.grad_fresh = True
             for (_, _, p), view in zip(unit.entries, self._param_grad_views(unit)):
                 p.grad = view
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates: the model's own parameters (their data are the shards)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -366,12 +375,14 @@ def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool) -> Non
 
 
 class PerParamRunner(Runner):
-    """The training step over a sharding engine (this module's or the buffer-reusing one): the optimizer
-    holds the model's own parameters, whose data and gradients are the local shards."""
+    """The training step over a sharding engine (this module's or the buffer-reusing one); the optimizer
+    holds ``engine.optimizer_parameters()``, whose data and gradients are the local shards."""
 
     def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, engine: PerParamSharding):
-        self.engine = engine
         super().__init__(model, comms, cfg, None)
+        self.engine = engine
+        self.params = engine.optimizer_parameters()
+        self.optimizer = make_optimizer(self.params, cfg)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()

@@ -5,9 +5,11 @@ the reduce-scatter sends.
 The layout is flat, as in YaFSDP and FSDP1: a unit's parameters are concatenated (padded to a multiple
 of N) and rank r owns the r-th contiguous chunk. The all-gather of a unit therefore lands the unit's
 parameters, in order, in weight buffer ``index % 2``; the full parameters are views into it, with no
-copy-out and no allocation. Each original ``nn.Parameter`` keeps its identity: its data is the (possibly
-empty) 1-D piece of this rank's chunk that belongs to it (FSDP1's ``use_orig_params``), so the user's
-optimizer and ``state_dict`` keys are the plain model's.
+copy-out and no allocation. As in YaFSDP, the optimizer updates one flat shard per unit (a few large
+tensors instead of many small ones: a third fewer allocator calls per step than per-parameter AdamW
+here); the model's own ``nn.Parameter`` objects stay registered, each holding the (possibly empty) 1-D
+piece of this rank's chunk that belongs to it (FSDP1's ``use_orig_params``), so ``state_dict`` keys
+are the plain model's.
 
 In backward, before a unit's first gradient accumulates, gradient buffer ``index % 2`` is reclaimed
 (waiting for the reduce-scatter of the unit two places later), zeroed, and each full leaf's ``.grad`` is
@@ -52,6 +54,16 @@ class ReuseSharding(PerParamSharding):
             p.data = piece
             mark_sharded(p, self.comm.name, None)
             offset += shape.numel()
+        unit.flat_param = mark_sharded(nn.Parameter(unit.shard), self.comm.name, None)
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """One flat shard per unit (sharing storage with the model's parameters)."""
+        return [unit.flat_param for unit in self.units]
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for unit in self.units:
+            unit.flat_param.grad = unit.grad
 
     def _buffer(self, buffers: list, kind: str, unit: Unit) -> torch.Tensor:
         slot = unit.index % 2
