@@ -15,11 +15,12 @@ output head (the flat engine's ``module_units``). Around a unit's forward:
 
 Autograd keeps no full weight alive between forward and backward: a ``saved_tensors_hooks`` pair stores a
 reference (unit, size, stride, offset) for any saved tensor living in a gathered unit's storage and, in
-backward, re-gathers the unit on first use and prefetches the previous unit that saved weights. When every
-full leaf of a unit has accumulated its gradient, the gradients are copied in rank-major order, divided by
-N and reduce-scattered asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views);
-one wait at the end of backward completes them. :mod:`parallelisms.parallel.yafsdp` reuses this engine
-with a flat layout and two preallocated buffer pairs.
+backward, re-gathers the unit on first use and prefetches the previous unit (if its forward saved
+weights: the embedding's backward needs none). When every full leaf of a unit has accumulated its
+gradient, the gradients are copied in rank-major order (copy-in), divided by N and reduce-scattered
+asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views), one reduce-scatter in
+flight as in FSDP2; the end of backward waits for the last. :mod:`parallelisms.parallel.yafsdp` reuses
+this engine with a flat layout and two preallocated buffer pairs.
 """
 
 from __future__ import annotations
