@@ -9,9 +9,8 @@ all-reduces the partial outputs (SP: reduce-scatters them along the sequence). S
 all-reduces (or 2 all-gathers + 2 reduce-scatters) of the block activation in forward and the same in
 backward, 4(N-1)A/N bytes per rank each way. Under SP the column regions keep only the sharded input for
 backward and all-gather it again there, asynchronously behind the input-gradient GEMMs (Megatron's
-choice, which gives Korthikanti's Table 2 memory),
-and the replicated norm weights, which see only their sequence shard, get their gradients all-reduced
-over TP by an identity-forward / all-reduce-backward op on the weight.
+choice, which gives Korthikanti's Table 2 memory), and the replicated norm weights, which see only their
+sequence shard, get their gradients all-reduced over TP by an identity-forward / all-reduce-backward op.
 
 ``overlap=True`` launches the input-gradient reduction asynchronously and computes the weight gradients
 while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding").
