@@ -142,6 +142,11 @@ def cmd_train(args) -> int:
     print(f"{report['layout']}: loss {report['loss_first']:.4f} -> {report['loss_last']:.4f} in {report['steps']} steps; "
           f"step {report['step_time_s'] * 1e3:.1f} ms (median), {report['tokens_per_s']:,.0f} tokens/s; "
           f"comm per step per rank: {comm or 'none'}; exposed comm {report['exposed_comm_fraction']:.1%} of the step")
+    from parallelisms.perf.model import predicted_comm_by_kind
+
+    report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train)
+    print("predicted by the spec's formulas (main terms): " + (", ".join(
+        f"{k} {v / 1e3:,.1f} kB" for k, v in report["predicted_comm"].items()) or "none"))
     if "pipeline" in report:
         pipe = report["pipeline"]
         print(f"pipeline {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
@@ -176,6 +181,31 @@ def cmd_verify(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_estimate(args) -> int:
+    from parallelisms.config import require
+    from parallelisms.perf.estimate import HARDWARE, estimate
+
+    require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
+    require(0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}")
+    require(args.recompute in ("none", "selective", "full"),
+            f"unknown --recompute {args.recompute!r}; choose none, selective or full")
+    model, train, parallel = build_configs(args)
+    result = estimate(model, parallel, train, args.hardware, args.mfu, args.recompute)
+    mem = result["memory_per_rank"]
+    print(f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.2f} B parameters")
+    print("memory per rank: " + ", ".join(f"{k} {mem[k] / 2**30:.2f} GiB" for k in
+                                          ("params", "grads", "optimizer", "activations", "total"))
+          + (" (fits)" if result["fits"] else " (DOES NOT FIT)"))
+    print("communication per step per rank: " + (", ".join(
+        f"{k} {v / 2**20:,.1f} MiB ({result['comm_s'][k] * 1e3:.2f} ms)" for k, v in result["comm_bytes_per_rank"].items())
+        or "none"))
+    print(f"step: compute {result['compute_s']:.3f} s at MFU {args.mfu}, exposed comm {result['exposed_comm_s']:.3f} s, "
+          f"bubble {result['pipeline_bubble']:.3f} -> {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from parallelisms.bench import run_bench
 
@@ -202,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p, steps=5)
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("estimate", help="predict memory, communication and step time of a layout")
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_train_args(p, steps=1)
+    p.add_argument("--hardware", default="h100", help="a100, h100, h200 or cpu (this machine, measured alpha-beta)")
+    p.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilisation assumed for compute")
+    p.add_argument("--recompute", default="none", help="activation recompute: none, selective or full")
+    p.set_defaults(func=cmd_estimate)
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)

@@ -1,0 +1,139 @@
+"""Closed forms for a layout's cost: parameters, FLOPs, activation and model-state memory, and the bytes
+each collective moves per step. They take the same ``ModelConfig`` / ``ParallelConfig`` / ``TrainConfig``
+the runtime takes, so a prediction can be set beside a measurement (the ledger, the memory report).
+
+Sources: parameters and FLOPs of GPT models, Narayanan et al. SC'21 (Eq. 2, 3) and Korthikanti et al.
+MLSys'23 (Eq. 7); activation memory per layer, Korthikanti Table 2; model states per rank, ZeRO
+(Rajbhandari et al. SC'20); communication per step, the spec's formulas (DP 2(N-1)/N G; TP 4(N-1)A/N per
+block each way; ZeRO-3 1.5x DP) and ring attention / Ulysses volumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.parallel.memory import zero_formula
+
+
+# -- parameters and FLOPs ------------------------------------------------------------------------------
+
+def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """Narayanan et al. Eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) (GPT: 4h MLP, learned positions)."""
+    return 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * layers * hidden))
+
+
+def gpt_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                            full_recompute: bool = True) -> float:
+    """Narayanan Eq. 3 (with full recompute: 96 B s l h^2 (1 + s/(6h) + V/(16 l h))) or Korthikanti Eq. 7
+    (model FLOPs, no recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)))."""
+    if full_recompute:
+        return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * hidden * layers))
+
+
+def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token of our model (forward + backward, no recompute): 6 x the matmul parameters a
+    token touches (embedding lookups excluded; for MoE only its top-k experts) plus attention's
+    QK^T and AV, 6 x 2 x layers x seq x dim (causal masking not discounted, as in PaLM's MFU)."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    attention = cfg.dim * (2 * cfg.dim + 2 * kv)
+    experts_used = cfg.top_k if cfg.n_experts else 1
+    mlp = 3 * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
+    matmul_params = cfg.n_layers * (attention + mlp) + cfg.dim * cfg.vocab_size
+    return 6 * matmul_params + 12 * cfg.n_layers * seq * cfg.dim
+
+
+# -- memory --------------------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
+
+    ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept).
+    """
+    sbh = seq * batch * hidden
+    attention = 5 * heads * seq / (hidden * tp)
+    if recompute == "full":
+        return 2 * sbh
+    if sequence_parallel:
+        return sbh * (34 / tp + (attention if recompute == "none" else 0))
+    return sbh * (10 + 24 / tp + (attention if recompute == "none" else 0))
+
+
+def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
+    """Layers' worth of activations the first 1F1B stage holds, as a multiple of the whole model's L/p per
+    microbatch: p microbatches in flight x L/p layers = L layers; interleaving multiplies by 1 + (p-1)/(p v)
+    (Korthikanti section 4.2.3)."""
+    return 1.0 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
+
+
+def model_state_bytes(num_params: int, parallel: ParallelConfig) -> dict:
+    """Parameters, gradients and optimizer state per rank (ZeRO's accounting); parameters are first divided
+    by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree."""
+    dims = parallel.dims
+    local = num_params / (dims.tp * dims.pp)
+    stage = parallel.zero or {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "hybrid_shard_zero2": 2,
+                              "no_shard": 0, None: 0}[parallel.fsdp]
+    shard = dims.dp_shard if parallel.fsdp else dims.dp
+    bf16 = parallel.mixed_precision == "bf16"
+    return zero_formula(int(local), shard if stage else 1, stage, param_bytes=2 if bf16 else 4,
+                        grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
+
+
+# -- communication -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CommVolume:
+    kind: str
+    dim: str
+    bytes_per_rank: float   # per optimizer step
+
+
+def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4) -> list[CommVolume]:
+    """Bytes each rank sends per step, by collective and mesh dimension, from the spec's formulas."""
+    dims = parallel.dims
+    out = []
+    grad_bytes = cfg.num_params() * dtype_bytes / (dims.tp * dims.pp)
+    dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
+    if dp > 1:
+        ring = (dp - 1) / dp
+        if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
+            out += [CommVolume("all_gather", "dp", 2 * ring * grad_bytes), CommVolume("reduce_scatter", "dp", ring * grad_bytes)]
+        elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
+            out += [CommVolume("reduce_scatter", "dp", ring * grad_bytes), CommVolume("all_gather", "dp", ring * grad_bytes)]
+        else:
+            out.append(CommVolume("all_reduce", "dp", 2 * ring * grad_bytes))
+    if dims.tp > 1:
+        tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
+        block_activation = tokens * cfg.dim * dtype_bytes  # A: one block's residual activation
+        per_block = 4 * (dims.tp - 1) / dims.tp * block_activation  # two collectives of A forward
+        both_ways = 2 * per_block * cfg.n_layers // dims.pp
+        if parallel.sequence_parallel:
+            out += [CommVolume("all_gather", "tp", both_ways / 2), CommVolume("reduce_scatter", "tp", both_ways / 2)]
+        else:
+            out.append(CommVolume("all_reduce", "tp", both_ways))
+    if dims.cp > 1:
+        tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
+        kv_block = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
+        if parallel.cp_attention == "ring":  # K,V forward N-1 hops; K,V again and dK,dV N hops backward
+            sends = (2 * (dims.cp - 1) * 2 + 2 * dims.cp) * kv_block * cfg.n_layers
+            out.append(CommVolume("send", "cp", sends))
+        else:  # q, k, v in and the output back, forward and backward
+            q_block = tokens * cfg.dim // dims.tp * dtype_bytes
+            per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
+            out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
+    if dims.pp > 1:  # a middle stage sends each microbatch's activation forward and its gradient back, per chunk
+        m = parallel.microbatches or 2 * dims.pp
+        chunks = parallel.chunks if parallel.schedule == "interleaved" else 1
+        activation = train.global_batch // dims.dp // m * train.seq_len * cfg.dim * dtype_bytes
+        out.append(CommVolume("send", "pp", 2 * m * chunks * activation))
+    return out
+
+
+def predicted_comm_by_kind(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict[str, float]:
+    """``comm_per_step`` summed by collective kind, in the shape of a train report's ``comm`` entry."""
+    table: dict[str, float] = {}
+    for c in comm_per_step(cfg, parallel, train):
+        table[c.kind] = table.get(c.kind, 0.0) + c.bytes_per_rank
+    return dict(sorted(table.items()))

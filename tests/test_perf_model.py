@@ -1,0 +1,100 @@
+"""The closed forms of perf/model.py against the published figures in shared/references/published-numbers.md
+and against what the runtime measures (the ledger of a real run)."""
+
+import pytest
+
+from parallelisms.config import ParallelConfig, TrainConfig, preset
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, gpt_flops_per_iteration, gpt_params,
+                                     model_flops_per_token, model_state_bytes, pipeline_activation_factor)
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("kwargs, mib", [
+    ({}, 2736), ({"tp": 8}, 552), ({"tp": 8, "sequence_parallel": True}, 342),
+    ({"tp": 8, "recompute": "selective"}, 312), ({"tp": 8, "sequence_parallel": True, "recompute": "selective"}, 102),
+    ({"tp": 8, "recompute": "full"}, 48),
+])
+def test_korthikanti_table2_worked_values(kwargs, mib):
+    """GPT-3 175B: a=96, h=12288, s=2048, b=1, t=8 (MiB per layer)."""
+    got = activation_bytes_per_layer(seq=2048, batch=1, hidden=12288, heads=96, **kwargs) / MIB
+    assert got == pytest.approx(mib, abs=0.5)
+
+
+def test_interleaving_multiplies_first_stage_activations():
+    assert pipeline_activation_factor(pp=4) == 1.0
+    assert pipeline_activation_factor(pp=4, chunks=2) == pytest.approx(1 + 3 / 8)
+
+
+@pytest.mark.parametrize("n, stage, gb", [(4, 1, 52.5), (4, 2, 41.3), (4, 3, 30), (64, 1, 31.4), (64, 2, 16.6),
+                                          (64, 3, 1.88), (1024, 3, 0.12), (16, 2, 21.6)])
+def test_zero_table1_7_5b(n, stage, gb):
+    """ZeRO Table 1, 7.5B parameters, mixed-precision Adam (K = 12): GB per device (the paper truncates)."""
+    parallel = ParallelConfig(ParallelDims(dp_shard=n), zero=stage, mixed_precision="bf16")
+    got = model_state_bytes(7_500_000_000, parallel)["total"] / 1e9
+    assert got == pytest.approx(gb, abs=0.06)
+
+
+@pytest.mark.parametrize("layers, hidden, billions", [(24, 2304, 1.7), (30, 3072, 3.6), (36, 4096, 7.5)])
+def test_narayanan_parameter_counts(layers, hidden, billions):
+    assert gpt_params(layers, hidden, vocab=51200, seq=2048) / 1e9 == pytest.approx(billions, abs=0.06)
+
+
+def test_flops_formulas():
+    # recompute adds one forward: 96 vs 72 on the layer term
+    full = gpt_flops_per_iteration(512, 2048, 24, 2304, 51200, full_recompute=True)
+    model = gpt_flops_per_iteration(512, 2048, 24, 2304, 51200, full_recompute=False)
+    assert 1.25 < full / model < 1.34
+    # ours: 6 x matmul params per token plus attention, about 6 N for a short sequence
+    cfg = preset("llama3-8b")
+    per_token = model_flops_per_token(cfg, seq=1)
+    matmul = cfg.num_params() - cfg.vocab_size * cfg.dim - cfg.dim * (2 * cfg.n_layers + 1)
+    assert per_token == pytest.approx(6 * matmul + 12 * cfg.n_layers * cfg.dim)
+
+
+def test_comm_volumes_follow_the_spec():
+    cfg, train = preset("tiny"), TrainConfig(global_batch=16, seq_len=32)
+    g = cfg.num_params() * 4
+    dp = comm_per_step(cfg, ParallelConfig(ParallelDims(dp_replicate=4)), train)
+    assert [(c.kind, c.bytes_per_rank) for c in dp] == [("all_reduce", 1.5 * g)]
+    zero3 = comm_per_step(cfg, ParallelConfig(ParallelDims(dp_shard=4), zero=3), train)
+    assert sum(c.bytes_per_rank for c in zero3) == pytest.approx(1.5 * 1.5 * g)
+    zero2 = comm_per_step(cfg, ParallelConfig(ParallelDims(dp_shard=4), zero=2), train)
+    assert sum(c.bytes_per_rank for c in zero2) == pytest.approx(1.5 * g)
+    tp = comm_per_step(cfg, ParallelConfig(ParallelDims(tp=2)), train)
+    a = 16 * 32 * cfg.dim * 4
+    assert [(c.kind, c.bytes_per_rank) for c in tp] == [("all_reduce", 2 * cfg.n_layers * 4 * (1 / 2) * a)]
+
+
+@pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"]])
+def test_prediction_matches_the_ledger_of_a_real_run(capsys, argv):
+    import json
+
+    from parallelisms.cli import main
+
+    assert main(["train", *argv, "--steps", "2", "--global-batch", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    measured = {k: v["bytes_per_rank"] for k, v in report["comm"].items() if v["bytes_per_rank"] > 0}
+    assert measured.keys() == report["predicted_comm"].keys()
+    for kind, predicted in report["predicted_comm"].items():
+        assert measured[kind] == pytest.approx(predicted, rel=1e-12), kind
+
+
+def test_estimate_command(capsys):
+    import json
+
+    from parallelisms.cli import main
+
+    argv = ["estimate", "--preset", "llama3-8b", "--dp", "64", "--fsdp", "full_shard", "--global-batch", "512",
+            "--seq-len", "8192", "--mixed-precision", "bf16", "--recompute", "full", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    mem = result["memory_per_rank"]
+    assert mem["optimizer"] == pytest.approx(12 * 8_030_261_248 / 64, rel=1e-6)   # ZeRO-3: K Psi / N
+    assert mem["activations"] == pytest.approx(2 * 8192 * 1 * 4096 * 32)            # full recompute: 2sbh x L
+    assert result["fits"] is True
+    assert result["comm_bytes_per_rank"]["all_gather/dp"] == pytest.approx(2 * 63 / 64 * 2 * 8_030_261_248)
+    assert main(["estimate", "--hardware", "tpu"]) == 2
+    assert "unknown --hardware 'tpu'" in capsys.readouterr().err
+    assert main(["estimate", "--mfu", "1.5"]) == 2
