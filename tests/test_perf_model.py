@@ -92,7 +92,7 @@ def test_estimate_command(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     mem = result["memory_per_rank"]
     assert mem["optimizer"] == pytest.approx(12 * 8_030_261_248 / 64, rel=1e-6)   # ZeRO-3: K Psi / N
-    assert mem["activations"] == pytest.approx(2 * 8192 * 1 * 4096 * 32)            # full recompute: 2sbh x L
+    assert mem["activations"] == pytest.approx(2 * 8192 * 8 * 4096 * 32)  # full recompute: 2sbh x L, b = 512 / 64
     assert result["fits"] is True
     assert result["comm_bytes_per_rank"]["all_gather/dp"] == pytest.approx(2 * 63 / 64 * 2 * 8_030_261_248)
     assert main(["estimate", "--hardware", "tpu"]) == 2
