@@ -42,9 +42,21 @@ def _run(info, world):
     return reports
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
-def run(request):
-    return request.param, launch(_run, request.param, request.param, threads=1)[0]
+@pytest.fixture(scope="module")
+def runs():
+    """world size -> rank 0's reports of every scenario at that size (one launch each, on first use)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = launch(_run, world, world, threads=1)[0]
+        return cache[world]
+    return get
+
+
+@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
+def run(request, runs):
+    return request.param, runs(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +64,10 @@ def references():
     return {cfg: reference_train(MODEL, cfg) for cfg in (BASE, ACCUM)}
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_reproduces_single_process_adamw(run, references, name):
-    world, reports = run
-    if name not in reports:
-        pytest.skip(f"{name} runs at world sizes {SCENARIOS[name][2]}")
-    result = compare(reports[name]["losses"], reports[name]["state"], *references[SCENARIOS[name][1]])
+@pytest.mark.parametrize("name, world", [(n, w) for n, (*_, worlds) in SCENARIOS.items() for w in worlds])
+def test_reproduces_single_process_adamw(runs, references, name, world):
+    report = runs(world)[name]
+    result = compare(report["losses"], report["state"], *references[SCENARIOS[name][1]])
     assert result["ok"], result
 
 

@@ -58,9 +58,21 @@ def _run(info, world):
     return reports
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["dp2", "dp4"])
-def run(request):
-    return request.param, launch(_run, request.param, request.param, threads=1)[0]
+@pytest.fixture(scope="module")
+def runs():
+    """world size -> rank 0's reports of every scenario at that size (one launch each, on first use)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = launch(_run, world, world, threads=1)[0]
+        return cache[world]
+    return get
+
+
+@pytest.fixture(params=[2, 4], ids=["dp2", "dp4"])
+def run(request, runs):
+    return request.param, runs(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +116,10 @@ def reference_train_bf16(model_cfg, cfg: TrainConfig, splits: int = 1):
     return losses, {n: m.detach().clone() for n, m in zip(names, master)}
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_reproduces_single_process_adamw(run, references, name):
-    world, reports = run
-    if name not in reports:
-        pytest.skip(f"{name} runs at world sizes {SCENARIOS[name][3]}")
+@pytest.mark.parametrize("name, world", [(n, w) for n, (*_, worlds) in SCENARIOS.items() for w in worlds])
+def test_reproduces_single_process_adamw(runs, references, name, world):
     _, cfg, precision, _ = SCENARIOS[name]
-    report = reports[name]
+    report = runs(world)[name]
     if precision == "bf16":
         # the same arithmetic in one process (per-rank bf16 gradients summed in fp32): the fp32 contract
         exact = compare(report["losses"], report["state"], *reference_train_bf16(MODEL, cfg, splits=world))
