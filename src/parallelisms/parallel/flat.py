@@ -6,9 +6,10 @@ parameters (stage 3) over the N data-parallel ranks; FSDP (Zhao et al., VLDB'23)
 
 * a :class:`FlatUnit` concatenates the parameters of a wrapping unit (the embedding, one transformer
   block, the head = final norm + output; for ZeRO-1/2 consecutive ones merged up to the gradient bucket
-  cap) into one flat buffer ``full`` (padded to a multiple of N) that
-  the modules' weights view, and keeps this rank's 1/N slice ``shard`` as an fp32 ``nn.Parameter`` (the
-  master weights the optimizer updates; a view of ``full`` when nothing more is needed);
+  cap) into one flat buffer ``full`` (padded to a multiple of N) that the modules' weights view, and
+  keeps this rank's 1/N slice ``shard`` as an fp32 ``nn.Parameter`` (the master weights the optimizer
+  updates; a view of ``full`` when nothing more is needed). The model's modules lose their registered
+  parameters: the engine's ``parameters()`` and ``full_state_dict()`` stand for them;
 * a :class:`ShardingPlan` says which states are sharded and when parameters are resharded.
 
 API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse variants)::
@@ -22,6 +23,7 @@ API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse varia
     engine.after_step()       # all-gather updated shards into persistent full buffers (stages 1-2)
     engine.full_state_dict()  # {name: full fp32 tensor}, a collective
     engine.memory()           # persistent bytes by kind and transient peaks
+    engine.gathers            # {"prefetched": n, "on_demand": m} all-gathers so far
 
 Communication per unit and step (fp32, N ranks, ring): stages 1-2 reduce-scatter the gradient in
 backward and all-gather the updated parameters after the step, 2(N-1)/N x G like DDP's all-reduce;
