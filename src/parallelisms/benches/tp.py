@@ -9,6 +9,8 @@ a rank spent waiting for them (exposed); the rest overlapped the weight-gradient
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from parallelisms.bench import alternate, bench
@@ -68,23 +70,25 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
         fns["peer"] = _step(peer.layers[0], x, grad_out, cos, sin, target)
         timings[target] = alternate(fns, steps, rounds)
 
-    # What the overlap hides: the backward of one block traced per setting. Its only input-gradient
-    # reductions are the two column-parallel regions' (all-reduce; reduce-scatter under SP).
+    # What the overlap hides: block backwards traced per setting (``steps`` each, alternating; medians).
+    # Its only input-gradient reductions are the two column-parallel regions' (all-reduce; SP: reduce-scatter).
     reduction = "reduce_scatter" if sp else "all_reduce"
-    hidden = {}
-    for overlap, (model, timeline) in runs.items():
-        out = model.layers[0](x, cos, sin)
-        timeline.enabled = True
-        start = timeline.now()
-        out.backward(grad_out)
-        end = timeline.now()
-        comm = [s.end - s.start for s in timeline.spans if s.cat == "comm" and s.name.startswith(reduction)]
-        waits = [s.end - s.start for s in timeline.spans if s.cat == "wait"]
-        hidden["overlap" if overlap else "sync"] = {
-            "backward_ms": (end - start) / 1e6, "reduction_ms": sum(comm) / 1e6,
-            "exposed_ms": (sum(waits) if overlap else sum(comm)) / 1e6}
-        timeline.enabled = False
-        timeline.spans.clear()
+    traced = {overlap: [] for overlap in runs}
+    for _ in range(steps):
+        for overlap, (model, timeline) in runs.items():
+            out = model.layers[0](x, cos, sin)
+            timeline.enabled = True
+            start = timeline.now()
+            out.backward(grad_out)
+            end = timeline.now()
+            comm = sum(s.end - s.start for s in timeline.spans if s.cat == "comm" and s.name.startswith(reduction))
+            waited = sum(s.end - s.start for s in timeline.spans if s.name.startswith(f"wait {reduction}"))
+            traced[overlap].append(((end - start) / 1e6, comm / 1e6, (waited if overlap else comm) / 1e6))
+            timeline.enabled = False
+            timeline.spans.clear()
+    hidden = {("overlap" if overlap else "sync"): dict(zip(("backward_ms", "reduction_ms", "exposed_ms"),
+                                                          (statistics.median(col) for col in zip(*rows))))
+              for overlap, rows in traced.items()}
     return {"timings": timings, "overlap": hidden}
 
 
