@@ -47,6 +47,8 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
     g.add_argument("--cp-attention", default="ring", help="ring (ring attention) or ulysses (all-to-all over heads)")
     g = p.add_argument_group("pipeline parallelism")
@@ -81,8 +83,8 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              schedule=args.schedule, cp_attention=args.cp_attention, microbatches=args.microbatches,
-                              chunks=args.chunks)
+                              schedule=args.schedule, cp_attention=args.cp_attention, recompute=args.recompute,
+                              microbatches=args.microbatches, chunks=args.chunks)
     parallel = parallel.validate(model, train)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
@@ -187,10 +189,8 @@ def cmd_estimate(args) -> int:
 
     require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
     require(0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}")
-    require(args.recompute in ("none", "selective", "full"),
-            f"unknown --recompute {args.recompute!r}; choose none, selective or full")
     model, train, parallel = build_configs(args)
-    result = estimate(model, parallel, train, args.hardware, args.mfu, args.recompute)
+    result = estimate(model, parallel, train, args.hardware, args.mfu)
     mem = result["memory_per_rank"]
     print(f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.2f} B parameters")
     print("memory per rank: " + ", ".join(f"{k} {mem[k] / 2**30:.2f} GiB" for k in
@@ -239,7 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p, steps=1)
     p.add_argument("--hardware", default="h100", help="a100, h100, h200 or cpu (this machine, measured alpha-beta)")
     p.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilisation assumed for compute")
-    p.add_argument("--recompute", default="none", help="activation recompute: none, selective or full")
     p.set_defaults(func=cmd_estimate)
 
     from parallelisms.bench import add_bench_parser

@@ -191,6 +191,7 @@ class ParallelConfig:
     chunks: int = 1                    # virtual stages per rank (interleaved)
     # context parallelism
     cp_attention: str = "ring"         # ring (ring attention, zigzag shards) or ulysses (all-to-all over heads)
+    recompute: str = "none"            # activation recomputation: none, selective (attention core), full (block)
 
     def __post_init__(self):
         if self.dims is None:
@@ -205,6 +206,10 @@ class ParallelConfig:
         dims = self.dims
         _check_pipeline(self, model, train)
         _check_expert_parallel(self, model)
+        require(self.recompute in ("none", "selective", "full"),
+                f"unknown --recompute {self.recompute!r}; choose none, selective or full")
+        require(self.recompute == "none" or dims.pp == 1,
+                f"--recompute {self.recompute} with --pp is not supported yet; drop one of them")
         _check_tensor_parallel(self, model, train)
         _check_context_parallel(self, model, train)
         _check_sharded_data_parallel(self)

@@ -125,6 +125,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         from parallelisms.parallel.expert import apply_expert_parallel
         apply_expert_parallel(model, comms["ep"])
         replica_comms = {"ep": comms["ep_replicate"]}
+    if parallel.recompute != "none":
+        from parallelisms.parallel.recompute import apply_recompute
+        apply_recompute(model, parallel.recompute)
     if parallel.zero or parallel.fsdp:
         from parallelisms.parallel.zero import parallelize_sharded
         return parallelize_sharded(model, parallel, train, comms)

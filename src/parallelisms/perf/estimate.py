@@ -38,7 +38,7 @@ HARDWARE = {
 
 
 def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hardware: str = "h100",
-             mfu: float = 0.45, recompute: str = "none", activation_bytes: int = 2) -> dict:
+             mfu: float = 0.45, activation_bytes: int = 2) -> dict:
     """Per-rank memory, per-step communication and a step-time estimate (see the module docstring)."""
     hw = HARDWARE[hardware]
     dims = parallel.dims
@@ -46,7 +46,7 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, har
     local_batch = train.global_batch // dims.dp
     micro = max(1, parallel.microbatches or 2 * dims.pp) if dims.pp > 1 else train.grad_accum
     layer = activation_bytes_per_layer(train.seq_len // dims.cp, local_batch // micro, cfg.dim, cfg.n_heads,
-                                       dims.tp, parallel.sequence_parallel, recompute) * activation_bytes / 2
+                                       dims.tp, parallel.sequence_parallel, parallel.recompute) * activation_bytes / 2
     # one microbatch through all L layers; with 1F1B the first stage holds p microbatches x L/p layers, the same
     activations = layer * cfg.n_layers * pipeline_activation_factor(dims.pp, parallel.chunks)
     memory = {**{k: float(v) for k, v in states.items()}, "activations": activations,
