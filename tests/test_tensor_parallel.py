@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism reproduce single-process training, communicate exactly what Megatron
 prescribes per block, never hold full-vocabulary logits, and SP divides activation memory by the TP degree.
 
-Two launches: four ranks train every layout end to end; two ranks probe one block and one model step
-(ledger, saved activations, largest tensor).
+One launch of four ranks: it trains every layout end to end, then each TP pair (dp 2 x tp 2) probes one
+block and one model step (ledger, saved activations, largest tensor).
 """
 
 import pytest
@@ -77,7 +77,9 @@ def _records(ledger, since=0):
 def _probe(info):
     """Per sequence-parallel setting: the ledger of one block and of one model step, saved activation bytes
     of one block, and the largest tensor of a model step."""
-    meshes = ParallelDims(tp=info.world_size).build_meshes()
+    tp = 2
+    meshes = ParallelDims(dp_replicate=info.world_size // tp, tp=tp).build_meshes()
+    rank = info.rank % tp
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, ODD_VOCAB.vocab_size, (BATCH, SEQ + 1), generator=gen)
     h_full = torch.randn(BATCH, SEQ, ODD_VOCAB.dim, generator=gen)
@@ -88,7 +90,7 @@ def _probe(info):
         comms = Comms(meshes, CommLedger())
         model = apply_tensor_parallel(build_model(ODD_VOCAB, 0), comms["tp"], sequence_parallel=sp)
         block = model.layers[0]
-        h = (h_full.chunk(info.world_size, dim=1)[info.rank] if sp else h_full).detach().clone().requires_grad_()
+        h = (h_full.chunk(tp, dim=1)[rank] if sp else h_full).detach().clone().requires_grad_()
         with comms.ledger.in_phase("forward"):
             y = block(h, cos, sin)
         with comms.ledger.in_phase("backward"):
@@ -110,14 +112,23 @@ def _probe(info):
     return out
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return launch(_train_layouts, 4, backend="gloo", threads=1)[0]
+def _train_and_probe(info):
+    return _train_layouts(info), _probe(info)
 
 
 @pytest.fixture(scope="module")
-def probe():
-    return launch(_probe, 2, backend="gloo", threads=1)
+def launched():
+    return launch(_train_and_probe, 4, backend="gloo", threads=1)
+
+
+@pytest.fixture(scope="module")
+def trained(launched):
+    return launched[0][0]
+
+
+@pytest.fixture(scope="module")
+def probe(launched):
+    return [probes for _, probes in launched]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
