@@ -72,8 +72,8 @@ class Unit:
         self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters() if p.requires_grad]
         self.shapes = [p.shape for _, _, p in self.entries]
         self.shard: torch.Tensor | None = None       # flat local shard (params' .data are views)
-        self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views)
-        self.grad_fresh = True                        # the next reduce-scatter may overwrite ``grad``
+        self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views);
+                                                      # None from zero_grad until the first reduce-scatter
         self.pending = None                           # in-flight all-gather
         self.gathered: torch.Tensor | None = None     # the all-gather destination
         self.full: list[torch.Tensor] | None = None   # full parameters (views into one storage)
@@ -113,7 +113,6 @@ class PerParamSharding:
         with torch.no_grad():
             for unit in self.units:
                 self._shard(unit)
-                unit.grad = torch.zeros_like(unit.shard)
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
                        model.register_forward_hook(self._root_post_forward)]
         for unit in self.units:
@@ -284,14 +283,18 @@ class PerParamSharding:
         """Average the unit's gradients into its shard: asynchronous, waited at the end of backward."""
         with torch.no_grad():
             send = self._grad_send_buffer(unit).div_(self.comm.size)
-        out = unit.grad if unit.grad_fresh else torch.empty_like(unit.grad)
+        if unit.grad is None:  # the first microbatch writes the shard gradient directly
+            unit.grad = out = torch.empty_like(unit.shard)
+            self._attach_grads(unit)
+        else:
+            out = torch.empty_like(unit.grad)
         if self.comm.size == 1:
             out.copy_(send)
         if self._pending_grads:  # one reduce-scatter in flight (as FSDP2): bounds the send buffers to two
             self._complete(self._pending_grads.pop(0))
         pending = self.comm.reduce_scatter(send, out=out, async_op=True)
         self._pending_grads.append((unit, pending, out, send))
-        unit.grad_fresh, unit.grads_prepared, unit.leaves = False, False, None
+        unit.grads_prepared, unit.leaves = False, None
         self._release(unit)
 
     @torch.no_grad()
@@ -315,14 +318,18 @@ class PerParamSharding:
             unit.accumulated, unit.leaves = 0, None
 
     # -- user API ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero the gradient shards, keeping each ``param.grad`` a view into its unit's flat buffer."""
+        """Drop the gradient shards (``set_to_none``, as torch's default): no gradient memory is held
+        through forward; the next backward's first reduce-scatter allocates them."""
         for unit in self.units:
-            unit.grad.zero_()
-            unit.grad_fresh = True
-            for (_, _, p), view in zip(unit.entries, self._param_grad_views(unit)):
-                p.grad = view
+            unit.grad = None
+            self._attach_grads(unit)
+
+    def _attach_grads(self, unit: Unit) -> None:
+        """Point every ``param.grad`` at its piece of the unit's gradient shard (or None)."""
+        views = self._param_grad_views(unit) if unit.grad is not None else [None] * len(unit.entries)
+        for (_, _, p), view in zip(unit.entries, views):
+            p.grad = view
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates: the model's own parameters (their data are the shards)."""
@@ -339,10 +346,10 @@ class PerParamSharding:
         return {name: by_id[id(p)] for name, p in self.model.named_parameters()}
 
     def persistent_bytes(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: parameter and gradient shards (and reused buffers)."""
+        """Bytes this rank keeps: parameter shards, gradient shards (held from backward to the optimizer
+        step), and the reused buffers (buffer-reuse layout)."""
         params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        grads = sum(u.grad.numel() * u.grad.element_size() for u in self.units)
-        return {"params": params, "grads": grads}
+        return {"params": params, "grads": params}
 
     def remove(self) -> None:
         for handle in self._hooks:

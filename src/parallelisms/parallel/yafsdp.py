@@ -60,10 +60,9 @@ class ReuseSharding(PerParamSharding):
         """One flat shard per unit (sharing storage with the model's parameters)."""
         return [unit.flat_param for unit in self.units]
 
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        for unit in self.units:
-            unit.flat_param.grad = unit.grad
+    def _attach_grads(self, unit: Unit) -> None:
+        super()._attach_grads(unit)
+        unit.flat_param.grad = unit.grad
 
     def _buffer(self, buffers: list, kind: str, unit: Unit) -> torch.Tensor:
         slot = unit.index % 2
