@@ -40,8 +40,6 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--schedule", default="1f1b", help="pipeline: the schedule (gpipe, 1f1b, interleaved, zb-v, dualpipev)")
     p.add_argument("--microbatches", type=int, default=0, help="pipeline: microbatches per step (default 2 x world)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline: the schedule (gpipe, 1f1b, interleaved, zb-v, dualpipev)")
-    p.add_argument("--microbatches", type=int, default=0, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), default="block", help="tp: what the headline ratio times")
     p.add_argument("--json", action="store_true")
