@@ -6,19 +6,16 @@ One launch per world size runs every scenario (process start-up dominates on two
 """
 
 import pytest
-import torch
-from torch import nn
 
 from parallelisms.cli import main
 from parallelisms.config import ParallelConfig, TrainConfig, preset
-from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import BF16_TOLERANCE, compare, reference_train, reference_train_bf16
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=8, seq_len=32, bucket_mb=0.3)  # ZeRO-1/2: two gradient buckets
@@ -38,15 +35,6 @@ SCENARIOS = {  # name: (zero stage, train config, mixed precision, world sizes)
     "zero3_bf16": (3, MIXED, "bf16", (2,)),
     "zero1_bf16": (1, MIXED, "bf16", (2,)),
 }
-# bf16 against the single-batch bf16 reference: both round the same weights and activations to bf16
-# (unit roundoff 2^-8 = 3.9e-3); what differs is per-rank bf16 gradients summed in fp32 versus one bf16
-# gradient of the whole batch, i.e. gradient roundings of order 2^-8 that Adam's normalisation turns into
-# sign-level differences on elements whose gradient is near zero. Measured at dp 2 after 3 steps: 1.3e-5
-# on losses and 6.6e-3 on the worst parameter tensor, while the fp32 reference is 2.3e-2 away, so 1e-2
-# is a bound (for dp 2; it grows with the number of partial gradients: 1.3e-2 at dp 4) that still tells
-# bf16 from fp32 training. Against the same arithmetic done in one process
-# (``splits=N``: per-rank bf16 gradients summed in fp32) the contract stays 1e-5 (measured: bit-exact).
-BF16_TOLERANCE = 1e-2
 
 
 def _run(info, world):
@@ -78,42 +66,6 @@ def run(request, runs):
 @pytest.fixture(scope="module")
 def references():
     return {cfg: reference_train(MODEL, cfg) for cfg in (BASE, CLIP, ACCUM, MIXED)}
-
-
-def reference_train_bf16(model_cfg, cfg: TrainConfig, splits: int = 1):
-    """Single-process mixed precision: bf16 weights and compute, fp32 master weights, gradients and AdamW.
-
-    ``splits`` > 1 takes the bf16 gradient of each data-parallel rank's rows separately and sums them in
-    fp32 divided by ``splits``: the arithmetic of an N-rank run, done in one process."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, cfg.seed)
-    names = [n for n, _ in model.named_parameters()]
-    compute = list(model.parameters())
-    master = [nn.Parameter(p.detach().clone()) for p in compute]
-    for p in compute:
-        p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.AdamW(master, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
-    loader = BatchLoader(load_corpus(), cfg.global_batch, cfg.seq_len, cfg.seed)
-    losses = []
-    for step in range(cfg.steps):
-        for m in master:
-            m.grad = torch.zeros_like(m)
-        loss = 0.0
-        for rank in range(splits):
-            model.zero_grad(set_to_none=True)
-            part = model(*loader.shard(step, rank, splits))
-            part.backward()
-            loss += part.item() / splits
-            for m, p in zip(master, compute):
-                m.grad += p.grad.float() / splits
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(master, cfg.grad_clip)
-        optimizer.step()
-        with torch.no_grad():
-            for m, p in zip(master, compute):
-                p.copy_(m)
-        losses.append(loss)
-    return losses, {n: m.detach().clone() for n, m in zip(names, master)}
 
 
 @pytest.mark.parametrize("name, world", [(n, w) for n, (*_, worlds) in SCENARIOS.items() for w in worlds])
