@@ -67,7 +67,7 @@ class Runner:
                     if self.positions is None:
                         loss = self.model(x, y) / len(micro)
                     else:
-                        pos = self.positions
+                        pos = self.positions.to(x.device)
                         loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()

@@ -83,7 +83,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(comm.size):
             pending = _ring_pass(comm, [k_cur, v_cur]) if step < comm.size - 1 else None
             owner = (comm.rank - step) % comm.size
-            k_pos = shard_sequence(seq, owner, comm.size, zigzag)
+            k_pos = shard_sequence(seq, owner, comm.size, zigzag).to(q.device)
             block_out, block_lse = _attend_block(q.to(acc), k_cur.to(acc), v_cur.to(acc), positions, k_pos, scale)
             out, lse = _merge(out, lse, block_out, block_lse)
             if pending is not None:
@@ -107,7 +107,7 @@ class _RingAttention(torch.autograd.Function):
         dk_cur, dv_cur = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
         for step in range(comm.size):
             owner = (comm.rank - step) % comm.size
-            k_pos = shard_sequence(seq, owner, comm.size, ctx.zigzag)
+            k_pos = shard_sequence(seq, owner, comm.size, ctx.zigzag).to(q.device)
             scores = _block_scores(q_acc, k_cur.to(acc), positions, k_pos, scale)
             probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])
             v_full = v_cur.to(acc).repeat_interleave(groups, dim=1)
@@ -137,7 +137,7 @@ class RingAttentionCore(nn.Module):
         self.comm, self.positions, self.zigzag = comm, positions, zigzag
 
     def forward(self, q, k, v):
-        return _RingAttention.apply(q, k, v, self.positions, self.comm, self.zigzag)
+        return _RingAttention.apply(q, k, v, self.positions.to(q.device), self.comm, self.zigzag)
 
 
 class UlyssesAttentionCore(nn.Module):

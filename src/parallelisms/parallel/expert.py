@@ -44,7 +44,7 @@ class ExpertParallelExperts(nn.Module):
         output_splits = recv_counts.sum(1).tolist()
         received = all_to_all(x, self.comm, output_splits, input_splits)           # dispatch
         # arrival order is (source rank, local expert): regroup by local expert for the grouped GEMM
-        expert_of = torch.repeat_interleave(torch.arange(local).repeat(n), recv_counts.flatten())
+        expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv_counts.flatten())
         order = torch.argsort(expert_of, stable=True)
         out = grouped_swiglu(received[order], recv_counts.sum(0), self.w_gate, self.w_up, self.w_down)
         restored = torch.empty_like(out).index_copy(0, order, out)                   # back to arrival order
