@@ -3,7 +3,8 @@ of the same name on the same stages; ``parallelisms bench pipeline-balance``: st
 per-layer time against equal layer counts on a model with a large vocabulary head.
 
 Both implementations run in the same processes on their own copy of the same seeded model, cut at the same
-layer bounds, one thread per rank, alternating rounds (``bench.alternate``). A step is zero-grad, one pass
+layer bounds, one thread per rank, alternating one step each (``bench.alternate`` with rounds of one step,
+so load drift on a shared machine hits both alike). A step is zero-grad, one pass
 of the schedule over the global batch, and an AdamW step (no clipping: the peer has none).
 """
 
@@ -68,7 +69,7 @@ def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, r
     comms = Comms(parallel.dims.build_meshes())
     runner, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
     peer = _peer_step(model_cfg, train_cfg, runner, comms["pp"].rank)
-    return alternate({"ours": ours, "peer": peer}, steps, rounds)
+    return alternate({"ours": ours, "peer": peer}, 1, steps * rounds)  # one step each, in turn
 
 
 def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -94,14 +95,14 @@ def bench_pipeline(args) -> dict:
 
 # -- balancing by measured runtime ----------------------------------------------------------------------
 
-# A model whose last stage is heavy: a 16k vocabulary head on a narrow model.
-BIG_HEAD = ModelConfig(vocab_size=16384, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=256)
+# A model whose last stage is heavy: an 8k-vocabulary head (two to three blocks of work) on a narrow model.
+BIG_HEAD = ModelConfig(vocab_size=8192, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=256)
 
 
 def _balance_rank(info: RankInfo, model_cfg, train_cfg, parallel, layouts: dict, steps: int, rounds: int):
     comms = Comms(parallel.dims.build_meshes())
     runs = {name: _ours(info, model_cfg, train_cfg, parallel, comms, bounds)[1] for name, bounds in layouts.items()}
-    return alternate(runs, steps, rounds)
+    return alternate(runs, 1, steps * rounds)
 
 
 @bench("pipeline-balance")

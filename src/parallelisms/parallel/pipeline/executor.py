@@ -7,6 +7,7 @@ send completes), the receives are posted together and waited for. Point-to-point
 ranks match in posting order, and some schedules (ZB-V, DualPipeV) receive in a different order than the
 peer sends; so a receive first posts every earlier message of that peer, in the peer's order, into
 buffers kept for later. That never deadlocks (sends do not block) and needs no tags (NCCL has none).
+Each peer's next message is also posted ahead of its RECV, so the transfer overlaps computation.
 
 Backward split (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024): under a split schedule every
 linear layer of a stage is swapped for one whose backward returns the input gradient at once and, while
@@ -96,6 +97,7 @@ def split_linears(module: nn.Module, store: WeightGradStore) -> None:
                 setattr(parent, name, SplitLinear(child, store))
 
 
+PREFETCH = 1  # receives posted ahead per peer
 _TAG = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "B"}
 
 
@@ -140,12 +142,14 @@ class Executor:
         self.saved: dict = {}     # (stage, mb) -> (input, output) until its backward
         self.posted: dict = {}    # (tag, stage, mb) -> (buffer, batch) of posted receives
         self.cursor = {peer: 0 for peer in self.send_order}
+        self.ahead = {peer: 0 for peer in self.send_order}  # posted receives not yet consumed, per peer
         self.sends: list = []     # posted send batches (their tensors stay alive until complete)
         self.losses: list[torch.Tensor] = []
         self.records = []
         self.peak_held = 0
         i = 0
         try:
+            self._prefetch()
             while i < len(self.actions):
                 j = i + 1
                 if self.actions[i].kind in COMM:
@@ -169,24 +173,40 @@ class Executor:
             self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0].works)]
             self.sends.append((self.comm.send_recv(sends=sends), sends))
         recvs = [a for a in group if a.kind in (Kind.RECV_F, Kind.RECV_B)]
-        batch = []
+        batch: list = []
         for a in recvs:  # post, in the peer's send order, everything up to each wanted message
-            key, order = (_TAG[a.kind], a.stage, a.mb), self.send_order[a.peer]
-            while key not in self.posted and not any(k == key for k, _, _ in batch):
-                early = order[self.cursor[a.peer]]
-                self.cursor[a.peer] += 1
-                batch.append((early, torch.empty(self.shape), a.peer))
-        if batch:
-            pending = self.comm.send_recv(recvs=[(buf, peer) for _, buf, peer in batch])
-            handle = {"pending": pending, "done": False}
-            for key, buf, _ in batch:
-                self.posted[key] = (buf, handle)
+            key = (_TAG[a.kind], a.stage, a.mb)
+            while key not in self.posted and all(k != key for k, _, _ in batch):
+                batch.append(self._next_message(a.peer))
+        self._post(batch)
         for a in recvs:
-            buf, handle = self.posted.pop((_TAG[a.kind], a.stage, a.mb))
+            buf, handle, peer = self.posted.pop((_TAG[a.kind], a.stage, a.mb))
+            self.ahead[peer] -= 1
             if not handle["done"]:
                 handle["pending"].wait()
                 handle["done"] = True
             (self.acts if a.kind is Kind.RECV_F else self.grads)[(a.stage, a.mb)] = buf
+        self._prefetch()
+
+    def _next_message(self, peer: int) -> tuple:
+        key = self.send_order[peer][self.cursor[peer]]
+        self.cursor[peer] += 1
+        return key, torch.empty(self.shape), peer
+
+    def _post(self, batch: list) -> None:
+        if batch:
+            handle = {"pending": self.comm.send_recv(recvs=[(buf, peer) for _, buf, peer in batch]), "done": False}
+            for key, buf, peer in batch:
+                self.posted[key] = (buf, handle, peer)
+                self.ahead[peer] += 1
+
+    def _prefetch(self) -> None:
+        """Keep each peer's next message posted, so that it lands while this rank computes (gloo moves the
+        data only once the receive is posted; waiting is still where the schedule's RECV is). One batch
+        per peer: a wait covers its whole batch, and another peer's message may come much later."""
+        for peer, order in self.send_order.items():
+            while self.ahead[peer] < PREFETCH and self.cursor[peer] < len(order):
+                self._post([self._next_message(peer)])
 
     # -- computation -----------------------------------------------------------------------------------
     def _compute(self, a: Action, index: int) -> None:

@@ -59,7 +59,7 @@ class PipelineRunner(Runner):
                     mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
         # flat per-stage gradient buffers, for one all-reduce per stage and the DualPipe exchange; without
         # either, gradients are plain (set to None between steps, so the first microbatch's is not an add)
-        self.buckets = {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()])
+        self.buckets = {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
                         for s, st in self.stages.items()} if self.dp_comm.size > 1 or self.copies else {}
         self.dp_pending: list = []
         self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
