@@ -140,7 +140,7 @@ class Executor:
         self.acts: dict = {}      # (stage, mb) -> output of stage, waiting for stage + 1
         self.grads: dict = {}     # (stage, mb) -> gradient of stage's input, waiting for stage - 1
         self.saved: dict = {}     # (stage, mb) -> (input, output) until its backward
-        self.posted: dict = {}    # (tag, stage, mb) -> (buffer, batch) of posted receives
+        self.posted: dict = {}    # (tag, stage, mb) -> (buffer, batch handle, peer) of posted receives
         self.cursor = {peer: 0 for peer in self.send_order}
         self.ahead = {peer: 0 for peer in self.send_order}  # posted receives not yet consumed, per peer
         self.sends: list = []     # posted send batches (their tensors stay alive until complete)
