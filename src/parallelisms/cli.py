@@ -153,7 +153,8 @@ def cmd_train(args) -> int:
         pipe = report["pipeline"]
         print(f"pipeline {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
               f"{pipe['measured_bubble_rate']:.3f}, simulated {pipe['simulated_bubble_rate']:.3f} from measured "
-              f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per stage")
+              f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per stage, "
+              f"{pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
     if args.json:
         print(json.dumps(report))
     return 0

@@ -11,6 +11,7 @@ optimizer). DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 from torch import nn
@@ -156,14 +157,27 @@ class PipelineRunner(Runner):
             mine.append({"span": compute[-1][4] - compute[0][3], "busy": sum(r[4] - r[3] for r in compute),
                          "times": [(r[0], r[4] - r[3]) for r in compute], "peak_held": peak})
         with self.comms.ledger.in_phase("report"):
-            ranks = self.pp_comm.all_gather_object(mine)
-        return {"pipeline": pipeline_bubble(self.schedule, ranks)}
+            t_comm = self._message_seconds()
+            ranks = self.pp_comm.all_gather_object((mine, t_comm))
+        return {"pipeline": pipeline_bubble(self.schedule, [r for r, _ in ranks], max(t for _, t in ranks))}
+
+    def _message_seconds(self, repeats: int = 7) -> float:
+        """One-way time of one activation message: median of ring exchanges over the pipeline ranks."""
+        comm, rank = self.pp_comm, self.pp_comm.rank
+        out, back = torch.zeros(self.executor.shape), torch.empty(self.executor.shape)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            comm.send_recv(sends=[(out, (rank + 1) % comm.size)], recvs=[(back, (rank - 1) % comm.size)]).wait()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
 
 
-def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]]) -> dict:
+def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float = 0.0) -> dict:
     """Median over steps of the measured bubble rate (longest span minus mean busy time, over the longest
-    span) and the simulator's bubble rate for the measured mean per-action times (t_comm = 0); the peak
-    activations held per rank, measured and simulated."""
+    span) and the simulator's bubble rate for the measured mean per-action times, with t_comm = 0 and with
+    the measured one-way message time ``t_comm``; the peak activations held per rank, measured and
+    simulated."""
     rates = []
     for step in zip(*ranks):
         cost = max(r["span"] for r in step)
@@ -179,9 +193,11 @@ def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]]) -> dict:
     else:
         times = Times(mean["F"], mean["B"], 0.0)
     sim = simulate(schedule, times)
+    with_comm = simulate(schedule, Times(times.t_f, times.t_b, times.t_w, t_comm))
     return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
             "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
-            "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w,
+            "simulated_bubble_rate_with_comm": with_comm.bubble_rate,
+            "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w, "t_comm_s": t_comm,
             # activations held, in (stage, microbatch) units: measured by the executor, and the simulator's
             "peak_held_per_rank": [max(step["peak_held"] for step in rank) for rank in ranks],
             "simulated_peak_per_rank": [round(p * schedule.chunks) for p in sim.peak_activations]}
