@@ -39,13 +39,16 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of) -> list[Bucket]:
-    """Reverse registration order (the order backward produces gradients), cut at ``cap_bytes``; a bucket
-    holds one dtype, one device and one reducing group (``comm_of(param)``)."""
+def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of,
+                            first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Reverse registration order (the order backward produces gradients), cut at ``cap_bytes`` (the first
+    bucket at ``first_cap_bytes``, so communication starts early); a bucket holds one dtype, one device and
+    one reducing group (``comm_of(param)``)."""
     buckets, current, names, size = [], [], [], 0
     for name, p in reversed(named_params):
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+        cap = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
+        if current and (size + nbytes > cap or p.dtype != current[0].dtype or p.device != current[0].device
                         or comm_of(p) is not comm_of(current[0])):
             buckets.append(Bucket(current, names, comm_of(current[0])))
             current, names, size = [], [], 0
@@ -63,14 +66,15 @@ class DataParallel:
     Use: ``ddp = DataParallel(model, comms["dp"])``; then ``loss.backward()`` leaves averaged gradients.
     ``with ddp.no_sync():`` accumulates locally for gradient accumulation. ``find_unused_parameters=True``
     treats parameters that got no gradient as zero instead of raising an error naming them.
-    ``replica_comms`` maps a mesh dimension to the group of ranks holding the same shard, for parameters
+    The first bucket is capped at ``first_bucket_mb`` (1 MB, as in torch DDP) so that the first all-reduce
+    starts after the head's gradients instead of after a whole cap's worth. ``replica_comms`` maps a mesh dimension to the group of ranks holding the same shard, for parameters
     sharded over that dimension (expert weights: ``{"ep": comms["ep_replicate"]}``): they are broadcast and
     summed over that group only, and still divided by the full data-parallel size.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, broadcast_parameters: bool = True,
-                 replica_comms: dict[str, Comm] | None = None):
+                 replica_comms: dict[str, Comm] | None = None, first_bucket_mb: float = 1.0):
         self.module, self.comm = module, comm
         replica_comms = replica_comms or {}
 
@@ -84,7 +88,7 @@ class DataParallel:
             with torch.no_grad():
                 for _, p in named:
                     comm_of(p).broadcast(p.data, src=0)
-        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20), comm_of)
+        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20), comm_of, int(first_bucket_mb * 2**20))
         self._next_to_launch = 0
         self._hooks = []
         for b_index, bucket in enumerate(self.buckets):
