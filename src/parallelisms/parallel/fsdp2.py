@@ -403,10 +403,9 @@ class PerParamRunner(Runner):
         """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
         engine's temporary buffers (the reused ones count as persistent) and the buffer counts."""
         held, stats = self.engine.persistent_bytes(), self.engine.stats
-        transient = {} if "buffers" in held else {"gathered_params_peak": stats.peak_bytes["weight"],
-                                                  "grad_buffers_peak": stats.peak_bytes["grad"]}
-        report = memory_report(held["params"] + held.get("buffers", 0), held["grads"], self.optimizer,
-                               transient=transient)
+        transient = ({"reused_buffers": held["buffers"]} if "buffers" in held else
+                     {"gathered_params_peak": stats.peak_bytes["weight"], "grad_buffers_peak": stats.peak_bytes["grad"]})
+        report = memory_report(held["params"], held["grads"], self.optimizer, transient=transient)
         report["buffer_allocations"], report["live_buffers"] = dict(stats.allocations), dict(stats.live)
         return report
 
