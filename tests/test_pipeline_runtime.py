@@ -114,3 +114,21 @@ def test_bad_pipeline_input_is_one_line(args, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and needle in err, err
+
+
+def test_balance_by_measured_runtime_moves_layers_off_the_heavy_head(capsys, tmp_path):
+    """An 8k-vocabulary head outweighs several blocks: the measured cut gives the last stage fewer layers
+    than equal counts would, and training still matches single-process training."""
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 8192,
+                                  "max_position_embeddings": 128}))
+    argv = ["--config", str(config), "--dp", "1", "--pp", "2", "--pp-balance", "measured", "--steps", "2",
+            "--global-batch", "32", "--seq-len", "64"]
+    assert main(["train", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bounds = report["pipeline"]["stage_bounds"]
+    assert bounds[0] == 0 and bounds[-1] == 6 and bounds[1] > 3, bounds
+    assert main(["verify", *argv]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok")

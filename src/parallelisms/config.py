@@ -189,6 +189,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0              # 0: 2 x pp
     chunks: int = 1                    # virtual stages per rank (interleaved)
+    pp_balance: str = "layers"         # cut stages by equal layer counts, or by measured per-layer time
     # context parallelism
     cp_attention: str = "ring"         # ring (ring attention, zigzag shards) or ulysses (all-to-all over heads)
     recompute: str = "none"            # activation recomputation: none, selective (attention core), full (block)
@@ -228,6 +229,8 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     require(dims.tp == 1 and dims.cp == 1 and dims.ep == 1 and not parallel.zero and not parallel.fsdp,
             f"--pp {dims.pp} composes with plain data parallelism (--dp) only so far; drop --tp/--cp/--ep/--zero/--fsdp")
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
+    require(parallel.pp_balance in ("layers", "measured"),
+            f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
     require(name == "interleaved" or parallel.chunks == 1,
             f"--chunks {parallel.chunks} applies to --schedule interleaved only ({name} fixes its chunks)")
     require(train.grad_accum == 1, f"--grad-accum {train.grad_accum} with --pp: the pipeline's --microbatches "

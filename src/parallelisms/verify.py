@@ -1,13 +1,17 @@
 """Equivalence check: a layout against plain single-process training on the same seed and data.
 
-The reference is deliberately independent of the parallel code: the plain model on the whole global
-batch, ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_``. Relative differences:
-losses |l - l_ref| / |l_ref| per step; parameters ||p - p_ref||_2 / ||p_ref||_2 per tensor. The contract
-is 1e-5 in fp32. The tensor norm, not the worst element, because Adam divides each element's update by
-that element's own gradient scale: an entry whose gradient is a near-cancellation of large terms (so
-its fp32 rounding depends on summation order) moves by up to ~lr in either layout, which the
-elementwise maximum reports (about 3e-5 of the largest entry after 5 steps at lr 3e-3 here) while the
-tensor as a whole agrees to about 4e-6. ``max_param_abs_diff`` reports the worst element too.
+The reference is deliberately independent of the parallel code: the plain model, ``torch.optim.AdamW`` and
+global-norm clipping with the norm summed in float64 (:func:`clip_grad_norm_float64`). It accumulates the
+gradient over the same equal slices of the global batch that the layout averages (data-parallel ranks x
+microbatches), so what remains is the parallel arithmetic itself. Relative differences: losses
+|l - l_ref| / |l_ref| per step; parameters ||p - p_ref||_2 / ||p_ref||_2 per tensor; the contract is 1e-5
+in fp32. Measured here the layouts land near 1e-7. Two effects that are not a layout's error would
+otherwise hide that margin: Adam divides each element's update by that element's own gradient scale, so
+summing per-sample gradients in another order already moves a tensor by up to 1.5e-5 at lr 3e-3 (it scales
+with lr); and torch's fp32 CPU ``vector_norm`` (inside ``torch.nn.utils.clip_grad_norm_``) was 4e-4 off on
+an 8192 x 64 gradient, which moves the clip factor. The tensor norm rather than the worst element, because
+an element whose gradient is a near-cancellation moves by up to ~lr in either order;
+``max_param_abs_diff`` reports the worst element too.
 """
 
 from __future__ import annotations
@@ -20,19 +24,43 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.model import build_model
 
 TOLERANCE = 1e-5
-# bf16 training against a bf16 reference whose arithmetic differs in order: both round the same weights and
-# activations to bf16 (unit roundoff 2^-8), but one bf16 gradient of the whole batch differs from per-rank bf16
-# gradients summed in fp32 (and a clip norm summed in another order moves the clip factor by an ulp, which flips
-# the bf16 rounding of a few weights); Adam turns such roundings into sign-level updates where the gradient is
-# near zero. Measured at dp 2 after 3 steps: 1.3e-5 on losses, 6.6e-3 on the worst parameter tensor, while
-# fp32 training is 2.3e-2 away, so 1e-2 still tells bf16 from fp32 (it grows with the number of partial
-# gradients: 1.3e-2 at dp 4). With the same arithmetic (reference_train_bf16(splits=dp), no clipping) runs
-# are bit-exact and the 1e-5 contract holds.
+# bf16 training against the plain bf16 reference (one bf16 gradient of the whole batch rather than per-rank
+# bf16 gradients summed in fp32): both round the same weights and activations to bf16 (unit roundoff 2^-8),
+# and Adam turns the different gradient roundings into sign-level updates where a gradient is near zero.
+# Measured at dp 2 after 3 steps: 1.3e-5 on losses, 6.6e-3 on the worst parameter tensor, while fp32 training
+# is 2.3e-2 away, so 1e-2 still tells bf16 from fp32 (it grows with the number of partial gradients: 1.3e-2 at
+# dp 4). Against the same arithmetic (reference_train_bf16(splits=dp)), which `verify` uses, runs agree to
+# about 1e-8 and the 1e-5 contract holds.
 BF16_TOLERANCE = 1e-2
 
 
-def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training: per-step losses and the final parameters."""
+@torch.no_grad()
+def clip_grad_norm_float64(params, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm accumulated in float64.
+
+    torch's fp32 ``vector_norm`` on the CPU loses accuracy on large tensors: on an 8192 x 64 output-layer
+    gradient it was 4e-4 relative below the float64 value, enough to move the clip factor and, through
+    Adam, parameters by 2e-5. The parallel runs sum fp32 squares with ``torch.sum`` (pairwise, within 1e-7
+    of float64), so the reference must be at least as accurate for the comparison to test the layout.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig,
+                    splits: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training: per-step losses and the final parameters.
+
+    ``splits`` > 1 accumulates the gradient over that many equal slices of the global batch (plain gradient
+    accumulation), the summation order of a layout that divides the batch over ranks and microbatches.
+    ``verify`` uses it so that what remains is the parallel arithmetic alone: with Adam, the order in which
+    per-sample gradients are summed already moves a tensor by up to ~1.5e-5 (``small`` preset, lr 3e-3, 4
+    slices against 1), which is rounding, not a layout's error, and scales with lr.
+    """
     torch.manual_seed(train_cfg.seed)
     model = build_model(model_cfg, train_cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
@@ -40,14 +68,16 @@ def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[lis
     loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
     losses = []
     for step in range(train_cfg.steps):
-        inputs, targets = loader.batch(step)
         optimizer.zero_grad(set_to_none=True)
-        loss = model(inputs, targets)
-        loss.backward()
+        loss = 0.0
+        for piece in range(splits):
+            part = model(*loader.shard(step, piece, splits)) / splits
+            part.backward()
+            loss += part.item()
         if train_cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
+            clip_grad_norm_float64(model.parameters(), train_cfg.grad_clip)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -78,7 +108,7 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
             for m, p in zip(master, compute):
                 m.grad += p.grad.float() / splits
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(master, cfg.grad_clip)
+            clip_grad_norm_float64(master, cfg.grad_clip)
         optimizer.step()
         with torch.no_grad():
             for m, p in zip(master, compute):

@@ -22,7 +22,7 @@ from parallelisms.data.loader import microbatches
 from parallelisms.parallel.common import global_grad_norm, mark_sharded
 from parallelisms.parallel.data import Bucket
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore, split_linears
-from parallelisms.parallel.pipeline.partition import equal_bounds
+from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
 from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
 from parallelisms.parallel.pipeline.simulate import Times, simulate
 from parallelisms.parallel.pipeline.stage import build_stages
@@ -34,6 +34,17 @@ def schedule_for(parallel: ParallelConfig) -> Schedule:
     pp = parallel.dims.pp
     chunks = parallel.chunks if parallel.schedule == "interleaved" else None
     return build_schedule(parallel.schedule, pp, parallel.microbatches or 2 * pp, chunks)
+
+
+def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms) -> list[int]:
+    """Stage bounds minimising the slowest stage's measured forward + backward time. Rank 0 profiles one
+    microbatch per part and every rank takes its figures, so all ranks cut the model the same way."""
+    schedule = schedule_for(parallel)
+    rows = cfg.global_batch // parallel.dims.dp // schedule.microbatches
+    costs = profile_costs(model_cfg, rows, cfg.seq_len) if comms["world"].rank == 0 else None
+    with comms.ledger.in_phase("setup"):
+        costs = comms["world"].all_gather_object(costs)[0]
+    return balanced_bounds(*costs, schedule.num_stages)
 
 
 class PipelineRunner(Runner):
@@ -69,11 +80,15 @@ class PipelineRunner(Runner):
 
     @classmethod
     def for_layout(cls, model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms) -> "PipelineRunner":
-        """The runner of ``parallel.schedule``: PipeDream's asynchronous updates have their own."""
+        """The runner of ``parallel.schedule`` (PipeDream's asynchronous updates have their own), with stages cut
+        by equal layer counts or, for ``pp_balance="measured"``, by the per-layer times rank 0 measures."""
+        bounds = None
+        if parallel.pp_balance == "measured":
+            bounds = measured_bounds(model.cfg, parallel, cfg, comms)
         if parallel.schedule == "pipedream":
             from parallelisms.parallel.pipeline.pipedream import PipeDreamRunner
-            return PipeDreamRunner(model, parallel, cfg, comms)
-        return cls(model, parallel, cfg, comms)
+            return PipeDreamRunner(model, parallel, cfg, comms, bounds=bounds)
+        return cls(model, parallel, cfg, comms, bounds=bounds)
 
     def executor_hooks(self) -> dict:
         return {"on_stage_done": self._sync_stage}
@@ -159,7 +174,8 @@ class PipelineRunner(Runner):
         with self.comms.ledger.in_phase("report"):
             t_comm = self._message_seconds()
             ranks = self.pp_comm.all_gather_object((mine, t_comm))
-        return {"pipeline": pipeline_bubble(self.schedule, [r for r, _ in ranks], max(t for _, t in ranks))}
+        bubble = pipeline_bubble(self.schedule, [r for r, _ in ranks], max(t for _, t in ranks))
+        return {"pipeline": {**bubble, "stage_bounds": self.bounds}}
 
     def _message_seconds(self, repeats: int = 7) -> float:
         """One-way time of one activation message: median of ring exchanges over the pipeline ranks."""
