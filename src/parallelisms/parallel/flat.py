@@ -273,9 +273,10 @@ class ShardedEngine:
         self.replicate_comm.all_reduce(reduced)
         if self.plan.shard_grads:
             self._track("grads", -(_nbytes(grad) + (_nbytes(grad32) if grad32 is not grad else 0)))
-            if unit.shard.grad is None:
-                unit.shard.grad = torch.zeros_like(unit.shard)
-            unit.shard.grad.add_(reduced)
+            if unit.shard.grad is None:  # the first microbatch's reduced shard becomes the gradient
+                unit.shard.grad = reduced
+            else:
+                unit.shard.grad.add_(reduced)
         else:  # ZeRO-1 / NO_SHARD: the shard's gradient is a slice of the persistent full gradient if dtypes agree
             if unit.shard_is_view:
                 lo = self.shard_comm.rank * unit.shard_numel
@@ -317,8 +318,12 @@ class ShardedEngine:
             self.syncing = previous
 
     def zero_grad(self) -> None:
+        """Sharded gradients are dropped (no gradient memory through the next forward, as FSDP2 with
+        ``set_to_none``); persistent full gradients (ZeRO-1, NO_SHARD) are zeroed in place."""
         for unit in self.units:
-            if unit.shard.grad is not None:
+            if self.plan.shard_grads:
+                unit.shard.grad = None
+            elif unit.shard.grad is not None:
                 unit.shard.grad.zero_()
             if unit.full.grad is not None:
                 unit.full.grad.zero_()
