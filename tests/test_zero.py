@@ -9,13 +9,14 @@ import pytest
 
 from parallelisms.cli import main
 from parallelisms.config import ParallelConfig, TrainConfig, preset
-from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import BF16_TOLERANCE, compare, reference_train, reference_train_bf16
+
+from _launching import launch_once_per_world
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=8, seq_len=32, bucket_mb=0.3)  # ZeRO-1/2: two gradient buckets
@@ -49,13 +50,7 @@ def _run(info, world):
 @pytest.fixture(scope="module")
 def runs():
     """world size -> rank 0's reports of every scenario at that size (one launch each, on first use)."""
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = launch(_run, world, world, threads=1)[0]
-        return cache[world]
-    return get
+    return launch_once_per_world(_run)
 
 
 @pytest.fixture(params=[2, 4], ids=["dp2", "dp4"])
