@@ -115,7 +115,7 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
         peer_opt.zero_grad()
         peer_model(inputs, targets).backward()
         peer_opt.step()
-    return alternate({"ours": ours_step, "peer": peer_step}, steps, rounds)
+    return alternate({"peer": peer_step, "ours": ours_step}, steps, rounds)
 
 
 @bench("ddp")

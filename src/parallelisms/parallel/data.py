@@ -153,11 +153,11 @@ class DataParallel:
             self.syncing = previous
 
     def zero_grad(self) -> None:
-        """Zero the bucket buffers, keeping every ``.grad`` a view into them."""
+        """Drop the gradients. The first gradient of the next backward is copied into its bucket slot, which
+        is cheaper than zeroing every bucket and then accumulating into it; later ones accumulate in place."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view
+            for param in bucket.params:
+                param.grad = None
 
     def remove(self) -> None:
         for handle in self._hooks:
