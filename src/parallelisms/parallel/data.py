@@ -33,6 +33,7 @@ class Bucket:
             offset += p.numel()
         self.ready: set[int] = set()
         self.pending = None
+        self.needs_division = False  # some gradient was accumulated unscaled: divide the buffer before reducing
 
     @property
     def nbytes(self) -> int:
@@ -91,26 +92,33 @@ class DataParallel:
         self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20), comm_of, int(first_bucket_mb * 2**20))
         self._next_to_launch = 0
         self._hooks = []
-        for b_index, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             for p_index, (param, view) in enumerate(zip(bucket.params, bucket.views)):
                 param.grad = view
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(b_index, p_index)))
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket, p_index)))
 
     # -- hooks -------------------------------------------------------------------------------------------
-    def _make_hook(self, b_index: int, p_index: int):
+    def _make_hook(self, bucket: Bucket, p_index: int):
+        view, scale = bucket.views[p_index], 1.0 / self.comm.size
+
         def hook(param: nn.Parameter):
-            bucket = self.buckets[b_index]
-            view = bucket.views[p_index]
-            if param.grad is not view:  # the grad was replaced (e.g. zero_grad(set_to_none=True)): re-point it
-                view.copy_(param.grad)
+            if param.grad is not view:  # the step's first gradient (grads were dropped): into the bucket slot
+                if self.syncing:  # copy and pre-divide by N in one pass, as torch DDP's reducer does
+                    torch.mul(param.grad, scale, out=view)
+                else:
+                    view.copy_(param.grad)
+                    bucket.needs_division = True
                 param.grad = view
+            elif self.syncing:  # accumulated in place over microbatches: divide the bucket at launch
+                bucket.needs_division = True
             if not self.syncing:
                 return
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             bucket.ready.add(p_index)
-            self._launch_ready_buckets()
+            if len(bucket.ready) == len(bucket.params):
+                self._launch_ready_buckets()
         return hook
 
     def _launch_ready_buckets(self) -> None:
@@ -118,7 +126,8 @@ class DataParallel:
             bucket = self.buckets[self._next_to_launch]
             if len(bucket.ready) < len(bucket.params):
                 return
-            bucket.buffer.div_(self.comm.size)
+            if bucket.needs_division:
+                bucket.buffer.div_(self.comm.size)
             bucket.pending = bucket.comm.all_reduce(bucket.buffer, async_op=True)
             self._next_to_launch += 1
 
@@ -139,7 +148,7 @@ class DataParallel:
         self._launch_ready_buckets()
         for bucket in self.buckets:
             bucket.pending.wait()
-            bucket.pending, bucket.ready = None, set()
+            bucket.pending, bucket.ready, bucket.needs_division = None, set(), False
         self._next_to_launch = 0
 
     # -- user API ----------------------------------------------------------------------------------------
