@@ -54,11 +54,35 @@ def _unused_parameter_cases(info, comms):
     return out
 
 
+class _UsedInReverse(nn.Module):
+    """Registered first, used last: its gradients arrive first, against the reverse-registration guess."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.first(self.second(x)).sum()
+
+
+def _bucket_order_cases(info, comms):
+    torch.manual_seed(0)
+    model = _UsedInReverse()
+    ddp = DataParallel(model, comms["dp"], bucket_cap_mb=1e-6)  # one parameter per bucket
+    before = [b.names[0] for b in ddp.buckets]
+    for _ in range(2):  # no optimizer: the second step's gradients equal the first's
+        ddp.zero_grad()
+        model(torch.full((2, 4), float(info.rank + 1))).backward()
+    return {"before": before, "after": [b.names[0] for b in ddp.buckets], "grad": model.first.weight.grad.tolist()}
+
+
 def _run(info, world):
     dims = ParallelDims(dp_replicate=world)
     reports = {name: train_rank(info, RunSpec(MODEL, cfg, ParallelConfig(dims), collect_state=True), trace)
                for name, (cfg, trace) in SCENARIOS.items()}
-    reports["unused"] = _unused_parameter_cases(info, Comms(dims.build_meshes()))
+    comms = Comms(dims.build_meshes())
+    reports["unused"] = _unused_parameter_cases(info, comms)
+    reports["order"] = _bucket_order_cases(info, comms)
     return reports
 
 
@@ -117,3 +141,18 @@ def test_unused_parameters(run):
     assert out["unused_grad_zero"]
     # rank r feeds two rows of (r + 1): d sum(Wx + b) / dW = 2 (r + 1), averaged over the ranks
     assert out["used_weight_grad"] == pytest.approx(2 * sum(range(1, world + 1)) / world)
+
+
+def test_buckets_are_rebuilt_in_the_observed_gradient_order(run):
+    _, reports = run
+    order = reports["order"]
+    assert order["before"] == ["second.bias", "second.weight", "first.bias", "first.weight"]  # the guess
+    assert order["after"][:2] == ["first.bias", "first.weight"] or order["after"][:2] == ["first.weight",
+                                                                                         "first.bias"]
+    assert set(order["after"]) == set(order["before"])
+    world = run[0]
+    torch.manual_seed(0)
+    model = _UsedInReverse()
+    for rank in range(world):  # the average gradient, computed in one process
+        model(torch.full((2, 4), float(rank + 1))).backward()
+    assert torch.allclose(torch.tensor(order["grad"]), model.first.weight.grad / world, atol=1e-6)

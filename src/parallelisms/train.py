@@ -201,9 +201,10 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
 
 
 def _step_comm(ledger: CommLedger, marks: list[int], measured: slice) -> dict:
-    """Per-step calls and bytes sent per rank by collective kind, over the measured steps, training only."""
+    """Per-step calls and bytes sent per rank by collective kind, over the measured steps, training only
+    (one-off setup, such as DDP's bucket rebuild after the first step, and reporting excluded)."""
     first = marks[measured][0]
-    records = [r for r in ledger.records[first:] if r.phase != "report"]
+    records = [r for r in ledger.records[first:] if r.phase not in ("report", "setup")]
     count = len(marks[measured])
     table: dict[str, dict] = {}
     for r in records:

@@ -1,9 +1,9 @@
 """Data parallelism written here: gradient buckets all-reduced from backward hooks while backward goes on.
 
 Follows PyTorch DDP (Li et al., VLDB 2020): parameters are grouped into buckets under a byte cap in the
-order their gradients become ready (reverse registration order for a sequential model); every
-parameter's ``.grad`` is a view into its bucket's flat buffer, so accumulation writes straight into the
-buffer that is communicated. When a bucket's last gradient arrives, its all-reduce is launched
+order their gradients become ready (first guessed as reverse registration order, then rebuilt once from
+the order rank 0 observed in the first synchronised backward); every parameter's ``.grad`` is a view into
+its bucket's flat buffer, so accumulation writes straight into the buffer that is communicated. When a bucket's last gradient arrives, its all-reduce is launched
 asynchronously; buckets launch in index order so every rank issues the same collectives in the same order.
 One wait at the end of backward, queued on the autograd engine, completes them all. Gradients are
 pre-divided by N and summed, giving the average.
@@ -40,13 +40,13 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def _buckets_in_ready_order(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of,
+def _buckets_in_ready_order(ready_order: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of,
                             first_cap_bytes: int | None = None) -> list[Bucket]:
-    """Reverse registration order (the order backward produces gradients), cut at ``cap_bytes`` (the first
-    bucket at ``first_cap_bytes``, so communication starts early); a bucket holds one dtype, one device and
-    one reducing group (``comm_of(param)``)."""
+    """Parameters in the order backward produces their gradients, cut at ``cap_bytes`` (the first bucket at
+    ``first_cap_bytes``, so communication starts early); a bucket holds one dtype, one device and one
+    reducing group (``comm_of(param)``)."""
     buckets, current, names, size = [], [], [], 0
-    for name, p in reversed(named_params):
+    for name, p in ready_order:
         nbytes = p.numel() * p.element_size()
         cap = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
         if current and (size + nbytes > cap or p.dtype != current[0].dtype or p.device != current[0].device
@@ -84,18 +84,47 @@ class DataParallel:
         self.find_unused_parameters = find_unused_parameters
         self.syncing = True
         self._callback_queued = False
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if broadcast_parameters:
             with torch.no_grad():
-                for _, p in named:
+                for _, p in self._named:
                     comm_of(p).broadcast(p.data, src=0)
-        self.buckets = _buckets_in_ready_order(named, int(bucket_cap_mb * 2**20), comm_of, int(first_bucket_mb * 2**20))
+        self._bucketing = lambda order: _buckets_in_ready_order(order, int(bucket_cap_mb * 2**20), comm_of,
+                                                                int(first_bucket_mb * 2**20))
+        self._hooks = []
+        self._install(list(reversed(self._named)))  # first guess: reverse registration order
+        # the first synchronised backward records the real order; the next forward rebuilds the buckets by it
+        self._observed: list[int] | None = []
+        self._rebuild = module.register_forward_pre_hook(lambda *_: self._rebuild_in_observed_order())
+
+    def _install(self, ready_order: list[tuple[str, nn.Parameter]]) -> None:
+        """Buckets in ``ready_order`` and one hook per parameter; gradients move into the new buckets."""
+        for handle in self._hooks:
+            handle.remove()
+        self.buckets = self._bucketing(ready_order)
         self._next_to_launch = 0
         self._hooks = []
         for bucket in self.buckets:
             for p_index, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+                if param.grad is not None:
+                    view.copy_(param.grad)
                 param.grad = view
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket, p_index)))
+
+    def _rebuild_in_observed_order(self) -> None:
+        """Once, before the second synchronised step: rebuild buckets in the gradient order rank 0 observed
+        (broadcast, so every rank issues the same collectives), as torch DDP does after its first iteration."""
+        if not self._observed or any(b.pending is not None for b in self.buckets):
+            return
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        seen = [index[id(p)] for p in self._observed]
+        rest = [i for i in reversed(range(len(self._named))) if i not in set(seen)]  # unused: at the end
+        order = torch.tensor(seen + rest, dtype=torch.long, device=self._named[0][1].device)
+        with self.comm.ledger.in_phase("setup"):
+            self.comm.broadcast(order, src=0)
+        self._observed = None
+        self._rebuild.remove()
+        self._install([self._named[i] for i in order.tolist()])
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _make_hook(self, bucket: Bucket, p_index: int):
@@ -116,6 +145,8 @@ class DataParallel:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if self._observed is not None:
+                self._observed.append(param)
             bucket.ready.add(p_index)
             if len(bucket.ready) == len(bucket.params):
                 self._launch_ready_buckets()
@@ -171,3 +202,5 @@ class DataParallel:
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
+        if self._observed is not None:
+            self._rebuild.remove()
