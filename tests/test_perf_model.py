@@ -67,7 +67,10 @@ def test_comm_volumes_follow_the_spec():
     assert [(c.kind, c.bytes_per_rank) for c in tp] == [("all_reduce", 2 * cfg.n_layers * 4 * (1 / 2) * a)]
 
 
-@pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"]])
+@pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"],
+                                  ["--dp", "2", "--zero", "3", "--mixed-precision", "bf16", "--grad-clip", "0"],
+                                  ["--dp", "1", "--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--preset",
+                                   "small", "--grad-clip", "0"]])
 def test_prediction_matches_the_ledger_of_a_real_run(capsys, argv):
     import json
 

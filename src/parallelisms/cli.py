@@ -148,7 +148,8 @@ def cmd_train(args) -> int:
           f"comm per step per rank: {comm or 'none'}; exposed comm {report['exposed_comm_fraction']:.1%} of the step")
     from parallelisms.perf.model import predicted_comm_by_kind
 
-    report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train)
+    report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train, dtype_bytes=2 if parallel.mixed_precision
+                                                       == "bf16" else 4)
     print("predicted by the spec's formulas (main terms): " + (", ".join(
         f"{k} {v / 1e3:,.1f} kB" for k, v in report["predicted_comm"].items()) or "none"))
     if "pipeline" in report:

@@ -91,19 +91,32 @@ class CommVolume:
 
 
 def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4) -> list[CommVolume]:
-    """Bytes each rank sends per step, by collective and mesh dimension, from the spec's formulas."""
+    """Bytes rank 0 sends per step, by collective and mesh dimension, from the spec's formulas.
+
+    Main terms only: the per-block TP/SP collectives (not the embedding, head and loss ones, nor SP's
+    re-gather of saved shards in backward), and expert all-to-alls assuming uniform routing. Parameter
+    all-gathers move the compute dtype (``dtype_bytes``, 2 in bf16); gradient reductions are fp32.
+    """
     dims = parallel.dims
     out = []
-    grad_bytes = cfg.num_params() * dtype_bytes / (dims.tp * dims.pp)
+    local_params = cfg.num_params() / (dims.tp * dims.pp)
+    expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
         ring = (dp - 1) / dp
+        grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
         if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-            out += [CommVolume("all_gather", "dp", 2 * ring * grad_bytes), CommVolume("reduce_scatter", "dp", ring * grad_bytes)]
+            out += [CommVolume("all_gather", "dp", 2 * ring * params), CommVolume("reduce_scatter", "dp", ring * grads)]
         elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
-            out += [CommVolume("reduce_scatter", "dp", ring * grad_bytes), CommVolume("all_gather", "dp", ring * grad_bytes)]
+            out += [CommVolume("reduce_scatter", "dp", ring * grads), CommVolume("all_gather", "dp", ring * params)]
         else:
-            out.append(CommVolume("all_reduce", "dp", 2 * ring * grad_bytes))
+            out.append(CommVolume("all_reduce", "dp", 2 * ring * grads))
+    if expert_params:  # expert gradients: only over the ranks holding the same experts
+        replicas = dp // dims.ep
+        out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * expert_params / dims.ep * 4))
+        tokens = train.global_batch // dims.dp * train.seq_len
+        rows = tokens * cfg.top_k * (dims.ep - 1) / dims.ep  # assignments leaving the rank under uniform routing
+        out.append(CommVolume("all_to_all", "ep", 4 * rows * cfg.dim * 4 * cfg.n_layers))  # 2 forward, 2 backward
     if dims.tp > 1:
         tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
         block_activation = tokens * cfg.dim * dtype_bytes  # A: one block's residual activation
@@ -123,17 +136,22 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             q_block = tokens * cfg.dim // dims.tp * dtype_bytes
             per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
             out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
-    if dims.pp > 1:  # a middle stage sends each microbatch's activation forward and its gradient back, per chunk
+    if dims.pp > 1:  # the schedule says how many activations and gradients rank 0 sends
+        from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
+
         m = parallel.microbatches or 2 * dims.pp
-        chunks = parallel.chunks if parallel.schedule == "interleaved" else 1
+        schedule = build_schedule(parallel.schedule, dims.pp, m, parallel.chunks if parallel.schedule == "interleaved"
+                                  else None)
+        sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
         activation = train.global_batch // dims.dp // m * train.seq_len * cfg.dim * dtype_bytes
-        out.append(CommVolume("send", "pp", 2 * m * chunks * activation))
+        out.append(CommVolume("send", "pp", sends * activation))
     return out
 
 
-def predicted_comm_by_kind(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict[str, float]:
+def predicted_comm_by_kind(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                           dtype_bytes: int = 4) -> dict[str, float]:
     """``comm_per_step`` summed by collective kind, in the shape of a train report's ``comm`` entry."""
     table: dict[str, float] = {}
-    for c in comm_per_step(cfg, parallel, train):
+    for c in comm_per_step(cfg, parallel, train, dtype_bytes):
         table[c.kind] = table.get(c.kind, 0.0) + c.bytes_per_rank
     return dict(sorted(table.items()))
