@@ -101,7 +101,7 @@ def _data_parallel_degrees(args) -> dict:
     return {"dp_shard": args.dp} if sharded else {"dp_replicate": args.dp}
 
 
-def _world_and_backend(world: int) -> str:
+def _backend_for(world: int) -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
@@ -117,7 +117,7 @@ def run_layout(spec, trace: bool = False):
         import torch
 
         return train_rank(RankInfo(0, 1, 0, torch.device("cpu")), spec, trace)
-    results = launch(train_rank, world, spec, trace, backend=_world_and_backend(world), timeout_s=spec.train.timeout_s)
+    results = launch(train_rank, world, spec, trace, backend=_backend_for(world), timeout_s=spec.train.timeout_s)
     return results[0]
 
 

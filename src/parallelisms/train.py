@@ -8,7 +8,6 @@ parallelism adds its branch there. :func:`train_rank` is the per-rank entry poin
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -43,11 +42,12 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 class Runner:
     """One layout's training step. Subclasses override what differs; the dense data-parallel step is here."""
 
-    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, grad_sync: DataParallel | None):
+    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, grad_sync: DataParallel | None,
+                 positions: torch.Tensor | None = None):
         self.model, self.comms, self.cfg, self.grad_sync = model, comms, cfg, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg)
-        self.positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
+        self.positions = positions  # context parallelism: the sequence positions this rank holds
 
     def zero_grad(self) -> None:
         if self.grad_sync is not None:
@@ -135,9 +135,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.dims.dp * parallel.dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         grad_sync = DataParallel(model, comms["dp_cp"], bucket_cap_mb=train.bucket_mb,
                                  find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
-    runner = Runner(model, comms, train, grad_sync)
-    runner.positions = positions
-    return runner
+    return Runner(model, comms, train, grad_sync, positions)
 
 
 def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:
@@ -174,7 +172,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     with comms.ledger.in_phase("report"):
         losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
-        step_comm = _step_comm(comms.ledger, ledger_marks, measured)
+        # training only: one-off setup (DDP's bucket rebuild after the first step) and reporting left out
+        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
+                                         exclude_phases=("report", "setup"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": runner.memory_report()}, info.world_size)
@@ -198,20 +198,6 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if state is not None:
         report["state"] = state
     return report
-
-
-def _step_comm(ledger: CommLedger, marks: list[int], measured: slice) -> dict:
-    """Per-step calls and bytes sent per rank by collective kind, over the measured steps, training only
-    (one-off setup, such as DDP's bucket rebuild after the first step, and reporting excluded)."""
-    first = marks[measured][0]
-    records = [r for r in ledger.records[first:] if r.phase not in ("report", "setup")]
-    count = len(marks[measured])
-    table: dict[str, dict] = {}
-    for r in records:
-        entry = table.setdefault(r.kind, {"calls": 0.0, "bytes_per_rank": 0.0})
-        entry["calls"] += 1 / count
-        entry["bytes_per_rank"] += r.bytes_per_rank / count
-    return dict(sorted(table.items()))
 
 
 def _sum_stats(stats: list[dict]) -> dict:

@@ -51,6 +51,21 @@ def clip_grad_norm_float64(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _train_reference(cfg: TrainConfig, params: list, accumulate, after_step=lambda: None) -> list[float]:
+    """The loop both references share: ``accumulate(loader, step)`` leaves the step's gradient in
+    ``params[i].grad`` and returns the loss; then clipping and AdamW over ``params``."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
+    loader = BatchLoader(load_corpus(), cfg.global_batch, cfg.seq_len, cfg.seed)
+    losses = []
+    for step in range(cfg.steps):
+        losses.append(accumulate(loader, step))
+        if cfg.grad_clip > 0:
+            clip_grad_norm_float64(params, cfg.grad_clip)
+        optimizer.step()
+        after_step()
+    return losses
+
+
 def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig,
                     splits: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training: per-step losses and the final parameters.
@@ -63,21 +78,16 @@ def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig,
     """
     torch.manual_seed(train_cfg.seed)
     model = build_model(model_cfg, train_cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
-                                  weight_decay=train_cfg.weight_decay, eps=1e-8)
-    loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
-    losses = []
-    for step in range(train_cfg.steps):
-        optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(loader, step):
+        model.zero_grad(set_to_none=True)
         loss = 0.0
         for piece in range(splits):
             part = model(*loader.shard(step, piece, splits)) / splits
             part.backward()
             loss += part.item()
-        if train_cfg.grad_clip > 0:
-            clip_grad_norm_float64(model.parameters(), train_cfg.grad_clip)
-        optimizer.step()
-        losses.append(loss)
+        return loss
+    losses = _train_reference(train_cfg, list(model.parameters()), accumulate)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -93,10 +103,8 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
     master = [nn.Parameter(p.detach().clone()) for p in compute]
     for p in compute:
         p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.AdamW(master, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
-    loader = BatchLoader(load_corpus(), cfg.global_batch, cfg.seq_len, cfg.seed)
-    losses = []
-    for step in range(cfg.steps):
+
+    def accumulate(loader, step):
         for m in master:
             m.grad = torch.zeros_like(m)
         loss = 0.0
@@ -107,13 +115,13 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
             loss += part.item() / splits
             for m, p in zip(master, compute):
                 m.grad += p.grad.float() / splits
-        if cfg.grad_clip > 0:
-            clip_grad_norm_float64(master, cfg.grad_clip)
-        optimizer.step()
-        with torch.no_grad():
-            for m, p in zip(master, compute):
-                p.copy_(m)
-        losses.append(loss)
+        return loss
+
+    @torch.no_grad()
+    def copy_to_compute():
+        for m, p in zip(master, compute):
+            p.copy_(m)
+    losses = _train_reference(cfg, master, accumulate, copy_to_compute)
     return losses, {n: m.detach().clone() for n, m in zip(names, master)}
 
 

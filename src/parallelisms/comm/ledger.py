@@ -58,18 +58,16 @@ class CommLedger:
         """A position to measure from: ``summary(since=ledger.mark())``."""
         return len(self.records)
 
-    def select(self, since: int = 0, **match) -> list[CommRecord]:
-        return [r for r in self.records[since:] if all(getattr(r, k) == v for k, v in match.items())]
-
-    def summary(self, since: int = 0, key=("kind",), per: int = 1) -> dict:
-        """Calls and bytes sent per rank grouped by ``key`` fields, divided by ``per`` (e.g. steps)."""
+    def summary(self, since: int = 0, per: int = 1, exclude_phases: tuple[str, ...] = ()) -> dict:
+        """Calls and bytes sent per rank by collective kind from position ``since``, divided by ``per`` (e.g.
+        steps), leaving out records of ``exclude_phases``."""
         table = defaultdict(lambda: {"calls": 0, "bytes_per_rank": 0.0})
         for r in self.records[since:]:
-            name = "/".join(str(getattr(r, k)) for k in key)
-            table[name]["calls"] += 1
-            table[name]["bytes_per_rank"] += r.bytes_per_rank
-        return {name: {"calls": v["calls"] / per, "bytes_per_rank": v["bytes_per_rank"] / per}
-                for name, v in sorted(table.items())}
+            if r.phase not in exclude_phases:
+                table[r.kind]["calls"] += 1
+                table[r.kind]["bytes_per_rank"] += r.bytes_per_rank
+        return {kind: {"calls": v["calls"] / per, "bytes_per_rank": v["bytes_per_rank"] / per}
+                for kind, v in sorted(table.items())}
 
     def tail(self, count: int = 5) -> str:
         """The last collectives, for error messages about hangs and mismatches."""
