@@ -44,6 +44,21 @@ def _collectives(info):
         c.send_recv(sends=[(torch.full((2,), float(r)), nxt)], recvs=[(buf, prv)]).wait()
         out["p2p"] = buf.tolist()
 
+    # into given buffers: the input of a reduce-scatter survives unless given up (scratch), and on gloo
+    # neither collective allocates anything under the allocator profiler (no full-size temporaries)
+    from torch.profiler import ProfilerActivity, profile
+
+    from parallelisms.benches.zero import _allocations as allocations
+    full, shard, gathered = torch.arange(4.0 * n) * (r + 1), torch.empty(4), torch.empty(4 * n)
+    kept, mine = full.clone(), torch.full((4,), float(r))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        c.all_gather(mine, out=gathered, async_op=True).wait()
+        c.reduce_scatter(full, out=shard)
+        out["rs_input_kept"] = torch.equal(full, kept)
+        c.reduce_scatter(full, out=shard, async_op=True, scratch=True).wait()
+    out["allocated_bytes"] = sum(size for _, size, _ in allocations(prof)[0] if size > 0)
+    out["into_buffers"] = (gathered.tolist(), shard.tolist())
+
     # autograd pairs: each backward is the conjugate collective
     x = torch.full((2, 4), float(r + 1), requires_grad=True)
     with comms.ledger.in_phase("backward"):
@@ -88,6 +103,17 @@ def test_collective_results(four_ranks):
         assert out["uneven"] == [float(j) for j in range(n) for _ in range(1 + (j + r) % 2)]
         assert out["async"] == [4.0] * 4
         assert out["p2p"] == [float((r - 1) % n)] * 2
+        total = sum(range(1, n + 1))
+        assert out["into_buffers"] == ([float(j) for j in range(n) for _ in range(4)],
+                                       [total * (4.0 * r + k) for k in range(4)])
+        assert out["rs_input_kept"]
+
+
+def test_gloo_all_gather_and_reduce_scatter_allocate_no_temporaries(four_ranks):
+    """gloo's own emulations allocate full-size temporaries; the comm layer's broadcasts and in-place
+    all-reduce do not (the one non-scratch reduce-scatter clones its 64-byte input: that is all)."""
+    for out in four_ranks:
+        assert out["allocated_bytes"] <= 16 * 4, out["allocated_bytes"]
 
 
 def test_autograd_conjugates(four_ranks):

@@ -6,12 +6,15 @@ One launch per world size runs every scenario (process start-up dominates on two
 """
 
 import pytest
+import torch
 
 from parallelisms.cli import main
+from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.parallel.flat import module_units
+from parallelisms.parallel.flat import ShardedEngine, module_units
+from parallelisms.parallel.zero import zero_plan
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import BF16_TOLERANCE, compare, reference_train, reference_train_bf16
@@ -116,6 +119,29 @@ def test_zero3_prefetches_every_gather_but_the_first_of_each_pass(run):
     memory = reports["zero3"]["memory"]
     assert memory["on_demand_gathers"] == 2 * BASE.steps
     assert memory["prefetched_gathers"] == 2 * (units - 1) * BASE.steps
+
+
+def test_backward_prefetch_waits_for_the_mlp_backward():
+    """Each block's backward gathers the previous unit only after its MLP's backward (the activations it
+    frees are where backward memory peaks), still before its attention's backward. One process: the
+    engine's one-rank Comm gathers by copy, the hooks run the same."""
+    model = build_model(MODEL)
+    engine = ShardedEngine(model, module_units(model), zero_plan(3), Comms())
+    events = []
+    gather = engine._unshard
+    engine._unshard = lambda unit: (events.append(("gather", unit.name)), gather(unit))
+    for i, block in enumerate(model.layers):
+        block.feed_forward.register_full_backward_hook(lambda *_, i=i: events.append(("mlp", f"layers.{i}")))
+        block.attention.register_full_backward_hook(lambda *_, i=i: events.append(("attention", f"layers.{i}")))
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 16))
+    events.clear()
+    model(tokens, tokens).backward()
+    backward = events[events.index(("gather", "head")):]
+    previous = ["tok_embeddings"] + [f"layers.{i}" for i in range(MODEL.n_layers)]
+    for i in range(MODEL.n_layers):
+        block, before = f"layers.{i}", previous[i]
+        order = [backward.index(e) for e in (("mlp", block), ("gather", before), ("attention", block))]
+        assert order == sorted(order), (block, backward)
 
 
 def _largest_unit_numel(cap_bytes=None):

@@ -1,6 +1,6 @@
 """What every parallelism shares: marking a parameter as sharded over mesh dimensions (and how to
-reassemble it), and the global gradient norm over parameters sharded in any way (an all-reduce of
-squared norms, never of gradients)."""
+reassemble it), the global gradient norm over parameters sharded in any way (an all-reduce of
+squared norms, never of gradients), and the backward prefetch point of the sharded engines."""
 
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ def mark_sharded(param: nn.Parameter, mesh_dim: str, tensor_dim: int | None = 0,
 def sharded_over(param: nn.Parameter) -> tuple[str, ...]:
     """Mesh dimensions over which ``param`` differs between ranks."""
     return tuple(sorted({dim for dim, _, _ in getattr(param, SHARD_ATTR, ())}))
+
+
+def after_last_child_backward(module: nn.Module, callback):
+    """Call ``callback()`` in backward once the gradient of the input of ``module``'s last registered child
+    (a block's MLP) is complete, that is, after that child's backward. The sharded engines prefetch the
+    previous unit's parameters there: the gather overlaps the rest of the block's backward (attention)
+    without being held on top of the activations the MLP's backward frees, where backward memory peaks.
+    Returns the hook handle, or None when ``module`` has fewer than two children."""
+    children = list(module.children())
+    if len(children) < 2:
+        return None
+
+    def on_input_grad(grad) -> None:  # leaves the gradient unchanged
+        callback()
+
+    def hook(child, args):
+        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(on_input_grad)
+    return children[-1].register_forward_pre_hook(hook)
 
 
 def gather_full(param: torch.Tensor, comms: Comms) -> torch.Tensor:

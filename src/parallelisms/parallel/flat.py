@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, Comms
-from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.common import after_last_child_backward, mark_sharded
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,7 @@ class ShardedEngine:
         self.live = {"params": 0, "grads": 0}
         self.peak = {"params": 0, "grads": 0}
         self._hooks = []
+        self._late_prefetch = set()       # units whose backward prefetch waits for their last child's backward
         for index, unit in enumerate(self.units):
             if plan.shard_params:
                 unit.free()
@@ -176,6 +177,11 @@ class ShardedEngine:
             self._hooks.append(unit.modules[0].register_forward_pre_hook(self._pre_forward_hook(index)))
             self._hooks.append(unit.modules[-1].register_forward_hook(self._post_forward_hook(index)))
             self._hooks.append(unit.full.register_post_accumulate_grad_hook(self._post_backward_hook(index)))
+            if plan.shard_params and index > 0 and len(unit.modules) == 1:
+                handle = after_last_child_backward(unit.modules[0], lambda i=index: self._unshard(self.units[i - 1]))
+                if handle is not None:
+                    self._hooks.append(handle)
+                    self._late_prefetch.add(index)
 
     # -- transient memory bookkeeping ------------------------------------------------------------------------
     def _track(self, kind: str, delta: int) -> None:
@@ -231,11 +237,12 @@ class ShardedEngine:
         return hook
 
     def _pre_backward(self, index: int) -> None:
-        """The gradient of the unit's output arrived: gather its parameters, prefetch the previous unit's."""
+        """The gradient of the unit's output arrived: gather its parameters and prefetch the previous unit's
+        (here, or later: :func:`after_last_child_backward`)."""
         self._queue_final_callback()
         if self.plan.shard_params:
             self._wait_unshard(self.units[index])
-            if index > 0:
+            if index > 0 and index not in self._late_prefetch:
                 self._unshard(self.units[index - 1])          # overlaps this unit's backward
 
     def _post_backward_hook(self, index: int):
@@ -261,7 +268,7 @@ class ShardedEngine:
         if self.plan.shard_grads:
             unit.full.grad = None
             self._track("grads", _nbytes(grad32) if grad32 is not grad else 0)
-        pending = self.shard_comm.reduce_scatter(grad32, async_op=True)
+        pending = self.shard_comm.reduce_scatter(grad32, async_op=True, scratch=True)
         self._in_flight = (unit, pending, grad, grad32)
 
     def _finish_reduce(self) -> None:
@@ -318,15 +325,12 @@ class ShardedEngine:
             self.syncing = previous
 
     def zero_grad(self) -> None:
-        """Sharded gradients are dropped (no gradient memory through the next forward, as FSDP2 with
-        ``set_to_none``); persistent full gradients (ZeRO-1, NO_SHARD) are zeroed in place."""
+        """Gradients are dropped, as ``zero_grad(set_to_none=True)`` does for torch DDP and FSDP: no gradient
+        memory through the next forward; backward allocates them again (ZeRO-1 and NO_SHARD: the full
+        gradient, persistent from then until the step)."""
         for unit in self.units:
-            if self.plan.shard_grads:
-                unit.shard.grad = None
-            elif unit.shard.grad is not None:
-                unit.shard.grad.zero_()
-            if unit.full.grad is not None:
-                unit.full.grad.zero_()
+            unit.shard.grad = None
+            unit.full.grad = None
 
     @torch.no_grad()
     def after_step(self) -> None:

@@ -16,7 +16,8 @@ output head (the flat engine's ``module_units``). Around a unit's forward:
 Autograd keeps no full weight alive between forward and backward: a ``saved_tensors_hooks`` pair stores a
 reference (unit, size, stride, offset) for any saved tensor living in a gathered unit's storage and, in
 backward, re-gathers the unit on first use and prefetches the previous unit (if its forward saved
-weights: the embedding's backward needs none). When every full leaf of a unit has accumulated its
+weights: the embedding's backward needs none) once a block's MLP has run its backward
+(``after_last_child_backward``). When every full leaf of a unit has accumulated its
 gradient, the gradients are copied in rank-major order (copy-in), divided by N and reduce-scattered
 asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views), one reduce-scatter in
 flight as in FSDP2; the end of backward waits for the last. :mod:`parallelisms.parallel.yafsdp` reuses
@@ -30,7 +31,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, Comms
 from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.common import after_last_child_backward, mark_sharded
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner, make_optimizer
@@ -83,6 +84,7 @@ class Unit:
         self.saves_weights = False                    # some saved tensor of its forward is a weight
         self.grads_prepared = False
         self.flat_param: nn.Parameter | None = None   # the optimizer's flat shard (buffer-reuse layout)
+        self.late_prefetch = False                    # backward prefetch at after_last_child_backward
 
 
 def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -118,6 +120,11 @@ class PerParamSharding:
         for unit in self.units:
             self._hooks.append(unit.modules[0].register_forward_pre_hook(lambda *_, u=unit: self._pre_forward(u)))
             self._hooks.append(unit.modules[-1].register_forward_hook(lambda *_, u=unit: self._post_forward(u)))
+            late = (after_last_child_backward(unit.modules[0], lambda u=unit: self._prefetch(u.index - 1, True))
+                    if unit.index > 0 and len(unit.modules) == 1 else None)
+            if late is not None:
+                self._hooks.append(late)
+                unit.late_prefetch = True
         self.zero_grad()
 
     # -- layout (overridden by the flat, buffer-reusing layout) ------------------------------------------
@@ -261,7 +268,8 @@ class PerParamSharding:
         unit, size, stride, offset = packed
         if unit.full is None:
             self._ensure_full(unit)
-            self._prefetch(unit.index - 1, backward=True)
+            if not unit.late_prefetch:
+                self._prefetch(unit.index - 1, backward=True)
         return unit.full_storage.as_strided(size, stride, offset)
 
     # -- gradients ---------------------------------------------------------------------------------------
@@ -292,7 +300,7 @@ class PerParamSharding:
             out.copy_(send)
         if self._pending_grads:  # one reduce-scatter in flight (as FSDP2): bounds the send buffers to two
             self._complete(self._pending_grads.pop(0))
-        pending = self.comm.reduce_scatter(send, out=out, async_op=True)
+        pending = self.comm.reduce_scatter(send, out=out, async_op=True, scratch=True)
         self._pending_grads.append((unit, pending, out, send))
         unit.grads_prepared, unit.leaves = False, None
         self._release(unit)
