@@ -156,3 +156,14 @@ def test_buckets_are_rebuilt_in_the_observed_gradient_order(run):
     for rank in range(world):  # the average gradient, computed in one process
         model(torch.full((2, 4), float(rank + 1))).backward()
     assert torch.allclose(torch.tensor(order["grad"]), model.first.weight.grad / world, atol=1e-6)
+
+
+def test_bucket_cut_in_ready_order_with_an_optional_smaller_first_bucket():
+    from parallelisms.parallel.data import _buckets_in_ready_order
+    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 100, 300, 300, 300])]
+    one_rank = Comms()["dp"]
+    names = lambda buckets: [b.names for b in buckets]  # noqa: E731
+    # fp32: 400, 400, 1200, 1200, 1200 bytes under a 2400-byte cap
+    assert names(_buckets_in_ready_order(params, 2400, lambda p: one_rank)) == [["p0", "p1", "p2"], ["p3", "p4"]]
+    assert names(_buckets_in_ready_order(params, 2400, lambda p: one_rank, first_cap_bytes=800)) == [
+        ["p0", "p1"], ["p2", "p3"], ["p4"]]
