@@ -279,8 +279,11 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
                            f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
     require(fsdp is None or dims.dp > 1,
             f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
-    require(not (zero or fsdp) or (dims.tp == 1 and dims.pp == 1 and dims.cp == 1),
-            f"--zero/--fsdp combine with data parallelism only so far (got {dims.describe()}); drop --tp/--pp/--cp")
+    require(not (zero or fsdp) or (dims.pp == 1 and dims.cp == 1),
+            f"--zero/--fsdp combine with --dp and --tp only so far (got {dims.describe()}); drop --pp/--cp")
+    require(not (zero or fsdp) or dims.tp == 1 or parallel.fsdp_style == "flat",
+            f"--fsdp-style {parallel.fsdp_style} with --tp {dims.tp} is not supported; use --fsdp-style flat, "
+            f"which shards the tensor-parallel shards")
     require(not (zero or fsdp) or parallel.fsdp_style == "flat" or fsdp is not None,
             f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
     require(parallel.fsdp_style in ("flat", "per_param", "reuse"),

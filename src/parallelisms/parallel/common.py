@@ -48,16 +48,34 @@ def after_last_child_backward(module: nn.Module, callback):
     return children[-1].register_forward_pre_hook(hook)
 
 
-def gather_full(param: torch.Tensor, comms: Comms) -> torch.Tensor:
-    """Reassemble a parameter marked with :func:`mark_sharded` (all ranks of its dimensions take part)."""
+def gather_full(param: torch.Tensor, comms: Comms, marks=None) -> torch.Tensor:
+    """Reassemble a parameter marked with :func:`mark_sharded` (all ranks of its dimensions take part);
+    ``marks`` gives the marks of a tensor that does not carry them (a piece of a flat buffer)."""
     full = param.detach()
-    for mesh_dim, tensor_dim, full_size in reversed(getattr(param, SHARD_ATTR, ())):
+    for mesh_dim, tensor_dim, full_size in reversed(getattr(param, SHARD_ATTR, ()) if marks is None else marks):
         if tensor_dim is None:
             continue
         full = comms[mesh_dim].all_gather(full.contiguous(), dim=tensor_dim)
         if full_size is not None:
             full = full.narrow(tensor_dim, 0, full_size)
     return full
+
+
+def add_squared_norm(groups: dict, dims: tuple[str, ...], grad: torch.Tensor) -> None:
+    """Add ``grad``'s squared L2 norm to ``groups[dims]``: the gradient is sharded over mesh ``dims``."""
+    sq = grad.detach().float().pow(2).sum()
+    groups[dims] = groups[dims] + sq if dims in groups else sq
+
+
+def norm_of_groups(groups: dict, comms: Comms) -> torch.Tensor:
+    """The global L2 norm from squared norms grouped by the mesh dimensions they are sharded over: each
+    group summed over its dimensions (an all-reduce of one number), replicated parts counted once."""
+    total = torch.zeros((), dtype=torch.float32)
+    for dims, sq in sorted(groups.items()):
+        for dim in dims:
+            sq = comms[dim].all_reduce(sq.reshape(1)).reshape(())
+        total = total + sq.cpu()
+    return total.sqrt()
 
 
 def global_grad_norm(params, comms: Comms, grads=None) -> torch.Tensor:
@@ -67,25 +85,18 @@ def global_grad_norm(params, comms: Comms, grads=None) -> torch.Tensor:
     grads = [p.grad for p in params] if grads is None else list(grads)
     groups: dict[tuple[str, ...], torch.Tensor] = {}
     for p, g in zip(params, grads):
-        if g is None:
-            continue
-        key = sharded_over(p)
-        sq = g.detach().float().pow(2).sum()
-        groups[key] = groups[key] + sq if key in groups else sq
-    total = torch.zeros((), dtype=torch.float32)
-    for dims, sq in sorted(groups.items()):
-        for dim in dims:
-            sq = comms[dim].all_reduce(sq.reshape(1)).reshape(())
-        total = total + sq.cpu()
-    return total.sqrt()
+        if g is not None:
+            add_squared_norm(groups, sharded_over(p), g)
+    return norm_of_groups(groups, comms)
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, comms: Comms, grads=None) -> torch.Tensor:
-    """Scale gradients so the global norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``)."""
+def clip_grad_norm_(params, max_norm: float, comms: Comms, grads=None, norm=None) -> torch.Tensor:
+    """Scale gradients so the global norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``);
+    ``norm``, when given, is that global norm computed by the caller."""
     params = list(params)
     grads = [p.grad for p in params] if grads is None else list(grads)
-    norm = global_grad_norm(params, comms, grads)
+    norm = global_grad_norm(params, comms, grads) if norm is None else norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         if g is not None:

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, Comms
-from parallelisms.parallel.common import after_last_child_backward, mark_sharded
+from parallelisms.parallel.common import (SHARD_ATTR, add_squared_norm, after_last_child_backward, gather_full,
+                                          mark_sharded, sharded_over)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class FlatUnit:
                 *path, attr = qual.split(".")
                 self.slots.append((mod, mod.get_submodule(".".join(path)), attr, qual))
         params = [owner._parameters[attr] for _, owner, attr, _ in self.slots]
+        self.marks = [getattr(p, SHARD_ATTR, ()) for p in params]  # tensor parallelism's shards, kept
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
@@ -125,10 +127,29 @@ class FlatUnit:
         self.shard = nn.Parameter(self.full.data[lo:hi] if self.shard_is_view else master[lo:hi].clone())
         if n > 1:
             mark_sharded(self.shard, shard_comm.name, tensor_dim=None)
+        shard_dims = (shard_comm.name,) if n > 1 else ()
+        self.norm_keys = {tuple(sorted(set(sharded_over(p)) | set(shard_dims))) for p in params}
+        self.norm_segments = self._norm_segments(params, lo, hi, shard_dims)
         for _, owner, attr, _ in self.slots:
             del owner._parameters[attr]
         self.gathered = True
         self.pending_gather = None
+
+    def _norm_segments(self, params, lo: int, hi: int, shard_dims: tuple[str, ...]) -> list:
+        """(mesh dimensions, start, end) of the runs of this rank's shard ``[lo, hi)`` whose parameters are
+        sharded over the same dimensions (the shard's own and, e.g., tensor parallelism's): a gradient norm
+        sums each run's squares over its dimensions."""
+        segments, offset = [], 0
+        for p, numel in zip(params, self.numels):
+            start, end = max(offset, lo) - lo, min(offset + numel, hi) - lo
+            dims = tuple(sorted(set(sharded_over(p)) | set(shard_dims)))
+            if start < end:
+                if segments and segments[-1][0] == dims and segments[-1][2] == start:
+                    segments[-1] = (dims, segments[-1][1], end)
+                else:
+                    segments.append((dims, start, end))
+            offset += numel
+        return segments
 
     def qualified_names(self, model: nn.Module) -> list[str]:
         """The parameters' names in ``model`` (the plain model's ``named_parameters`` names)."""
@@ -154,7 +175,7 @@ class ShardedEngine:
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
                  comms: Comms):
-        self.model, self.plan = model, plan
+        self.model, self.plan, self.comms = model, plan, comms
         self.shard_comm = comms[plan.shard_dim] if plan.shard_dim else Comm("none", None, comms.ledger, comms.timeline)
         self.replicate_comm = (comms[plan.replicate_dim] if plan.replicate_dim
                                else Comm("none", None, comms.ledger, comms.timeline))
@@ -340,14 +361,27 @@ class ShardedEngine:
         for unit in self.units:
             _gather_into(self.shard_comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
 
+    def squared_grad_norms(self) -> dict:
+        """The shards' squared gradient norms grouped by the mesh dimensions to sum them over
+        (:func:`parallelisms.parallel.common.norm_of_groups` makes the global norm of them)."""
+        # every key any rank can have, so that all ranks reduce the same groups in the same order
+        groups = {dims: torch.zeros(()) for unit in self.units for dims in unit.norm_keys}
+        for unit in self.units:
+            if unit.shard.grad is not None:
+                for dims, start, end in unit.norm_segments:
+                    add_squared_norm(groups, dims, unit.shard.grad[start:end])
+        return groups
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, full and fp32, by the plain model's names (all ranks call it)."""
+        """Every parameter, full and fp32, by the plain model's names (all ranks call it); tensor-parallel
+        shards are gathered too."""
         state = {}
         for unit, names in zip(self.units, self.names):
             flat = self.shard_comm.all_gather(unit.shard.detach().clone())
-            for name, piece, shape in zip(names, flat[:unit.numel].split(unit.numels), unit.shapes):
-                state[name] = piece.view(shape).cpu().clone()
+            pieces = flat[:unit.numel].split(unit.numels)
+            for name, piece, shape, marks in zip(names, pieces, unit.shapes, unit.marks):
+                state[name] = gather_full(piece.view(shape), self.comms, marks).cpu().clone()
         return state
 
     def memory(self) -> dict[str, int]:

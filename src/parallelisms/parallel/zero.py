@@ -24,7 +24,7 @@ from torch import nn
 
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.common import clip_grad_norm_
+from parallelisms.parallel.common import clip_grad_norm_, norm_of_groups
 from parallelisms.parallel.flat import ShardedEngine, ShardingPlan, module_units
 from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner, make_optimizer
@@ -52,8 +52,9 @@ class ShardedRunner(Runner):
     def optimizer_step(self) -> None:
         """Clip by the global norm (squared shard norms all-reduced), AdamW on the shards, refresh parameters."""
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            if self.cfg.grad_clip > 0:
-                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms)
+            if self.cfg.grad_clip > 0:  # the norm of each shard's runs over their own mesh dimensions
+                norm = norm_of_groups(self.engine.squared_grad_norms(), self.comms)
+                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms, norm=norm)
             self.optimizer.step()
             self.engine.after_step()
 
