@@ -265,7 +265,7 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
             f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
     require(parallel.mixed_precision == "fp32" or zero or fsdp,
             "--mixed-precision bf16 needs --zero or --fsdp (plain DDP trains in fp32); add --zero 1")
-    require(not zero or dims.dp > 1,
+    require(not zero or dims.dp * dims.cp > 1,
             f"--zero {zero} shards over data-parallel ranks but the data-parallel degree is {dims.dp}; use --dp 2 or more")
     require(not zero or not two_d,
             f"--zero {zero} shards over one data-parallel dimension, but the layout is 2-D (dp_replicate "
@@ -277,10 +277,13 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     else:
         require(not two_d, f"a 2-D data-parallel mesh (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) "
                            f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
-    require(fsdp is None or dims.dp > 1,
+    require(fsdp is None or dims.dp * dims.cp > 1,
             f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
-    require(not (zero or fsdp) or (dims.pp == 1 and dims.cp == 1),
-            f"--zero/--fsdp combine with --dp and --tp only so far (got {dims.describe()}); drop --pp/--cp")
+    require(not (zero or fsdp) or dims.pp == 1,
+            f"--zero/--fsdp combine with --dp, --tp and --cp only so far (got {dims.describe()}); drop --pp")
+    require(not (zero or fsdp) or dims.cp == 1 or (fsdp not in HYBRID and parallel.fsdp_style == "flat"),
+            f"--cp {dims.cp} with --fsdp {fsdp} --fsdp-style {parallel.fsdp_style} is not supported; with --cp "
+            f"use --zero 1/2/3 or a 1-D --fsdp strategy in the flat style")
     require(not (zero or fsdp) or dims.tp == 1 or parallel.fsdp_style == "flat",
             f"--fsdp-style {parallel.fsdp_style} with --tp {dims.tp} is not supported; use --fsdp-style flat, "
             f"which shards the tensor-parallel shards")

@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         apply_recompute(model, parallel.recompute)
     if parallel.zero or parallel.fsdp:
         from parallelisms.parallel.zero import parallelize_sharded
-        return parallelize_sharded(model, parallel, train, comms)
+        return parallelize_sharded(model, parallel, train, comms, positions)
     grad_sync = None
     if parallel.dims.dp * parallel.dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         grad_sync = DataParallel(model, comms["dp_cp"], bucket_cap_mb=train.bucket_mb,

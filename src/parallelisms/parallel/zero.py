@@ -19,6 +19,8 @@ API: ``zero_plan(stage, compute_dtype)`` gives the :class:`ShardingPlan`;
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -41,8 +43,9 @@ def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> Shardin
 class ShardedRunner(Runner):
     """A training step whose optimizer sees only this rank's flat fp32 shards (any :class:`ShardingPlan`)."""
 
-    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, plan: ShardingPlan, units=None):
-        super().__init__(model, comms, cfg, grad_sync=None)  # base state; params and optimizer replaced below
+    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, plan: ShardingPlan, units=None,
+                 positions: torch.Tensor | None = None):
+        super().__init__(model, comms, cfg, None, positions)  # base state; params and optimizer replaced below
         self.plan = plan
         self.engine = ShardedEngine(model, units if units is not None else module_units(model), plan, comms)
         self.grad_sync = self.engine
@@ -73,12 +76,19 @@ class ShardedRunner(Runner):
         return report
 
 
-def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
-    """The runner for ``--zero K`` or ``--fsdp STRATEGY`` (flat style)."""
-    dtype = DTYPES[parallel.mixed_precision]
-    if parallel.zero:  # stages 1-2 communicate gradients in buckets under --bucket-mb; stage 3 per block
-        plan = zero_plan(parallel.zero, dtype)
-        cap = int(train.bucket_mb * 2**20) if parallel.zero < 3 else None
-        return ShardedRunner(model, comms, train, plan, module_units(model, cap))
+def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+                        positions: torch.Tensor | None = None) -> Runner:
+    """The runner for ``--zero K`` or ``--fsdp STRATEGY`` (flat style). With context parallelism the ranks
+    of dp x cp hold different tokens of the same model, so they shard (or replicate) over ``dp_cp``, as
+    Megatron's distributed optimizer does; ``positions`` are this rank's sequence positions."""
     from parallelisms.parallel.fsdp import fsdp_plan
-    return ShardedRunner(model, comms, train, fsdp_plan(parallel.fsdp, dtype))
+
+    dtype = DTYPES[parallel.mixed_precision]
+    plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp, dtype)
+    if parallel.dims.cp > 1:
+        widen = {"dp": "dp_cp"}
+        plan = dataclasses.replace(plan, shard_dim=widen.get(plan.shard_dim, plan.shard_dim),
+                                   replicate_dim=widen.get(plan.replicate_dim, plan.replicate_dim))
+    # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block
+    cap = int(train.bucket_mb * 2**20) if parallel.zero in (1, 2) else None
+    return ShardedRunner(model, comms, train, plan, module_units(model, cap), positions)

@@ -1,10 +1,11 @@
-"""ZeRO and the flat FSDP strategies composed with tensor parallelism (2-D: dp x tp, as torchtitan's FSDP + TP):
-the flat engine shards each unit's tensor-parallel shards over the data-parallel ranks of the same tp
-coordinate. Every scenario reproduces single-process AdamW within 1e-5 (clipping that bites included: the
-global norm sums tensor-parallel shards over tp and counts replicated norm weights once), and the
-data-parallel traffic is that of ZeRO over the tp-local parameters.
+"""ZeRO and the flat FSDP strategies composed with tensor parallelism (dp x tp, as torchtitan's FSDP + TP) and
+with context parallelism (dp x cp). With TP the flat engine shards each unit's tensor-parallel shards over the
+data-parallel ranks of the same tp coordinate; with CP it shards over dp x cp, whose ranks hold different
+tokens. Every scenario reproduces single-process AdamW within 1e-5 (clipping that bites included: the global
+norm sums tensor-parallel shards over tp and counts replicated norm weights once), and the data-parallel
+traffic is that of ZeRO over the tp-local parameters.
 
-One launch of four ranks (dp 2 x tp 2) runs every scenario.
+One launch of four ranks (dp 2 x tp 2, dp 2 x cp 2) runs every scenario.
 """
 
 import pytest
@@ -20,12 +21,16 @@ MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=8, seq_len=32, grad_clip=0.0)
 CLIP = BASE.replace(grad_clip=0.05)  # far below the gradient norm (about 1): clipping scales every step
 DIMS = ParallelDims(dp_shard=2, tp=2)
+CP = ParallelDims(dp_shard=2, cp=2)
 SCENARIOS = {  # name: (parallel config, train config)
     "zero3": (ParallelConfig(DIMS, zero=3), BASE),
     "zero3_sp_clip": (ParallelConfig(DIMS, zero=3, sequence_parallel=True), CLIP),
     "zero1_sp_clip": (ParallelConfig(DIMS, zero=1, sequence_parallel=True), CLIP),
     "zero2_clip": (ParallelConfig(DIMS, zero=2), CLIP),
     "shard_grad_op_sp": (ParallelConfig(DIMS, fsdp="shard_grad_op", sequence_parallel=True), BASE),
+    "zero3_cp_clip": (ParallelConfig(CP, zero=3), CLIP),
+    "full_shard_cp_ulysses": (ParallelConfig(CP, fsdp="full_shard", cp_attention="ulysses"), BASE),
+    "zero1_cp": (ParallelConfig(CP, zero=1), BASE),
 }
 
 
