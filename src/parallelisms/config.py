@@ -226,8 +226,8 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     dims, name = parallel.dims, parallel.schedule
     if dims.pp == 1:
         return
-    require(dims.tp == 1 and dims.cp == 1 and dims.ep == 1 and not parallel.zero and not parallel.fsdp,
-            f"--pp {dims.pp} composes with plain data parallelism (--dp) only so far; drop --tp/--cp/--ep/--zero/--fsdp")
+    require(dims.cp == 1 and dims.ep == 1 and not parallel.zero and not parallel.fsdp,
+            f"--pp {dims.pp} composes with --dp and --tp (with or without --sp) only so far; drop --cp/--ep/--zero/--fsdp")
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
     require(parallel.pp_balance in ("layers", "measured"),
             f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
@@ -242,6 +242,9 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
         schedule = build_schedule(name, dims.pp, m, parallel.chunks if name == "interleaved" else None)
     except ScheduleError as exc:
         raise ConfigError(f"--schedule {exc}") from None
+    require(dims.tp == 1 or not (schedule.split_backward or len(schedule.placement) > 1 or name == "pipedream"),
+            f"--pp {dims.pp} with --tp {dims.tp} runs --schedule gpipe, 1f1b or interleaved; {name} (split backward, "
+            f"DualPipe copies or per-stage clipping) does not handle tensor-parallel layers yet")
     require(model.n_layers >= schedule.num_stages,
             f"{model.n_layers} layers cannot fill {schedule.num_stages} pipeline stages ({name}: pp {dims.pp} x "
             f"{schedule.chunks} chunk(s)); use at least {schedule.num_stages} layers or a smaller --pp/--chunks")

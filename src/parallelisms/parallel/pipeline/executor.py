@@ -106,13 +106,15 @@ class Executor:
 
     Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
     ``on_optimizer(action)`` runs an OPT action, ``on_stage_done(stage)`` follows the stage's last
-    weight-gradient work of the step (data-parallel gradient sync starts there).
+    weight-gradient work of the step (data-parallel gradient sync starts there). ``seq_shards``: the
+    messages hold 1/seq_shards of the sequence (tensor parallelism's sequence-sharded residual stream).
     """
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  timeline: Timeline, store: WeightGradStore | None = None,
-                 forward_fn=None, on_optimizer=None, on_stage_done=None):
+                 forward_fn=None, on_optimizer=None, on_stage_done=None, seq_shards: int = 1):
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
+        self.seq_shards = seq_shards
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
         self.forward_fn = forward_fn or (lambda a, module, x, y: module(x, y))
@@ -135,7 +137,7 @@ class Executor:
             scale: float) -> list[torch.Tensor]:
         """Run the schedule once over microbatches ``tokens``/``targets``; the losses computed here."""
         rows, seq = tokens[0].shape
-        self.shape, self.scale = (rows, seq, hidden_dim), scale
+        self.shape, self.scale = (rows, seq // self.seq_shards, hidden_dim), scale
         self.tokens, self.targets = tokens, targets
         self.acts: dict = {}      # (stage, mb) -> output of stage, waiting for stage + 1
         self.grads: dict = {}     # (stage, mb) -> gradient of stage's input, waiting for stage - 1

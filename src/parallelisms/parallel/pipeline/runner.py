@@ -6,6 +6,11 @@ all-reduce of each stage (one flat buffer per stage, launched asynchronously rig
 last weight-gradient work of the step, so it overlaps the rest of the schedule, and waited before the
 optimizer). DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path 0) and ``pp-1-s``
 (path 1); the two copies exchange gradient buffers and both add, so they stay identical.
+
+With tensor parallelism (Megatron-LM's PP x TP) the model is made tensor-parallel over ``comms["tp"]``
+before it is cut, so every stage holds tensor-parallel modules; ``comms["pp"]`` joins the ranks of one tp
+coordinate, so each TP rank exchanges its own copy of the activations with its peer in the next stage, or,
+under sequence parallelism, its sequence shard (1/tp of the bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
-from parallelisms.parallel.common import global_grad_norm, mark_sharded
+from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded
 from parallelisms.parallel.data import Bucket
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore, split_linears
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
@@ -57,7 +62,8 @@ class PipelineRunner(Runner):
         rank = self.pp_comm.rank
         self.bounds = bounds or equal_bounds(model.cfg.n_layers, self.schedule.num_stages)
         wanted = self.schedule.modules_on(rank)
-        self.stages = build_stages(model, self.bounds, wanted)
+        seq_shards = self._tensor_parallel(model, parallel, comms)
+        self.stages = build_stages(model, self.bounds, wanted, seq_shards)
         self.copies = {s for path, s in wanted if path == 1}  # DualPipe's second copies
         self.hidden_dim = model.cfg.dim
         store = WeightGradStore()
@@ -75,7 +81,7 @@ class PipelineRunner(Runner):
                         for s, st in self.stages.items()} if self.dp_comm.size > 1 or self.copies else {}
         self.dp_pending: list = []
         self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
-                                 **self.executor_hooks())
+                                 seq_shards=seq_shards, **self.executor_hooks())
         self.step_records: list[list] = []
 
     @classmethod
@@ -89,6 +95,17 @@ class PipelineRunner(Runner):
             from parallelisms.parallel.pipeline.pipedream import PipeDreamRunner
             return PipeDreamRunner(model, parallel, cfg, comms, bounds=bounds)
         return cls(model, parallel, cfg, comms, bounds=bounds)
+
+    @staticmethod
+    def _tensor_parallel(model: nn.Module, parallel: ParallelConfig, comms: Comms) -> int:
+        """Make ``model`` tensor-parallel (before the cut, so stages take the parallel modules); returns the
+        number of sequence shards of the hidden states stages exchange (tp under SP, else 1)."""
+        if parallel.dims.tp == 1:
+            return 1
+        from parallelisms.parallel.tensor import apply_tensor_parallel
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
+                              overlap=parallel.tp_overlap)
+        return parallel.dims.tp if parallel.sequence_parallel else 1
 
     def executor_hooks(self) -> dict:
         return {"on_stage_done": self._sync_stage}
@@ -155,10 +172,11 @@ class PipelineRunner(Runner):
 
     # -- reporting -------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model by plain names, gathered from every pipeline rank (path-0 copies)."""
-        mine = {name: p.detach().cpu().clone() for s, st in self.stages.items() if s not in self.copies
-                for name, p in st.named_parameters()}
+        """The full model by plain names: tensor-parallel shards gathered over tp, then every pipeline
+        rank's stages (path-0 copies)."""
         with self.comms.ledger.in_phase("report"):
+            mine = {name: gather_full(p, self.comms).cpu().clone() for s, st in self.stages.items()
+                    if s not in self.copies for name, p in st.named_parameters()}
             parts = self.pp_comm.all_gather_object(mine)
         return {name: t for part in parts for name, t in part.items()}
 
