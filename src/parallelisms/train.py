@@ -59,7 +59,7 @@ class Runner:
         """Accumulated gradients of the mean loss over this rank's rows; returns the local mean loss."""
         ledger, timeline = self.comms.ledger, self.comms.timeline
         micro = microbatches(inputs, targets, self.cfg.grad_accum)
-        total = torch.zeros(())
+        total = None
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             with (self.grad_sync.no_sync() if self.grad_sync is not None and not last else nullcontext()):
@@ -71,8 +71,8 @@ class Runner:
                         loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
-            total += loss.detach().float().cpu()
-        return total
+            total = loss.detach() if total is None else total + loss.detach()
+        return total.float().cpu()
 
     def optimizer_step(self) -> None:
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
