@@ -1,7 +1,7 @@
-"""ZeRO and the flat FSDP strategies composed with tensor parallelism (dp x tp, as torchtitan's FSDP + TP) and
-with context parallelism (dp x cp). With TP the flat engine shards each unit's tensor-parallel shards over the
-data-parallel ranks of the same tp coordinate; with CP it shards over dp x cp, whose ranks hold different
-tokens. Every scenario reproduces single-process AdamW within 1e-5 (clipping that bites included: the global
+"""ZeRO and FSDP composed with tensor parallelism (dp x tp, as torchtitan's FSDP2 + TP: flat and per-parameter
+styles) and with context parallelism (dp x cp, flat style). With TP the engines shard each rank's
+tensor-parallel shards over the data-parallel ranks of the same tp coordinate; with CP the flat engine
+shards over dp x cp, whose ranks hold different tokens. Every scenario reproduces single-process AdamW within 1e-5 (clipping that bites included: the global
 norm sums tensor-parallel shards over tp and counts replicated norm weights once), and the data-parallel
 traffic is that of ZeRO over the tp-local parameters.
 
@@ -28,6 +28,9 @@ SCENARIOS = {  # name: (parallel config, train config)
     "zero1_sp_clip": (ParallelConfig(DIMS, zero=1, sequence_parallel=True), CLIP),
     "zero2_clip": (ParallelConfig(DIMS, zero=2), CLIP),
     "shard_grad_op_sp": (ParallelConfig(DIMS, fsdp="shard_grad_op", sequence_parallel=True), BASE),
+    "per_param_clip": (ParallelConfig(DIMS, fsdp="full_shard", fsdp_style="per_param"), CLIP),
+    "per_param_sp": (ParallelConfig(DIMS, fsdp="shard_grad_op", fsdp_style="per_param", sequence_parallel=True),
+                     BASE),
     "zero3_cp_clip": (ParallelConfig(CP, zero=3), CLIP),
     "full_shard_cp_ulysses": (ParallelConfig(CP, fsdp="full_shard", cp_attention="ulysses"), BASE),
     "zero1_cp": (ParallelConfig(CP, zero=1), BASE),

@@ -287,9 +287,9 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     require(not (zero or fsdp) or dims.cp == 1 or (fsdp not in HYBRID and parallel.fsdp_style == "flat"),
             f"--cp {dims.cp} with --fsdp {fsdp} --fsdp-style {parallel.fsdp_style} is not supported; with --cp "
             f"use --zero 1/2/3 or a 1-D --fsdp strategy in the flat style")
-    require(not (zero or fsdp) or dims.tp == 1 or parallel.fsdp_style == "flat",
-            f"--fsdp-style {parallel.fsdp_style} with --tp {dims.tp} is not supported; use --fsdp-style flat, "
-            f"which shards the tensor-parallel shards")
+    require(not (zero or fsdp) or dims.tp == 1 or parallel.fsdp_style in ("flat", "per_param"),
+            f"--fsdp-style {parallel.fsdp_style} with --tp {dims.tp} is not supported; use --fsdp-style flat or "
+            f"per_param, which shard the tensor-parallel shards")
     require(not (zero or fsdp) or parallel.fsdp_style == "flat" or fsdp is not None,
             f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
     require(parallel.fsdp_style in ("flat", "per_param", "reuse"),

@@ -31,7 +31,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, Comms
 from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.common import after_last_child_backward, mark_sharded
+from parallelisms.parallel.common import SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner, make_optimizer
@@ -404,8 +404,12 @@ class PerParamRunner(Runner):
         self.engine.zero_grad()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathered over the sharding dimension by the engine, then over the others a parameter is marked
+        sharded on (tensor parallelism's)."""
+        params, own = dict(self.model.named_parameters()), self.engine.comm.name
         with self.comms.ledger.in_phase("report"):
-            return {name: t.cpu().clone() for name, t in self.engine.full_state_dict().items()}
+            return {name: gather_full(t, self.comms, [m for m in getattr(params[name], SHARD_ATTR, ()) if m[0] != own])
+                    .cpu().clone() for name, t in self.engine.full_state_dict().items()}
 
     def memory_report(self) -> dict:
         """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
