@@ -169,6 +169,7 @@ def test_ledger_bytes_match_data_parallel(run):
 @pytest.mark.parametrize("argv, needle", [
     (["--dp", "1", "--zero", "2"], "data-parallel degree is 1"),
     (["--dp", "2", "--zero", "4"], "not a ZeRO stage"),
+    (["--dp", "2", "--tp", "2", "--zero", "2", "--mixed-precision", "bf16"], "use fp32 with --tp"),
     (["--dp", "2", "--tp", "2", "--fsdp", "full_shard", "--fsdp-style", "reuse"], "use --fsdp-style flat or per_param"),
     (["--dp-replicate", "2", "--dp-shard", "2", "--cp", "2", "--fsdp", "hybrid_shard"], "with --cp use --zero"),
     (["--dp", "4", "--fsdp", "hybrid_shard"], "needs a 2-D layout"),

@@ -268,6 +268,9 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
             f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
     require(parallel.mixed_precision == "fp32" or zero or fsdp,
             "--mixed-precision bf16 needs --zero or --fsdp (plain DDP trains in fp32); add --zero 1")
+    require(parallel.mixed_precision == "fp32" or dims.tp == 1,
+            f"--mixed-precision bf16 with --tp {dims.tp} is not supported: its bf16 partial sums have no "
+            f"single-process reference to verify against (1.7e-2 off the bf16 one); use fp32 with --tp")
     require(not zero or dims.dp * dims.cp > 1,
             f"--zero {zero} shards over data-parallel ranks but the data-parallel degree is {dims.dp}; use --dp 2 or more")
     require(not zero or not two_d,
