@@ -87,8 +87,8 @@ def test_schedules_without_tensor_parallel_layers_are_rejected(schedule):
 
 
 @pytest.mark.parametrize("dims, options, match", [
-    (ParallelDims(pp=2, cp=2), {}, "drop --cp/--ep/--zero/--fsdp"),
-    (ParallelDims(pp=2, dp_shard=2), {"zero": 1}, "drop --cp/--ep/--zero/--fsdp"),
+    (ParallelDims(pp=2, cp=2), {}, "drop --cp/--ep/--fsdp"),
+    (ParallelDims(pp=2, dp_shard=2), {"zero": 2}, "pipeline stages shard optimizer state only"),
     (ParallelDims(pp=2, tp=2), {"sequence_parallel": True, "microbatches": 4}, None),
 ])
 def test_layout_validation(dims, options, match):

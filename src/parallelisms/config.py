@@ -226,8 +226,13 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     dims, name = parallel.dims, parallel.schedule
     if dims.pp == 1:
         return
-    require(dims.cp == 1 and dims.ep == 1 and not parallel.zero and not parallel.fsdp,
-            f"--pp {dims.pp} composes with --dp and --tp (with or without --sp) only so far; drop --cp/--ep/--zero/--fsdp")
+    require(dims.cp == 1 and dims.ep == 1 and not parallel.fsdp,
+            f"--pp {dims.pp} composes with --dp, --tp (with or without --sp) and --zero 1 only so far; drop --cp/--ep/--fsdp")
+    require(parallel.zero in (0, 1), f"--pp {dims.pp} with --zero {parallel.zero}: pipeline stages shard optimizer "
+                                     f"state only (--zero 1, Megatron's distributed optimizer); use --zero 1")
+    require(not parallel.zero or parallel.mixed_precision == "fp32",
+            f"--pp {dims.pp} with --zero 1 trains in fp32 only so far, got --mixed-precision "
+            f"{parallel.mixed_precision}; drop --mixed-precision")
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
     require(parallel.pp_balance in ("layers", "measured"),
             f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
@@ -242,6 +247,10 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
         schedule = build_schedule(name, dims.pp, m, parallel.chunks if name == "interleaved" else None)
     except ScheduleError as exc:
         raise ConfigError(f"--schedule {exc}") from None
+    require(not parallel.zero or not (len(schedule.placement) > 1 or name == "pipedream"),
+            f"--zero 1 with --schedule {name}: DualPipe keeps two copies of each stage and PipeDream updates per "
+            f"microbatch, neither has one sharded optimizer step; use gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v "
+            f"or dualpipev")
     require(dims.tp == 1 or not (schedule.split_backward or len(schedule.placement) > 1 or name == "pipedream"),
             f"--pp {dims.pp} with --tp {dims.tp} runs --schedule gpipe, 1f1b or interleaved; {name} (split backward, "
             f"DualPipe copies or per-stage clipping) does not handle tensor-parallel layers yet")
@@ -285,8 +294,9 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
                            f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
     require(fsdp is None or dims.dp * dims.cp > 1,
             f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
-    require(not (zero or fsdp) or dims.pp == 1,
-            f"--zero/--fsdp combine with --dp, --tp and --cp only so far (got {dims.describe()}); drop --pp")
+    require(not fsdp or dims.pp == 1,
+            f"--fsdp {fsdp} combines with --dp, --tp and --cp only so far (got {dims.describe()}); drop --pp, "
+            f"or use --zero 1, which composes with --pp")
     require(not (zero or fsdp) or dims.cp == 1 or (fsdp not in HYBRID and parallel.fsdp_style == "flat"),
             f"--cp {dims.cp} with --fsdp {fsdp} --fsdp-style {parallel.fsdp_style} is not supported; with --cp "
             f"use --zero 1/2/3 or a 1-D --fsdp strategy in the flat style")

@@ -2,7 +2,7 @@
 gradients over data parallelism and between DualPipe's two copies, clip by the global norm, step.
 
 Layout: ``comms["pp"]`` carries activations and gradients between stages, ``comms["dp"]`` the gradient
-all-reduce of each stage (one flat buffer per stage, launched asynchronously right after that stage's
+all-reduce of each stage (a reduce-scatter under ZeRO-1: ``zero.py``) (one flat buffer per stage, launched asynchronously right after that stage's
 last weight-gradient work of the step, so it overlaps the rest of the schedule, and waited before the
 optimizer). DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path 0) and ``pp-1-s``
 (path 1); the two copies exchange gradient buffers and both add, so they stay identical.
@@ -75,10 +75,7 @@ class PipelineRunner(Runner):
             if s not in self.copies:
                 for p in stage.parameters():
                     mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
-        # flat per-stage gradient buffers, for one all-reduce per stage and the DualPipe exchange; without
-        # either, gradients are plain (set to None between steps, so the first microbatch's is not an add)
-        self.buckets = {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
-                        for s, st in self.stages.items()} if self.dp_comm.size > 1 or self.copies else {}
+        self.buckets = self._grad_buffers()
         self.dp_pending: list = []
         self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
                                  seq_shards=seq_shards, **self.executor_hooks())
@@ -94,6 +91,9 @@ class PipelineRunner(Runner):
         if parallel.schedule == "pipedream":
             from parallelisms.parallel.pipeline.pipedream import PipeDreamRunner
             return PipeDreamRunner(model, parallel, cfg, comms, bounds=bounds)
+        if parallel.zero:
+            from parallelisms.parallel.pipeline.zero import ZeroPipelineRunner
+            return ZeroPipelineRunner(model, parallel, cfg, comms, bounds=bounds)
         return cls(model, parallel, cfg, comms, bounds=bounds)
 
     @staticmethod
@@ -115,6 +115,14 @@ class PipelineRunner(Runner):
         return 1.0 / self.schedule.microbatches
 
     # -- gradients -------------------------------------------------------------------------------------
+    def _grad_buffers(self) -> dict[int, Bucket]:
+        """Flat per-stage gradient buffers, for one all-reduce per stage and the DualPipe exchange; without
+        either, none: gradients are plain (set to None between steps, so the first microbatch's is not an add)."""
+        if self.dp_comm.size == 1 and not self.copies:
+            return {}
+        return {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
+                for s, st in self.stages.items()}
+
     def zero_grad(self) -> None:
         if not self.buckets:
             for p in self.params:
