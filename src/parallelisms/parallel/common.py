@@ -67,6 +67,40 @@ def add_squared_norm(groups: dict, dims: tuple[str, ...], grad: torch.Tensor) ->
     groups[dims] = groups[dims] + sq if dims in groups else sq
 
 
+def norm_dims(param: torch.Tensor, shard_dims: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The mesh dimensions over which ``param``'s squared gradient norm is summed: those it is marked
+    sharded on, plus ``shard_dims`` (a flat buffer's own sharding)."""
+    return tuple(sorted(set(sharded_over(param)) | set(shard_dims)))
+
+
+def norm_pieces(params, lo: int, hi: int, shard_dims: tuple[str, ...]) -> list[tuple[tuple[str, ...], int, int]]:
+    """For ``params`` laid out back to back in a flat buffer, the runs of its slice ``[lo, hi)`` whose
+    parameters have the same :func:`norm_dims`, as (dimensions, start, end) relative to ``lo``."""
+    pieces, offset = [], 0
+    for p in params:
+        start, end = max(offset, lo) - lo, min(offset + p.numel(), hi) - lo
+        if start < end:
+            dims = norm_dims(p, shard_dims)
+            if pieces and pieces[-1][0] == dims and pieces[-1][2] == start:
+                pieces[-1] = (dims, pieces[-1][1], end)
+            else:
+                pieces.append((dims, start, end))
+        offset += p.numel()
+    return pieces
+
+
+def squared_norms_of_pieces(keys, sliced) -> dict:
+    """Squared gradient norms grouped by mesh dimensions, from ``sliced``: (flat gradient slice or None,
+    its :func:`norm_pieces`) pairs. ``keys`` holds every group any rank can have, so that all ranks
+    reduce the same groups in the same order."""
+    groups = {dims: torch.zeros(()) for dims in keys}
+    for grad, pieces in sliced:
+        if grad is not None:
+            for dims, start, end in pieces:
+                add_squared_norm(groups, dims, grad[start:end])
+    return groups
+
+
 def norm_of_groups(groups: dict, comms: Comms) -> torch.Tensor:
     """The global L2 norm from squared norms grouped by the mesh dimensions they are sharded over: each
     group summed over its dimensions (an all-reduce of one number), replicated parts counted once."""

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, Comms
-from parallelisms.parallel.common import (SHARD_ATTR, add_squared_norm, after_last_child_backward, gather_full,
-                                          mark_sharded, sharded_over)
+from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
+                                          norm_dims, norm_pieces, squared_norms_of_pieces)
 
 
 @dataclass(frozen=True)
@@ -128,28 +128,13 @@ class FlatUnit:
         if n > 1:
             mark_sharded(self.shard, shard_comm.name, tensor_dim=None)
         shard_dims = (shard_comm.name,) if n > 1 else ()
-        self.norm_keys = {tuple(sorted(set(sharded_over(p)) | set(shard_dims))) for p in params}
-        self.norm_segments = self._norm_segments(params, lo, hi, shard_dims)
+        # gradient-norm groups: tensor-parallel shards are summed over tp too, replicated weights are not
+        self.norm_keys = {norm_dims(p, shard_dims) for p in params}
+        self.norm_segments = norm_pieces(params, lo, hi, shard_dims)
         for _, owner, attr, _ in self.slots:
             del owner._parameters[attr]
         self.gathered = True
         self.pending_gather = None
-
-    def _norm_segments(self, params, lo: int, hi: int, shard_dims: tuple[str, ...]) -> list:
-        """(mesh dimensions, start, end) of the runs of this rank's shard ``[lo, hi)`` whose parameters are
-        sharded over the same dimensions (the shard's own and, e.g., tensor parallelism's): a gradient norm
-        sums each run's squares over its dimensions."""
-        segments, offset = [], 0
-        for p, numel in zip(params, self.numels):
-            start, end = max(offset, lo) - lo, min(offset + numel, hi) - lo
-            dims = tuple(sorted(set(sharded_over(p)) | set(shard_dims)))
-            if start < end:
-                if segments and segments[-1][0] == dims and segments[-1][2] == start:
-                    segments[-1] = (dims, segments[-1][1], end)
-                else:
-                    segments.append((dims, start, end))
-            offset += numel
-        return segments
 
     def qualified_names(self, model: nn.Module) -> list[str]:
         """The parameters' names in ``model`` (the plain model's ``named_parameters`` names)."""
@@ -364,13 +349,8 @@ class ShardedEngine:
     def squared_grad_norms(self) -> dict:
         """The shards' squared gradient norms grouped by the mesh dimensions to sum them over
         (:func:`parallelisms.parallel.common.norm_of_groups` makes the global norm of them)."""
-        # every key any rank can have, so that all ranks reduce the same groups in the same order
-        groups = {dims: torch.zeros(()) for unit in self.units for dims in unit.norm_keys}
-        for unit in self.units:
-            if unit.shard.grad is not None:
-                for dims, start, end in unit.norm_segments:
-                    add_squared_norm(groups, dims, unit.shard.grad[start:end])
-        return groups
+        return squared_norms_of_pieces({dims for unit in self.units for dims in unit.norm_keys},
+                                       ((unit.shard.grad, unit.norm_segments) for unit in self.units))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

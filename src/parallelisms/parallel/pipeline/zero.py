@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm
-from parallelisms.parallel.common import add_squared_norm, clip_grad_norm_, norm_of_groups, sharded_over
+from parallelisms.parallel.common import (clip_grad_norm_, norm_dims, norm_of_groups, norm_pieces,
+                                          squared_norms_of_pieces)
 from parallelisms.parallel.memory import memory_report, tensor_bytes
 from parallelisms.parallel.pipeline.runner import PipelineRunner
 from parallelisms.train import make_optimizer
@@ -38,21 +39,16 @@ class StageShard:
         self.data = torch.zeros(shard_numel * comm.size, dtype=params[0].dtype, device=params[0].device)
         self.grad = torch.zeros_like(self.data)
         self.lo, self.hi = comm.rank * shard_numel, (comm.rank + 1) * shard_numel
-        self.pieces = []  # (mesh dimensions to sum the squared norm over, start, end) within the shard
         self.grad_views, offset = [], 0
         for p, numel in zip(params, numels):
             self.data[offset:offset + numel].copy_(p.detach().reshape(-1))
             p.data = self.data[offset:offset + numel].view_as(p)
             self.grad_views.append(self.grad[offset:offset + numel].view_as(p))
-            start, end = max(offset, self.lo), min(offset + numel, self.hi)
-            if start < end:
-                self.pieces.append((self.norm_key(p), start - self.lo, end - self.lo))
             offset += numel
         self.shard = nn.Parameter(self.data[self.lo:self.hi])
-
-    def norm_key(self, param: nn.Parameter) -> tuple[str, ...]:
-        """The mesh dimensions a piece of ``param``'s gradient in some rank's shard is summed over."""
-        return tuple(sorted(set(sharded_over(param)) | {self.comm.name}))
+        # gradient-norm groups of the shard: dp and pp, plus tp for tensor-parallel shards
+        self.norm_keys = {norm_dims(p, (comm.name,)) for p in params}
+        self.pieces = norm_pieces(params, self.lo, self.hi, (comm.name,))
 
     def zero_grad(self) -> None:
         self.grad.zero_()
@@ -101,11 +97,8 @@ class ZeroPipelineRunner(PipelineRunner):
     def squared_grad_norms(self) -> dict:
         """Squared norms of the reduced slices grouped by the mesh dimensions to sum them over; the groups
         are every key this rank's stages can have (each stage holds blocks, so all ranks have the same)."""
-        groups = {shard.norm_key(p): torch.zeros(()) for shard in self.shards.values() for p in shard.params}
-        for shard in self.shards.values():
-            for dims, start, end in shard.pieces:
-                add_squared_norm(groups, dims, shard.shard.grad[start:end])
-        return groups
+        return squared_norms_of_pieces({dims for shard in self.shards.values() for dims in shard.norm_keys},
+                                       ((shard.shard.grad, shard.pieces) for shard in self.shards.values()))
 
     def memory_report(self) -> dict:
         """Flat parameter and gradient buffers (padding included) and the 1/N optimizer state."""
