@@ -1,5 +1,6 @@
 """Mixture of experts (router, top-k, per-sequence capacity and load balancing, grouped GEMM) and expert
-parallelism (all-to-all dispatch and combine, experts kept by their owners) against plain computation."""
+parallelism (all-to-all dispatch and combine, experts kept by their owners) against plain computation; MoE
+models under ZeRO and FSDP with replicated experts."""
 
 import dataclasses
 
@@ -84,33 +85,38 @@ LAYOUTS = {"dp2_ep2": (MOE, ParallelDims(dp_replicate=2, ep=2)),
            "dp2_ep2_capacity": (CAPPED, ParallelDims(dp_replicate=2, ep=2)),
            "dp4_ep2": (MOE, ParallelDims(dp_replicate=4, ep=2)),
            "dp4_ep4_capacity": (CAPPED, ParallelDims(dp_replicate=4, ep=4))}
+# MoE models under sharded data parallelism (experts replicated: --ep 1), clipping that bites in one
+SHARDED = {"dp2_zero3": (CAPPED, ParallelConfig(ParallelDims(dp_shard=2), zero=3), TRAIN.replace(grad_clip=0.05)),
+           "dp4_zero1": (MOE, ParallelConfig(ParallelDims(dp_shard=4), zero=1), TRAIN),
+           "dp4_per_param": (MOE, ParallelConfig(ParallelDims(dp_shard=4), fsdp="full_shard",
+                                                 fsdp_style="per_param"), TRAIN)}
 
 
 def _train(info, names):
-    out = {}
-    for name in names:
-        cfg, dims = LAYOUTS[name]
-        report = train_rank(info, RunSpec(cfg, TRAIN, ParallelConfig(dims), collect_state=True))
-        out[name] = report
-    return out
+    runs = {**{n: (cfg, ParallelConfig(dims), TRAIN) for n, (cfg, dims) in LAYOUTS.items()}, **SHARDED}
+    return {name: train_rank(info, RunSpec(runs[name][0], runs[name][2], runs[name][1], collect_state=True))
+            for name in names}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def trained(request):
-    names = [n for n in LAYOUTS if n.startswith(f"dp{request.param}")]
+    names = [n for n in [*LAYOUTS, *SHARDED] if n.startswith(f"dp{request.param}")]
     return request.param, launch(_train, request.param, names, threads=1)[0]
 
 
 def test_expert_parallel_training_matches_single_process(trained):
     _, reports = trained
     for name, report in reports.items():
-        result = compare(report["losses"], report["state"], *reference_train(LAYOUTS[name][0], TRAIN))
+        model, train = (LAYOUTS[name][0], TRAIN) if name in LAYOUTS else (SHARDED[name][0], SHARDED[name][2])
+        result = compare(report["losses"], report["state"], *reference_train(model, train))
         assert result["ok"], (name, result)
 
 
 def test_expert_parallel_communication(trained):
     world, reports = trained
     for name, report in reports.items():
+        if name not in LAYOUTS:
+            continue
         cfg, dims = LAYOUTS[name]
         comm = report["comm"]
         # per MoE layer: forward = counts + dispatch + combine all-to-alls, backward = combine + dispatch
@@ -129,7 +135,8 @@ def test_expert_parallel_communication(trained):
     (["train", "--ep", "2"], "needs a mixture-of-experts model"),
     (["train", "--preset", "tiny-moe", "--dp", "2", "--ep", "3"], "ep 3 must divide the data-parallel"),
     (["train", "--preset", "tiny-moe", "--dp", "6", "--ep", "3", "--global-batch", "12"], "--ep 3 must divide n_experts 8"),
-    (["train", "--preset", "tiny-moe", "--dp", "1", "--tp", "2"], "runs with --dp and --ep only so far"),
+    (["train", "--preset", "tiny-moe", "--dp", "1", "--tp", "2"], "runs with --dp, --ep, --zero and --fsdp only"),
+    (["train", "--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--zero", "1"], "use --ep 1 with --zero/--fsdp"),
 ])
 def test_bad_expert_parallel_input(capsys, argv, fragment):
     assert main(argv) == 2
