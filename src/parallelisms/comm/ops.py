@@ -12,6 +12,8 @@ reduce-scatter/all-gather, split/all-gather, and all-to-all/all-to-all.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +24,10 @@ from parallelisms.comm.trace import Timeline
 # torch >= 2.11 names them *_single; older releases only have the *_tensor spelling.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# CPU sums at least this large use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
+SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 
 
 class CommError(RuntimeError):
@@ -74,6 +80,7 @@ class Comm:
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        self._shm = None  # the shared-memory all-reduce: None until decided, False when not available
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -126,11 +133,25 @@ class Comm:
     # collectives they implement, with the ring's logical bytes.
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-        """In-place all-reduce of ``tensor``; returns it (or a Pending)."""
+        """In-place all-reduce of ``tensor``; returns it (or a Pending). Large CPU sums between ranks of one
+        host go through shared memory (:mod:`parallelisms.comm.shm`)."""
         if self.size == 1:
             return _Done(tensor) if async_op else tensor
-        return self._run("all_reduce", tensor, tensor.numel(),
-                         lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op, tensor)
+        shm = self._shared_memory(tensor, op)
+        launch = ((lambda: shm.all_reduce(tensor)) if shm is not None else
+                  (lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True)))
+        return self._run("all_reduce", tensor, tensor.numel(), launch, async_op, tensor)
+
+    def _shared_memory(self, tensor: torch.Tensor, op):
+        """The group's shared-memory all-reduce if it should carry this call (decided on the first large CPU
+        sum, a collective every rank reaches at the same call), else None."""
+        if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
+                or tensor.numel() * tensor.element_size() < SHM_MIN_BYTES):
+            return None
+        if self._shm is None:
+            from parallelisms.comm.shm import SharedMemoryAllReduce, shm_supported
+            self._shm = SharedMemoryAllReduce(self.group, self.rank, self.size) if shm_supported(self.group) else False
+        return self._shm or None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""

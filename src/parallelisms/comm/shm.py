@@ -1,0 +1,138 @@
+"""All-reduce through shared memory for the ranks of one group that share a host (CPU tensors).
+
+gloo moves an all-reduce through the kernel's loopback TCP: for 11 MB over 2 ranks 13 ms of wall time, 9.2 ms
+of it CPU per rank (7.6 ms in the kernel), which on a small machine is taken from compute. Here the ranks
+map one shared file (``/dev/shm``) holding a slot per rank, as intra-node transports do (NCCL's SHM, oneCCL,
+DeepSpeed's CPU all-reduce): each rank copies its tensor into its slot, sums its 1/N chunk over all slots
+(a reduce-scatter in memory, ranks added in rank order), and copies every rank's reduced chunk back (the
+all-gather). Two phases, each closed by a flag barrier in the same file; slots alternate between two sets so
+that a call never overwrites what a slower rank still reads from the previous one. Every rank holds the same
+bits afterwards.
+
+A background thread runs the calls in issue order, so ``all_reduce`` is asynchronous like gloo's; a rank that
+waits longer than ``timeout_s`` for its peers fails the call, naming the phase. The flags rely on x86's
+store order (data stores become visible before the flag store after them); other machines keep gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue
+import socket
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
+
+
+def shm_supported(group) -> bool:
+    """True when shared memory can carry this group's all-reduces: x86, /dev/shm, every rank on this host
+    (a collective over ``group``)."""
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return (platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+            and len(set(hosts)) == 1 and os.environ.get("PARALLELISMS_SHM", "1") != "0")
+
+
+class ShmWork:
+    """The handle of one queued all-reduce: ``wait()`` blocks until it ran (and re-raises its failure)."""
+
+    def __init__(self):
+        self.done, self.failure = threading.Event(), None
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        return True
+
+    def get_future(self):
+        raise RuntimeError("completion is not observable")  # the timeline closes the span at the wait
+
+
+class SharedMemoryAllReduce:
+    """Sum-all-reduces over ``group`` (rank ``rank`` of ``size``) through one shared file per capacity."""
+
+    def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0):
+        self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        token = [uuid.uuid4().hex if rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        self.prefix = f"/dev/shm/parallelisms-{token[0]}"
+        self.capacity, self.generation, self.calls = 0, 0, 0
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    # -- the caller's side (main thread, same order on every rank) ---------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.capacity:
+            self._grow(max(nbytes, 2 * self.capacity))
+        work = ShmWork()
+        self.jobs.put((tensor, self.calls, work))
+        self.calls += 1
+        return work
+
+    def _grow(self, capacity: int) -> None:
+        """Map a larger file (every rank, once the queued calls have run): two sets of N slots and the flags."""
+        drained = ShmWork()
+        self.jobs.put((None, None, drained))
+        drained.wait()
+        capacity = -(-capacity // 64) * 64
+        path = f"{self.prefix}-{self.generation}"
+        total = 64 * self.size + 2 * self.size * capacity
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
+        dist.barrier(group=self.group)
+        memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            os.unlink(path)  # the mappings keep the memory; nothing is left behind
+        self.flags = memory[:64 * self.size].view(torch.int64)[::FLAG_STRIDE]
+        self.slots = memory[64 * self.size:].view(2, self.size, capacity)
+        self.capacity, self.generation, self.calls = capacity, self.generation + 1, 0
+
+    # -- the worker thread -----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            tensor, call, work = self.jobs.get()
+            try:
+                if tensor is not None:
+                    self._run(tensor, call)
+            except Exception as exc:  # reported to the waiter, who raises it naming the rank
+                work.failure = f"{exc.__class__.__name__}: {exc}"
+            work.done.set()
+
+    def _run(self, tensor: torch.Tensor, call: int) -> None:
+        flat, n, size = tensor.view(-1), tensor.numel(), self.size
+        slots = self.slots[call % 2, :, :n * tensor.element_size()].view(tensor.dtype)  # [size, n]
+        bounds = [c * n // size for c in range(size + 1)]
+        slots[self.rank].copy_(flat)
+        self._arrive(2 * call + 1, "copy-in")
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        torch.sum(slots[:, lo:hi], dim=0, out=flat[lo:hi])
+        slots[self.rank, lo:hi].copy_(flat[lo:hi])
+        self._arrive(2 * call + 2, "reduce")
+        for c in range(size):
+            if c != self.rank:
+                flat[bounds[c]:bounds[c + 1]].copy_(slots[c, bounds[c]:bounds[c + 1]])
+
+    def _arrive(self, value: int, phase: str) -> None:
+        """Publish this rank's progress and wait until every rank has reached ``value``."""
+        self.flags[self.rank] = value
+        deadline, pause = time.monotonic() + self.timeout_s, 0.0
+        while int(self.flags.min()) < value:
+            if time.monotonic() > deadline:
+                late = [r for r in range(self.size) if int(self.flags[r]) < value]
+                raise TimeoutError(f"shared-memory all-reduce: ranks {late} of the group did not finish "
+                                   f"{phase} within {self.timeout_s:.0f} s")
+            time.sleep(pause)
+            pause = min(1e-4, pause + 1e-6)

@@ -1,0 +1,92 @@
+"""The shared-memory all-reduce for ranks of one host: the sums gloo gives (every rank the same bits), in issue
+order with several in flight, through a growing mapping; DDP training on it reproduces single-process
+training; a rank that never arrives makes its peers fail with the missing ranks named, not hang.
+
+The threshold is lowered so that the small test tensors take the shared-memory path.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelisms.comm import Comms
+from parallelisms.config import ParallelConfig, TrainConfig, preset
+from parallelisms.launch import launch
+from parallelisms.mesh import ParallelDims
+from parallelisms.train import RunSpec, train_rank
+from parallelisms.verify import compare, reference_train
+
+MODEL = preset("tiny")
+TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=32)
+
+
+def _ranks(info):
+    from parallelisms.comm.shm import SharedMemoryAllReduce
+
+    comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
+    comm, r = comms["dp"], info.rank
+    tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * r + i))
+               for i, numel in enumerate([300, 5000, 70, 20000, 20000])]  # the fourth outgrows the mapping
+    expected = [t.clone() for t in tensors]
+    for t in expected:
+        dist.all_reduce(t)
+    pending = [comm.all_reduce(t, async_op=True) for t in tensors]  # all in flight at once
+    for p in pending:
+        p.wait()
+    out = {"used": bool(comm._shm), "close": all(torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+                                                 for a, b in zip(tensors, expected))}
+    sums = torch.stack([t.double().sum() for t in tensors])
+    everyone = [torch.empty_like(sums) for _ in range(info.world_size)]
+    dist.all_gather(everyone, sums)
+    out["same_bits"] = all(torch.equal(everyone[0], s) for s in everyone)
+    out["ledger"] = [(rec.kind, rec.bytes_per_rank) for rec in comms.ledger.records if rec.kind == "all_reduce"]
+    out["ddp"] = train_rank(info, RunSpec(MODEL, TRAIN, ParallelConfig(ParallelDims(dp_replicate=info.world_size)),
+                                          collect_state=True))
+    # rank 1 never arrives: the others fail within the timeout, naming it
+    lonely = SharedMemoryAllReduce(comm.group, comm.rank, comm.size, timeout_s=1.0)
+    lonely._grow(1024)  # mapping the file is collective; the calls after it are not
+    if r != 1:
+        try:
+            lonely.all_reduce(torch.ones(8)).wait()
+            out["timeout"] = None
+        except RuntimeError as exc:
+            out["timeout"] = str(exc)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    previous = os.environ.get("PARALLELISMS_SHM_MIN_BYTES")
+    os.environ["PARALLELISMS_SHM_MIN_BYTES"] = "256"
+    try:
+        return launch(_ranks, 4, threads=1)
+    finally:
+        if previous is None:
+            del os.environ["PARALLELISMS_SHM_MIN_BYTES"]
+        else:
+            os.environ["PARALLELISMS_SHM_MIN_BYTES"] = previous
+
+
+def test_sums_match_gloo_on_every_rank_bit_for_bit(reports):
+    for out in reports:
+        assert out["used"] and out["close"] and out["same_bits"]
+
+
+def test_ledger_counts_the_logical_all_reduce(reports):
+    sizes = [300, 5000, 70, 20000, 20000]
+    assert reports[0]["ledger"][:5] == [("all_reduce", 2 * 3 / 4 * 4 * n) for n in sizes]
+
+
+def test_ddp_on_shared_memory_reproduces_single_process_training(reports):
+    ddp = reports[0]["ddp"]
+    result = compare(ddp["losses"], ddp["state"], *reference_train(MODEL, TRAIN))
+    assert result["ok"], result
+
+
+def test_a_missing_rank_fails_its_peers_with_a_named_timeout(reports):
+    for r, out in enumerate(reports):
+        if r != 1:
+            assert "ranks [1]" in out["timeout"] and "copy-in" in out["timeout"], out["timeout"]
