@@ -115,22 +115,26 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
         peer_opt.zero_grad()
         peer_model(inputs, targets).backward()
         peer_opt.step()
-    return alternate({"peer": peer_step, "ours": ours_step}, steps, rounds)
+    times = alternate({"peer": peer_step, "ours": ours_step}, steps, rounds)
+    return times, "shared memory" if comms["dp"]._shm else "gloo"
 
 
 @bench("ddp")
 def bench_ddp(args) -> dict:
-    """Our DataParallel against torch DistributedDataParallel (gradient_as_bucket_view, same bucket cap)."""
+    """Our DataParallel against torch DistributedDataParallel (gradient_as_bucket_view, same bucket cap). Ours
+    all-reduces through the comm layer: shared memory between ranks of one host unless PARALLELISMS_SHM=0."""
     model_cfg = preset(args.preset).validate()
     train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     train_cfg.validate(model_cfg, dp=args.world)
-    times = launch(_ddp_rank, args.world, model_cfg, train_cfg, args.steps, args.rounds, backend="gloo", threads=1)[0]
+    times, transport = launch(_ddp_rank, args.world, model_cfg, train_cfg, args.steps, args.rounds, backend="gloo",
+                              threads=1)[0]
     single = single_process_step_time(model_cfg, train_cfg, args.steps)
     return {"bench": "ddp", "world_size": args.world, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": "torch.nn.parallel.DistributedDataParallel", "peer_s": times["peer"],
             "ratio": times["ours"] / times["peer"], "single_process_s": single,
             "ours_scaling_efficiency": single / (args.world * times["ours"]),
-            "peer_scaling_efficiency": single / (args.world * times["peer"])}
+            "peer_scaling_efficiency": single / (args.world * times["peer"]),
+            "ours_all_reduce_transport": transport}  # PARALLELISMS_SHM=0: gloo, like the peer
 
 
 def _all_reduce_rank(info: RankInfo, sizes: list[int], repeats: int, pieces: int):
