@@ -1,6 +1,6 @@
 """The shared-memory all-reduce for ranks of one host: the sums gloo gives (every rank the same bits), in issue
 order with several in flight, through a growing mapping; DDP training on it reproduces single-process
-training; a rank that never arrives makes its peers fail with the missing ranks named, not hang.
+training; a sum /dev/shm has no room for stays on gloo; a rank that never arrives makes its peers fail with the missing ranks named, not hang.
 
 The threshold is lowered so that the small test tensors take the shared-memory path.
 """
@@ -46,7 +46,8 @@ def _ranks(info):
                                           collect_state=True))
     # rank 1 never arrives: the others fail within the timeout, naming it
     lonely = SharedMemoryAllReduce(comm.group, comm.rank, comm.size, timeout_s=1.0)
-    lonely._grow(1024)  # mapping the file is collective; the calls after it are not
+    out["fits_a_petabyte"] = lonely.fits(1 << 50)  # /dev/shm has no room: gloo carries it instead
+    assert lonely.fits(1024)  # mapping the file is collective; the calls after it are not
     if r != 1:
         try:
             lonely.all_reduce(torch.ones(8)).wait()
@@ -84,6 +85,10 @@ def test_ddp_on_shared_memory_reproduces_single_process_training(reports):
     ddp = reports[0]["ddp"]
     result = compare(ddp["losses"], ddp["state"], *reference_train(MODEL, TRAIN))
     assert result["ok"], result
+
+
+def test_a_sum_too_large_for_dev_shm_stays_on_gloo(reports):
+    assert not any(out["fits_a_petabyte"] for out in reports)
 
 
 def test_a_missing_rank_fails_its_peers_with_a_named_timeout(reports):

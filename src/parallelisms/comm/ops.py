@@ -151,7 +151,7 @@ class Comm:
         if self._shm is None:
             from parallelisms.comm.shm import SharedMemoryAllReduce, shm_supported
             self._shm = SharedMemoryAllReduce(self.group, self.rank, self.size) if shm_supported(self.group) else False
-        return self._shm or None
+        return self._shm if self._shm and self._shm.fits(tensor.numel() * tensor.element_size()) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""

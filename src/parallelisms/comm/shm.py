@@ -64,15 +64,33 @@ class SharedMemoryAllReduce:
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         self.prefix = f"/dev/shm/parallelisms-{token[0]}"
         self.capacity, self.generation, self.calls = 0, 0, 0
+        self.too_large = float("inf")  # the smallest size found not to fit in /dev/shm
         self.jobs: queue.Queue = queue.Queue()
         threading.Thread(target=self._serve, daemon=True).start()
 
     # -- the caller's side (main thread, same order on every rank) ---------------------------------------------
+    def fits(self, nbytes: int) -> bool:
+        """Whether a sum of ``nbytes`` can go through shared memory, growing the mapping if /dev/shm has room
+        on every rank (a collective when it must grow; a container's small /dev/shm keeps gloo instead)."""
+        if nbytes <= self.capacity:
+            return True
+        if nbytes >= self.too_large:
+            return False
+        capacity = -(-max(nbytes, 2 * self.capacity) // 64) * 64
+        stats = os.statvfs("/dev/shm")
+        room = torch.tensor([int(stats.f_bavail * stats.f_frsize >= 2 * self._bytes(capacity))])
+        dist.all_reduce(room, op=dist.ReduceOp.MIN, group=self.group)
+        if not room.item():
+            self.too_large = nbytes
+            return False
+        self._grow(capacity)
+        return True
+
+    def _bytes(self, capacity: int) -> int:
+        return 64 * self.size + 2 * self.size * capacity
+
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
-        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > self.capacity:
-            self._grow(max(nbytes, 2 * self.capacity))
+        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group; :meth:`fits` it first."""
         work = ShmWork()
         self.jobs.put((tensor, self.calls, work))
         self.calls += 1
@@ -83,9 +101,8 @@ class SharedMemoryAllReduce:
         drained = ShmWork()
         self.jobs.put((None, None, drained))
         drained.wait()
-        capacity = -(-capacity // 64) * 64
         path = f"{self.prefix}-{self.generation}"
-        total = 64 * self.size + 2 * self.size * capacity
+        total = self._bytes(capacity)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, total)
