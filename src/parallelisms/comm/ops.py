@@ -26,7 +26,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# CPU sums at least this large use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
+# CPU sums at least this large may use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 
 
@@ -132,12 +132,14 @@ class Comm:
     # all-reduce keeping this rank's slice (10.6 against 13.6 ms at 2 ranks). The ledger records them as the
     # collectives they implement, with the ring's logical bytes.
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-        """In-place all-reduce of ``tensor``; returns it (or a Pending). Large CPU sums between ranks of one
-        host go through shared memory (:mod:`parallelisms.comm.shm`)."""
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   shared_memory: bool = False):
+        """In-place all-reduce of ``tensor``; returns it (or a Pending). ``shared_memory``: a large CPU sum
+        between ranks of one host may go through shared memory (:mod:`parallelisms.comm.shm`), which holds
+        2 x N x its size of /dev/shm from then on (DDP's buckets opt in)."""
         if self.size == 1:
             return _Done(tensor) if async_op else tensor
-        shm = self._shared_memory(tensor, op)
+        shm = self._shared_memory(tensor, op) if shared_memory else None
         launch = ((lambda: shm.all_reduce(tensor)) if shm is not None else
                   (lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True)))
         return self._run("all_reduce", tensor, tensor.numel(), launch, async_op, tensor)

@@ -6,7 +6,8 @@ the order rank 0 observed in the first synchronised backward); every parameter's
 its bucket's flat buffer, so accumulation writes straight into the buffer that is communicated. When a bucket's last gradient arrives, its all-reduce is launched
 asynchronously; buckets launch in index order so every rank issues the same collectives in the same order.
 One wait at the end of backward, queued on the autograd engine, completes them all. Gradients are
-pre-divided by N and summed, giving the average.
+pre-divided by N and summed, giving the average. Between ranks of one host, buckets of at least 1 MiB are
+all-reduced through shared memory (:mod:`parallelisms.comm.shm`; 2 x N x the largest bucket of /dev/shm).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class DataParallel:
                 return
             if bucket.needs_division:
                 bucket.buffer.div_(self.comm.size)
-            bucket.pending = bucket.comm.all_reduce(bucket.buffer, async_op=True)
+            bucket.pending = bucket.comm.all_reduce(bucket.buffer, async_op=True, shared_memory=True)
             self._next_to_launch += 1
 
     def _finish_backward(self) -> None:
