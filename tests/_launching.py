@@ -1,6 +1,9 @@
-"""Shared by the multi-process tests: launch an entry once per world size, on first use."""
+"""Shared by the multi-process tests: launch an entry once per world size, on first use; train the layouts of
+one world size; check a run against single-process training."""
 
 from parallelisms.launch import launch
+from parallelisms.train import train_rank
+from parallelisms.verify import compare, reference_train
 
 
 def launch_once_per_world(entry, threads: int = 1):
@@ -12,3 +15,24 @@ def launch_once_per_world(entry, threads: int = 1):
             cache[world] = launch(entry, world, world, threads=threads)[0]
         return cache[world]
     return get
+
+
+def train_each(info, world: int, specs: dict) -> dict:
+    """Rank 0's report of every ``RunSpec`` in ``specs`` (name -> spec) whose layout has ``world`` ranks."""
+    out = {}
+    for name, spec in specs.items():
+        if spec.parallel.dims.world_size == world:
+            report = train_rank(info, spec)
+            if report is not None:
+                out[name] = report
+    return out
+
+
+def assert_reproduces(report: dict, model, train, splits: int) -> None:
+    """Losses and final parameters within tolerance of single-process training on ``splits`` batch slices;
+    with clipping, also far from the unclipped run (so the clip was exercised)."""
+    result = compare(report["losses"], report["state"], *reference_train(model, train, splits=splits))
+    assert result["ok"], result
+    if train.grad_clip:
+        unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=splits)
+        assert compare(report["losses"], report["state"], *unclipped)["max_param_rel_diff"] > 1e-3

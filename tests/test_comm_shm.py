@@ -15,6 +15,8 @@ from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
+from parallelisms.model import build_model
+from parallelisms.parallel.data import DataParallel
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import compare, reference_train
 
@@ -42,6 +44,13 @@ def _ranks(info):
     dist.all_gather(everyone, sums)
     out["same_bits"] = all(torch.equal(everyone[0], s) for s in everyone)
     out["ledger"] = [(rec.kind, rec.bytes_per_rank) for rec in comms.ledger.records if rec.kind == "all_reduce"]
+    # DDP's buckets opt in: a fresh Comm over the same group carries the first bucket through shared memory
+    fresh = Comms(comms.meshes)["dp"]
+    model = build_model(MODEL)
+    DataParallel(model, fresh)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(r))
+    model(tokens, tokens).backward()
+    out["ddp_bucket_on_shm"] = bool(fresh._shm)
     out["ddp"] = train_rank(info, RunSpec(MODEL, TRAIN, ParallelConfig(ParallelDims(dp_replicate=info.world_size)),
                                           collect_state=True))
     # rank 1 never arrives: the others fail within the timeout, naming it
@@ -82,6 +91,7 @@ def test_ledger_counts_the_logical_all_reduce(reports):
 
 
 def test_ddp_on_shared_memory_reproduces_single_process_training(reports):
+    assert all(out["ddp_bucket_on_shm"] for out in reports)
     ddp = reports[0]["ddp"]
     result = compare(ddp["losses"], ddp["state"], *reference_train(MODEL, TRAIN))
     assert result["ok"], result

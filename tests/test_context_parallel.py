@@ -3,7 +3,6 @@ balance) and Ulysses reproduce full causal attention and single-process training
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from parallelisms.cli import main
 from parallelisms.comm import CommLedger, Comms

@@ -13,10 +13,9 @@ import pytest
 from parallelisms.config import PRESETS, ConfigError, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.model import comm_per_step
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.train import RunSpec
 
-from _launching import launch_once_per_world
+from _launching import assert_reproduces, launch_once_per_world, train_each
 
 MODEL = dataclasses.replace(PRESETS["tiny"], n_layers=4)  # four layers: interleaved needs pp x 2 stages
 # seq 32 as in test_tensor_parallel: at seq 16 this model's Adam noise floor (first updates are lr x sign(g),
@@ -40,14 +39,11 @@ def _layout(name: str) -> ParallelConfig:
     return parallel.validate(MODEL, train)
 
 
+SPECS = {name: RunSpec(MODEL, SCENARIOS[name][-1], _layout(name), collect_state=True) for name in SCENARIOS}
+
+
 def _run(info, world):
-    out = {}
-    for name, (dims, _, _, train) in SCENARIOS.items():
-        if dims.world_size == world:
-            report = train_rank(info, RunSpec(MODEL, train, _layout(name), collect_state=True))
-            if report is not None:
-                out[name] = report
-    return out
+    return train_each(info, world, SPECS)
 
 
 results = launch_once_per_world(_run)
@@ -56,13 +52,8 @@ results = launch_once_per_world(_run)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_matches_single_process(name):
     dims, _, _, train = SCENARIOS[name]
-    report = results(dims.world_size)[name]
-    reference = reference_train(MODEL, train, splits=4)  # dp ranks x microbatches: four slices of one row
-    result = compare(report["losses"], report["state"], *reference)
-    assert result["ok"], (name, result)
-    if train.grad_clip:  # the clip really changes the result
-        unclipped = reference_train(MODEL, train.replace(grad_clip=0.0), splits=4)
-        assert compare(report["losses"], report["state"], *unclipped)["max_param_rel_diff"] > 1e-3
+    # dp ranks x microbatches: four slices of one row each
+    assert_reproduces(results(dims.world_size)[name], MODEL, train, splits=4)
 
 
 def test_sequence_parallel_sends_one_tp_th_of_the_bytes():

@@ -1,6 +1,5 @@
 """Activation recomputation: the same training, with less activation memory kept for backward."""
 
-import dataclasses
 
 import pytest
 import torch

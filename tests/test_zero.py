@@ -14,6 +14,7 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.flat import ShardedEngine, module_units
+from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.zero import zero_plan
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
@@ -121,27 +122,29 @@ def test_zero3_prefetches_every_gather_but_the_first_of_each_pass(run):
     assert memory["prefetched_gathers"] == 2 * (units - 1) * BASE.steps
 
 
-def test_backward_prefetch_waits_for_the_mlp_backward():
+@pytest.mark.parametrize("style", ["flat", "per_param"])
+def test_backward_prefetch_waits_for_the_mlp_backward(style):
     """Each block's backward gathers the previous unit only after its MLP's backward (the activations it
     frees are where backward memory peaks), still before its attention's backward. One process: the
-    engine's one-rank Comm gathers by copy, the hooks run the same."""
+    engine's one-rank Comm gathers by copy, the hooks run the same. (The per-parameter engine never gathers
+    the embedding for backward, which needs no weights: block 0 has nothing to prefetch.)"""
     model = build_model(MODEL)
-    engine = ShardedEngine(model, module_units(model), zero_plan(3), Comms())
-    events = []
-    gather = engine._unshard
-    engine._unshard = lambda unit: (events.append(("gather", unit.name)), gather(unit))
+    if style == "flat":
+        engine, method, blocks = ShardedEngine(model, module_units(model), zero_plan(3), Comms()), "_unshard", 0
+    else:
+        engine, method, blocks = PerParamSharding(model, Comms()["dp_shard"]), "_issue_gather", 1
+    events, gather = [], getattr(engine, method)
+    setattr(engine, method, lambda unit: (events.append(("gather", engine.units.index(unit))), gather(unit))[1])
     for i, block in enumerate(model.layers):
-        block.feed_forward.register_full_backward_hook(lambda *_, i=i: events.append(("mlp", f"layers.{i}")))
-        block.attention.register_full_backward_hook(lambda *_, i=i: events.append(("attention", f"layers.{i}")))
+        block.feed_forward.register_full_backward_hook(lambda *_, i=i: events.append(("mlp", i)))
+        block.attention.register_full_backward_hook(lambda *_, i=i: events.append(("attention", i)))
     tokens = torch.randint(0, MODEL.vocab_size, (2, 16))
+    loss = model(tokens, tokens)
     events.clear()
-    model(tokens, tokens).backward()
-    backward = events[events.index(("gather", "head")):]
-    previous = ["tok_embeddings"] + [f"layers.{i}" for i in range(MODEL.n_layers)]
-    for i in range(MODEL.n_layers):
-        block, before = f"layers.{i}", previous[i]
-        order = [backward.index(e) for e in (("mlp", block), ("gather", before), ("attention", block))]
-        assert order == sorted(order), (block, backward)
+    loss.backward()
+    for i in range(blocks, MODEL.n_layers):  # block i is unit i + 1, after the embedding
+        order = [events.index(e) for e in (("mlp", i), ("gather", i), ("attention", i))]
+        assert order == sorted(order), (i, events)
 
 
 def _largest_unit_numel(cap_bytes=None):

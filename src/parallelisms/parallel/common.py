@@ -29,13 +29,14 @@ def sharded_over(param: nn.Parameter) -> tuple[str, ...]:
     return tuple(sorted({dim for dim, _, _ in getattr(param, SHARD_ATTR, ())}))
 
 
-def after_last_child_backward(module: nn.Module, callback):
-    """Call ``callback()`` in backward once the gradient of the input of ``module``'s last registered child
-    (a block's MLP) is complete, that is, after that child's backward. The sharded engines prefetch the
-    previous unit's parameters there: the gather overlaps the rest of the block's backward (attention)
-    without being held on top of the activations the MLP's backward frees, where backward memory peaks.
-    Returns the hook handle, or None when ``module`` has fewer than two children."""
-    children = list(module.children())
+def after_last_child_backward(modules: list[nn.Module], callback):
+    """Call ``callback()`` in backward once the gradient of the input of the last registered child of a
+    sharding unit's one module (a block's MLP) is complete, that is, after that child's backward. The
+    sharded engines prefetch the previous unit's parameters there: the gather overlaps the rest of the
+    block's backward (attention) without being held on top of the activations the MLP's backward frees,
+    where backward memory peaks. Returns the hook handle, or None for a unit of several modules or of a
+    module with fewer than two children (the engines then prefetch when the unit's backward starts)."""
+    children = list(modules[0].children()) if len(modules) == 1 else []
     if len(children) < 2:
         return None
 

@@ -183,11 +183,11 @@ class ShardedEngine:
             self._hooks.append(unit.modules[0].register_forward_pre_hook(self._pre_forward_hook(index)))
             self._hooks.append(unit.modules[-1].register_forward_hook(self._post_forward_hook(index)))
             self._hooks.append(unit.full.register_post_accumulate_grad_hook(self._post_backward_hook(index)))
-            if plan.shard_params and index > 0 and len(unit.modules) == 1:
-                handle = after_last_child_backward(unit.modules[0], lambda i=index: self._unshard(self.units[i - 1]))
-                if handle is not None:
-                    self._hooks.append(handle)
-                    self._late_prefetch.add(index)
+            late = (after_last_child_backward(unit.modules, lambda i=index: self._unshard(self.units[i - 1]))
+                    if plan.shard_params and index > 0 else None)
+            if late is not None:
+                self._hooks.append(late)
+                self._late_prefetch.add(index)
 
     # -- transient memory bookkeeping ------------------------------------------------------------------------
     def _track(self, kind: str, delta: int) -> None:

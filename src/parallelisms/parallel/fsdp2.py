@@ -120,8 +120,8 @@ class PerParamSharding:
         for unit in self.units:
             self._hooks.append(unit.modules[0].register_forward_pre_hook(lambda *_, u=unit: self._pre_forward(u)))
             self._hooks.append(unit.modules[-1].register_forward_hook(lambda *_, u=unit: self._post_forward(u)))
-            late = (after_last_child_backward(unit.modules[0], lambda u=unit: self._prefetch(u.index - 1, True))
-                    if unit.index > 0 and len(unit.modules) == 1 else None)
+            late = (after_last_child_backward(unit.modules, lambda u=unit: self._prefetch(u.index - 1, True))
+                    if unit.index > 0 else None)
             if late is not None:
                 self._hooks.append(late)
                 unit.late_prefetch = True
