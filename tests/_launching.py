@@ -31,8 +31,8 @@ def train_each(info, world: int, specs: dict) -> dict:
 def assert_reproduces(report: dict, model, train, splits: int) -> None:
     """Losses and final parameters within tolerance of single-process training on ``splits`` batch slices;
     with clipping, also far from the unclipped run (so the clip was exercised)."""
-    result = compare(report["losses"], report["state"], *reference_train(model, train, splits=splits))
+    result = compare(report, reference_train(model, train, splits=splits))
     assert result["ok"], result
     if train.grad_clip:
         unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=splits)
-        assert compare(report["losses"], report["state"], *unclipped)["max_param_rel_diff"] > 1e-3
+        assert compare(report, unclipped)["max_param_rel_diff"] > 1e-3

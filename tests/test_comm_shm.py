@@ -93,7 +93,7 @@ def test_ledger_counts_the_logical_all_reduce(reports):
 def test_ddp_on_shared_memory_reproduces_single_process_training(reports):
     assert all(out["ddp_bucket_on_shm"] for out in reports)
     ddp = reports[0]["ddp"]
-    result = compare(ddp["losses"], ddp["state"], *reference_train(MODEL, TRAIN))
+    result = compare(ddp, reference_train(MODEL, TRAIN))
     assert result["ok"], result
 
 

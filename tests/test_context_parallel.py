@@ -110,7 +110,7 @@ def test_training_matches_single_process(world, names):
     reports = launch(_train_rank, world, names, threads=1)[0]
     ref = reference_train(MODEL, TRAIN)
     for name in names:
-        result = compare(reports[name]["losses"], reports[name]["state"], *ref)
+        result = compare(reports[name], ref)
         assert result["ok"], (name, result)
 
 

@@ -101,7 +101,7 @@ def references():
 def test_reproduces_single_process_training(run, references, scenario):
     _, reports = run
     report = reports[scenario]
-    result = compare(report["losses"], report["state"], *references[scenario])
+    result = compare(report, references[scenario])
     assert result["ok"], result
     assert result["max_loss_rel_diff"] < 1e-6
 

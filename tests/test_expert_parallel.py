@@ -108,7 +108,7 @@ def test_expert_parallel_training_matches_single_process(trained):
     _, reports = trained
     for name, report in reports.items():
         model, train = (LAYOUTS[name][0], TRAIN) if name in LAYOUTS else (SHARDED[name][0], SHARDED[name][2])
-        result = compare(report["losses"], report["state"], *reference_train(model, train))
+        result = compare(report, reference_train(model, train))
         assert result["ok"], (name, result)
 
 

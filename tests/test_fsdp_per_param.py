@@ -70,8 +70,7 @@ def references():
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_reproduces_single_process_adamw(run, references, scenario):
     _, reports = run
-    result = compare(reports[scenario]["losses"], reports[scenario]["state"],
-                     *references[SCENARIOS[scenario][2]])
+    result = compare(reports[scenario], references[SCENARIOS[scenario][2]])
     assert result["ok"], result
 
 

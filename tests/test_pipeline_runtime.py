@@ -18,7 +18,7 @@ from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_boun
 from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import Run, compare, reference_train
 
 MODEL = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
 TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=16)
@@ -49,13 +49,12 @@ def reference():
 def _check(results, reference):
     for (name, pp, dp), report in results.items():
         if name == "pipedream":
-            ref_losses, ref_state = pipedream_reference(MODEL, TRAIN, pp, M)
-            exact = compare(report["losses"], report["state"], ref_losses, ref_state, tolerance=0.0)
+            exact = compare(report, Run(*pipedream_reference(MODEL, TRAIN, pp, M)), tolerance=0.0)
             assert exact["ok"], (name, pp, exact)  # same operations in the same order: bit for bit
-            synchronous = compare(report["losses"], report["state"], *reference)
+            synchronous = compare(report, reference)
             assert synchronous["max_param_rel_diff"] > 1e-3  # and it really is asynchronous
             continue
-        result = compare(report["losses"], report["state"], *reference)
+        result = compare(report, reference)
         assert result["ok"], (name, pp, dp, result)
         bubble = report["pipeline"]
         assert bubble["peak_held_per_rank"] == bubble["simulated_peak_per_rank"], (name, pp, dp, bubble)

@@ -135,7 +135,7 @@ def probe(launched):
 def test_layouts_match_single_process(trained, name):
     model = LAYOUTS[name][0]
     report = trained[name]
-    result = compare(report["losses"], report["state"], *reference_train(model, TRAIN))
+    result = compare(report, reference_train(model, TRAIN))
     assert result["ok"], result
 
 

@@ -73,22 +73,22 @@ def test_reproduces_single_process_adamw(runs, references, name, world):
     report = runs(world)[name]
     if precision == "bf16":
         # the same arithmetic in one process (per-rank bf16 gradients summed in fp32): the fp32 contract
-        exact = compare(report["losses"], report["state"], *reference_train_bf16(MODEL, cfg, splits=world))
+        exact = compare(report, reference_train_bf16(MODEL, cfg, splits=world))
         assert exact["ok"], exact
         # one bf16 gradient of the whole batch: within BF16_TOLERANCE, and much closer than fp32 training
-        result = compare(report["losses"], report["state"], *reference_train_bf16(MODEL, cfg), BF16_TOLERANCE)
+        result = compare(report, reference_train_bf16(MODEL, cfg), BF16_TOLERANCE)
         assert result["ok"], result
-        fp32 = compare(report["losses"], report["state"], *references[cfg], BF16_TOLERANCE)
+        fp32 = compare(report, references[cfg], BF16_TOLERANCE)
         assert result["max_param_rel_diff"] < fp32["max_param_rel_diff"] / 2, (result, fp32)
     else:
-        result = compare(report["losses"], report["state"], *references[cfg])
+        result = compare(report, references[cfg])
     assert result["ok"], result
 
 
 def test_clipping_bites_and_matches(references):
     """The clipped reference differs from the unclipped one, so the *_clip scenarios test clipping."""
     unclipped = reference_train(MODEL, CLIP.replace(grad_clip=0.0))
-    diff = compare(*unclipped, *references[CLIP])
+    diff = compare(unclipped, references[CLIP])
     assert diff["max_param_rel_diff"] > 1e-3
 
 

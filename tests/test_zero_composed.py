@@ -50,7 +50,7 @@ def reports():
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_reproduces_single_process_adamw(reports, name):
     cfg = SCENARIOS[name][1]
-    result = compare(reports[name]["losses"], reports[name]["state"], *reference_train(MODEL, cfg, splits=2))
+    result = compare(reports[name], reference_train(MODEL, cfg, splits=2))
     assert result["ok"], result
 
 

@@ -134,6 +134,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     return ModelConfig(**values).validate()
 
 
+DTYPES = ("float32", "float64")  # parameter dtypes a run can train in
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run: global batch, optimizer, steps, seeds."""
@@ -149,6 +152,7 @@ class TrainConfig:
     seed: int = 0
     bucket_mb: float = 25.0        # data-parallel gradient bucket cap
     timeout_s: float = 300.0       # collective timeout
+    dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"steps must be at least 1, got {self.steps}")
@@ -165,7 +169,13 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"grad clip must be non-negative, got {self.grad_clip}")
         require(self.bucket_mb > 0, f"bucket size must be positive, got {self.bucket_mb} MB")
         require(self.timeout_s > 0, f"timeout must be positive, got {self.timeout_s} s")
+        require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {' or '.join(DTYPES)}")
         return self
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
@@ -215,6 +225,8 @@ class ParallelConfig:
         _check_context_parallel(self, model, train)
         _check_sharded_data_parallel(self)
         train.validate(model, dp=dims.dp)
+        require(self.mixed_precision == "fp32" or train.dtype == "float32",
+                f"--mixed-precision {self.mixed_precision} keeps float32 master weights; drop --dtype {train.dtype}")
         return self
 
 

@@ -20,7 +20,8 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
 from parallelisms.launch import RankInfo
 from parallelisms.model import build_model
-from parallelisms.parallel.common import clip_grad_norm_, gather_full
+from parallelisms.model.numerics import upcast
+from parallelisms.parallel.common import clip_grad_norm_, gather_full, global_grad_norm
 from parallelisms.parallel.data import DataParallel
 
 
@@ -48,6 +49,7 @@ class Runner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg)
         self.positions = positions  # context parallelism: the sequence positions this rank holds
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
 
     def zero_grad(self) -> None:
         if self.grad_sync is not None:
@@ -72,13 +74,25 @@ class Runner:
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        return total.float().cpu()
+        return upcast(total).cpu()
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient (every rank gets it): squared norms of the local pieces
+        summed over the mesh dimensions each is sharded on."""
+        return global_grad_norm(self.params, self.comms)
 
     def optimizer_step(self) -> None:
+        """Measure the global gradient norm (reported every step, clipping or not), clip by it when asked,
+        step the optimizer, then :meth:`after_step`."""
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
+            self.grad_norm = self.global_grad_norm()
             if self.cfg.grad_clip > 0:
-                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms)
+                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms, norm=self.grad_norm)
             self.optimizer.step()
+            self.after_step()
+
+    def after_step(self) -> None:
+        """What follows the optimizer step (the sharded engines refresh full parameters from their shards)."""
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.zero_grad()
@@ -144,7 +158,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
-    model = build_model(spec.model, spec.train.seed).to(info.device)
+    model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
     runner = parallelize(model, spec.parallel, spec.train, comms)
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
@@ -155,7 +169,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         from tqdm import tqdm
         steps = tqdm(steps, desc=f"train {dims.describe()}", unit="step", dynamic_ncols=True)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
-    losses, step_times, step_windows, ledger_marks = [], [], [], []
+    losses, grad_norms, step_times, step_windows, ledger_marks = [], [], [], [], []
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.shard(step, dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
@@ -163,6 +177,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         loss = runner.train_step(inputs, targets)
         end = Timeline.now()
         losses.append(loss)
+        grad_norms.append(None if runner.grad_norm is None else runner.grad_norm.item())
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
         if hasattr(steps, "set_postfix"):
@@ -186,6 +201,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     report = {
         "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
+        "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallelisms.model.numerics import upcast
+
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
     """SwiGLU experts over tokens ``x`` [n, dim] sorted by expert, ``counts[e]`` of them for expert e.
@@ -65,7 +67,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor):
         """Top-k experts, their weights, which assignments fit the per-sequence capacity, and the aux loss."""
         batch, seq, _ = x.shape
-        logits = self.router(x).float()                                   # [B, S, E]
+        logits = upcast(self.router(x))                                   # [B, S, E]
         top_logits, top_experts = logits.topk(self.top_k, dim=-1)         # [B, S, k]
         weights = torch.softmax(top_logits, dim=-1)
         one_hot = F.one_hot(top_experts, self.n_experts).flatten(1, 2)   # [B, S*k, E] in token order
@@ -75,7 +77,7 @@ class MoE(nn.Module):
             keep = (rank_in_expert <= capacity).view(batch, seq, self.top_k)
         else:
             keep = torch.ones_like(top_experts, dtype=torch.bool)
-        share = one_hot.float().sum(1) / (seq * self.top_k)              # f_i: share of the sequence's assignments
+        share = one_hot.to(logits.dtype).sum(1) / (seq * self.top_k)              # f_i: share of the sequence's assignments
         mean_prob = torch.softmax(logits, dim=-1).mean(1)                 # P_i per sequence
         aux = (self.n_experts * (share * mean_prob).sum(-1)).mean()
         return top_experts, weights, keep, aux

@@ -17,6 +17,7 @@ from torch import nn
 
 from parallelisms.config import ModelConfig
 from parallelisms.model.moe import MoE
+from parallelisms.model.numerics import upcast
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = upcast(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -41,7 +43,7 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) ->
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the position angles [seq, head_dim/2]."""
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x_even, x_odd = upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -115,7 +117,7 @@ class CrossEntropy(nn.Module):
     """Mean next-token cross-entropy over all tokens; tensor parallelism swaps in a vocabulary-parallel one."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
 
 
 class Transformer(nn.Module):
@@ -174,10 +176,12 @@ def init_weights(model: Transformer, seed: int) -> Transformer:
     return model
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:
-    """Build the full model, initialised from ``seed``; on ``device='meta'`` nothing is allocated."""
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build the full model, initialised from ``seed`` (drawn in fp32, then cast to ``dtype``: every dtype
+    starts from the same values); on ``device='meta'`` nothing is allocated."""
     cfg.validate()
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return Transformer(cfg)
-    return init_weights(Transformer(cfg), seed).to(device)
+    return init_weights(Transformer(cfg), seed).to(device=device, dtype=dtype)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
+from parallelisms.model.numerics import upcast
 
 SHARD_ATTR = "_parallelisms_shards"
 
@@ -64,7 +65,7 @@ def gather_full(param: torch.Tensor, comms: Comms, marks=None) -> torch.Tensor:
 
 def add_squared_norm(groups: dict, dims: tuple[str, ...], grad: torch.Tensor) -> None:
     """Add ``grad``'s squared L2 norm to ``groups[dims]``: the gradient is sharded over mesh ``dims``."""
-    sq = grad.detach().float().pow(2).sum()
+    sq = upcast(grad.detach()).pow(2).sum()
     groups[dims] = groups[dims] + sq if dims in groups else sq
 
 
@@ -109,7 +110,7 @@ def norm_of_groups(groups: dict, comms: Comms) -> torch.Tensor:
     for dims, sq in sorted(groups.items()):
         for dim in dims:
             sq = comms[dim].all_reduce(sq.reshape(1)).reshape(())
-        total = total + sq.cpu()
+        total = total.to(sq.dtype) + sq.cpu()  # float64 gradients keep a float64 norm
     return total.sqrt()
 
 

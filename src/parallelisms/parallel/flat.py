@@ -118,12 +118,14 @@ class FlatUnit:
         n, rank = shard_comm.size, shard_comm.rank
         self.shard_numel = math.ceil(self.numel / n)
         self.padded = self.shard_numel * n
-        master = torch.zeros(self.padded, dtype=torch.float32, device=params[0].device)
-        torch.cat([p.detach().reshape(-1).float() for p in params], out=master[:self.numel])
+        # master weights in the parameters' precision, at least fp32 (float64 stays float64)
+        self.master_dtype = torch.promote_types(params[0].dtype, torch.float32)
+        master = torch.zeros(self.padded, dtype=self.master_dtype, device=params[0].device)
+        torch.cat([p.detach().reshape(-1).to(self.master_dtype) for p in params], out=master[:self.numel])
         self.full = master.to(plan.compute_dtype, copy=True).requires_grad_(True)
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        # the fp32 master slice: a view of ``full`` when that is fp32 and persistent, else its own storage
-        self.shard_is_view = not plan.shard_params and plan.compute_dtype == torch.float32
+        # the master slice: a view of ``full`` when that is in the master dtype and persistent, else its own storage
+        self.shard_is_view = not plan.shard_params and plan.compute_dtype == self.master_dtype
         self.shard = nn.Parameter(self.full.data[lo:hi] if self.shard_is_view else master[lo:hi].clone())
         if n > 1:
             mark_sharded(self.shard, shard_comm.name, tensor_dim=None)
@@ -269,7 +271,7 @@ class ShardedEngine:
         if self.plan.shard_grads:
             self._track("grads", _nbytes(grad))
         self._finish_reduce()
-        grad32 = grad.float() if grad.dtype != torch.float32 else grad
+        grad32 = grad.to(unit.master_dtype)
         grad32.div_(self.dp_size)
         if self.plan.shard_grads:
             unit.full.grad = None
@@ -368,8 +370,8 @@ class ShardedEngine:
         """Persistent bytes held by the engine: compute-dtype parameters, gradients, fp32 master copies."""
         params = sum(_nbytes(u.full) for u in self.units if not self.plan.shard_params)
         params += sum(_nbytes(u.shard) for u in self.units if self.plan.shard_params
-                      and self.plan.compute_dtype == torch.float32)
-        master = sum(_nbytes(u.shard) for u in self.units if self.plan.compute_dtype != torch.float32)
+                      and self.plan.compute_dtype == u.master_dtype)
+        master = sum(_nbytes(u.shard) for u in self.units if self.plan.compute_dtype != u.master_dtype)
         grads = sum(_nbytes(u.full.grad) for u in self.units if not self.plan.shard_grads)
         grads += sum(_nbytes(u.shard.grad) for u in self.units
                      if u.shard.grad is not None and (self.plan.shard_grads or not u.shard_is_view))

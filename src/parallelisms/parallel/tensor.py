@@ -25,6 +25,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, copy_to_group, gather_along
 from parallelisms.model.transformer import apply_rotary
+from parallelisms.model.numerics import upcast
 from parallelisms.parallel.common import mark_sharded
 
 
@@ -229,7 +230,8 @@ class SequenceParallelRMSNorm(nn.Module):
         self.eps, self.comm, self.weight = plain.eps, comm, plain.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = upcast(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * copy_to_group(self.weight, self.comm)
 
 

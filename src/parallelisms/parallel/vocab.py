@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.comm import Comm, reduce_from_group, reduce_scatter_along
+from parallelisms.model.numerics import upcast
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.tensor import Region, shard_rows
 
@@ -46,7 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, comm: Comm, vocab_size: int):
         cols, ctx.dtype = logits.shape[-1], logits.dtype
         start = comm.rank * cols
-        logits = logits.float()
+        logits = upcast(logits)
         if start + cols > vocab_size:   # padded columns never win the max and add nothing to the sum
             logits = logits.masked_fill(torch.arange(start, start + cols, device=logits.device) >= vocab_size,
                                         float("-inf"))
@@ -84,5 +85,5 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat = logits.flatten(0, -2)
         if self.comm.size == 1:
-            return F.cross_entropy(flat.float()[:, :self.vocab_size], targets.flatten())
+            return F.cross_entropy(upcast(flat)[:, :self.vocab_size], targets.flatten())
         return _VocabParallelCrossEntropy.apply(flat, targets.flatten(), self.comm, self.vocab_size)

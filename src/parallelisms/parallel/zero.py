@@ -26,13 +26,10 @@ from torch import nn
 
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.common import clip_grad_norm_, norm_of_groups
+from parallelisms.parallel.common import norm_of_groups
 from parallelisms.parallel.flat import ShardedEngine, ShardingPlan, module_units
 from parallelisms.parallel.memory import memory_report
 from parallelisms.train import Runner, make_optimizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:
     """ZeRO stage 1, 2 or 3 over the flattened data-parallel dimension ``dp``."""
@@ -52,14 +49,13 @@ class ShardedRunner(Runner):
         self.params = self.engine.parameters()
         self.optimizer = make_optimizer(self.params, cfg)
 
-    def optimizer_step(self) -> None:
-        """Clip by the global norm (squared shard norms all-reduced), AdamW on the shards, refresh parameters."""
-        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            if self.cfg.grad_clip > 0:  # the norm of each shard's runs over their own mesh dimensions
-                norm = norm_of_groups(self.engine.squared_grad_norms(), self.comms)
-                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms, norm=norm)
-            self.optimizer.step()
-            self.engine.after_step()
+    def global_grad_norm(self) -> torch.Tensor:
+        """The norm of each shard's runs summed over their own mesh dimensions."""
+        return norm_of_groups(self.engine.squared_grad_norms(), self.comms)
+
+    def after_step(self) -> None:
+        """Refresh the full parameters from the updated shards (stages 1-2)."""
+        self.engine.after_step()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         with self.comms.ledger.in_phase("report"):
@@ -83,7 +79,8 @@ def parallelize_sharded(model: nn.Module, parallel: ParallelConfig, train: Train
     Megatron's distributed optimizer does; ``positions`` are this rank's sequence positions."""
     from parallelisms.parallel.fsdp import fsdp_plan
 
-    dtype = DTYPES[parallel.mixed_precision]
+    # bf16 compute over fp32 master weights, or the parameters' own dtype (fp32; float64 under verify --dtype)
+    dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else next(model.parameters()).dtype
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp, dtype)
     if parallel.dims.cp > 1:
         widen = {"dp": "dp_cp"}

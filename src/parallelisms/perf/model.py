@@ -147,6 +147,37 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         if parallel.sequence_parallel:  # stages exchange the sequence-sharded residual stream
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
+    return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:
+    """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over."""
+    dims = parallel.dims
+    if parallel.fsdp == "no_shard" or not (parallel.zero or parallel.fsdp):
+        return None
+    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2") or parallel.fsdp_style != "flat":
+        return "dp_shard", dims.dp_shard
+    if dims.cp > 1 and dims.pp == 1:
+        return "dp_cp", dims.dp * dims.cp
+    return "dp", dims.dp
+
+
+def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[CommVolume]:
+    """The global gradient norm, measured every step: the squared norms of parameters sharded over the same
+    mesh dimensions form a group, and each group is all-reduced (one element) over each of its dimensions.
+    Groups: tensor-parallel weights (tp), weights replicated across tp (the norms), expert weights (ep),
+    each also over pp (stages) and the sharding dimension of ZeRO/FSDP; dimensions of size 1 send nothing."""
+    dims = parallel.dims
+    base = [("pp", dims.pp)]
+    if _sharding_dim(parallel):
+        base.append(_sharding_dim(parallel))
+    groups = {tuple(base)} | {tuple(base) + ((name, size),) for name, size in (("tp", dims.tp), ("ep", dims.ep))
+                                                               if size > 1}
+    out = []
+    for group in groups:
+        for name, size in group:
+            if size > 1:
+                out.append(CommVolume("all_reduce", name, 2 * (size - 1) / size * elem_bytes))
     return out
 
 

@@ -115,6 +115,7 @@ class Executor:
                  forward_fn=None, on_optimizer=None, on_stage_done=None, seq_shards: int = 1):
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
         self.seq_shards = seq_shards
+        self.dtype = next(next(iter(stages.values())).parameters()).dtype  # of the activations exchanged
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
         self.forward_fn = forward_fn or (lambda a, module, x, y: module(x, y))
@@ -193,7 +194,7 @@ class Executor:
     def _next_message(self, peer: int) -> tuple:
         key = self.send_order[peer][self.cursor[peer]]
         self.cursor[peer] += 1
-        return key, torch.empty(self.shape), peer
+        return key, torch.empty(self.shape, dtype=self.dtype), peer
 
     def _post(self, batch: list) -> None:
         if batch:

@@ -80,7 +80,7 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process PipeDream: per-step mean losses and final parameters (see the module docstring)."""
     torch.manual_seed(train_cfg.seed)
-    model = build_model(model_cfg, train_cfg.seed)
+    model = build_model(model_cfg, train_cfg.seed, dtype=train_cfg.torch_dtype)
     bounds = equal_bounds(model_cfg.n_layers, pp)
     groups: dict[int, dict[str, torch.nn.Parameter]] = {s: {} for s in range(pp)}
     for name, p in model.named_parameters():

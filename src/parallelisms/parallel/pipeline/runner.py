@@ -164,19 +164,16 @@ class PipelineRunner(Runner):
             self.dp_pending = []
             self._sum_dualpipe_copies()
         self.step_records.append((self.executor.records, self.executor.peak_held))
-        local = torch.stack(losses).sum().reshape(1) / m if losses else torch.zeros(1)
+        local = (torch.stack(losses).sum().reshape(1) / m if losses
+                 else torch.zeros(1, dtype=torch.promote_types(self.executor.dtype, torch.float32)))
         with ledger.in_phase("report"):
             return self.pp_comm.all_reduce(local).reshape(())
 
-    def optimizer_step(self) -> None:
-        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            if self.cfg.grad_clip > 0:  # DualPipe's second copies are left out of the norm, not of the clip
-                norm_params = [p for s, st in self.stages.items() if s not in self.copies for p in st.parameters()]
-                norm = global_grad_norm(norm_params, self.comms)
-                coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
-                for p in self.params:
-                    p.grad.mul_(coef)
-            self.optimizer.step()
+    def global_grad_norm(self) -> torch.Tensor:
+        """Summed over the pipeline's stages; DualPipe's second copies are left out of the norm (the clip
+        still scales them)."""
+        return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
+                                 for p in st.parameters()], self.comms)
 
     # -- reporting -------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm
-from parallelisms.parallel.common import (clip_grad_norm_, norm_dims, norm_of_groups, norm_pieces,
-                                          squared_norms_of_pieces)
+from parallelisms.parallel.common import norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces
 from parallelisms.parallel.memory import memory_report, tensor_bytes
 from parallelisms.parallel.pipeline.runner import PipelineRunner
 from parallelisms.train import make_optimizer
@@ -84,15 +83,14 @@ class ZeroPipelineRunner(PipelineRunner):
     def _sync_stage(self, stage: int) -> None:
         self.dp_pending.append(self.shards[stage].reduce_scatter())
 
-    def optimizer_step(self) -> None:
-        """Clip by the global norm of the reduced slices, AdamW on this rank's slices, all-gather them."""
-        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            if self.cfg.grad_clip > 0:
-                norm = norm_of_groups(self.squared_grad_norms(), self.comms)
-                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms, norm=norm)
-            self.optimizer.step()
-            for pending in [shard.all_gather() for shard in self.shards.values()]:
-                pending.wait()
+    def global_grad_norm(self) -> torch.Tensor:
+        """The global norm of the reduced slices."""
+        return norm_of_groups(self.squared_grad_norms(), self.comms)
+
+    def after_step(self) -> None:
+        """All-gather every rank's updated slices into the stages' flat parameters."""
+        for pending in [shard.all_gather() for shard in self.shards.values()]:
+            pending.wait()
 
     def squared_grad_norms(self) -> dict:
         """Squared norms of the reduced slices grouped by the mesh dimensions to sum them over; the groups
