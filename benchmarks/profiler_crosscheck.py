@@ -18,7 +18,8 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.train import Runner
+from parallelisms.optim import make_optimizer
+from parallelisms.train import MicrobatchLoop, Trainer
 from parallelisms.parallel.data import DataParallel
 
 
@@ -26,7 +27,8 @@ def _rank(info, steps):
     cfg, train = preset("small"), TrainConfig(global_batch=8, seq_len=64, bucket_mb=1.0)
     comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes(), CommLedger(), Timeline(info.rank))
     model = build_model(cfg, 0)
-    runner = Runner(model, comms, train, DataParallel(model, comms["dp"], bucket_cap_mb=train.bucket_mb))
+    runner = Trainer(DataParallel(model, comms, "dp", bucket_cap_mb=train.bucket_mb), MicrobatchLoop(model, comms, 1),
+                     comms, train, make_optimizer(model.parameters(), train))
     inputs, targets = BatchLoader(load_corpus(), 8, 64).shard(0, info.rank, info.world_size)
     runner.train_step(inputs, targets)  # warm-up, not measured
     comms.timeline.spans.clear()

@@ -45,12 +45,12 @@ def _ranks(info):
     out["same_bits"] = all(torch.equal(everyone[0], s) for s in everyone)
     out["ledger"] = [(rec.kind, rec.bytes_per_rank) for rec in comms.ledger.records if rec.kind == "all_reduce"]
     # DDP's buckets opt in: a fresh Comm over the same group carries the first bucket through shared memory
-    fresh = Comms(comms.meshes)["dp"]
+    fresh = Comms(comms.meshes)
     model = build_model(MODEL)
-    DataParallel(model, fresh)
+    DataParallel(model, fresh, "dp")
     tokens = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(r))
     model(tokens, tokens).backward()
-    out["ddp_bucket_on_shm"] = bool(fresh._shm)
+    out["ddp_bucket_on_shm"] = bool(fresh["dp"]._shm)
     out["ddp"] = train_rank(info, RunSpec(MODEL, TRAIN, ParallelConfig(ParallelDims(dp_replicate=info.world_size)),
                                           collect_state=True))
     # rank 1 never arrives: the others fail within the timeout, naming it

@@ -39,7 +39,7 @@ def _unused_parameter_cases(info, comms):
     out = {}
     torch.manual_seed(0)
     model = _TwoBranches()
-    ddp = DataParallel(model, comms["dp"])
+    ddp = DataParallel(model, comms, "dp")
     try:
         model(torch.ones(2, 4)).backward()
         out["error"] = None
@@ -47,7 +47,7 @@ def _unused_parameter_cases(info, comms):
         out["error"] = str(exc)
     ddp.remove()
     model = _TwoBranches()
-    ddp = DataParallel(model, comms["dp"], find_unused_parameters=True)
+    ddp = DataParallel(model, comms, "dp", find_unused_parameters=True)
     model(torch.full((2, 4), float(info.rank + 1))).backward()
     out["unused_grad_zero"] = bool((model.unused.weight.grad == 0).all())
     out["used_weight_grad"] = model.used.weight.grad[0, 0].item()
@@ -68,7 +68,7 @@ class _UsedInReverse(nn.Module):
 def _bucket_order_cases(info, comms):
     torch.manual_seed(0)
     model = _UsedInReverse()
-    ddp = DataParallel(model, comms["dp"], bucket_cap_mb=1e-6)  # one parameter per bucket
+    ddp = DataParallel(model, comms, "dp", bucket_cap_mb=1e-6)  # one parameter per bucket
     before = [b.names[0] for b in ddp.buckets]
     for _ in range(2):  # no optimizer: the second step's gradients equal the first's
         ddp.zero_grad()

@@ -39,7 +39,7 @@ def _naive_moe(moe: MoE, x):
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, 0.5])
 def test_moe_equals_token_by_token_experts(capacity_factor):
     model = build_model(dataclasses.replace(MOE, capacity_factor=capacity_factor), seed=1)
-    moe = model.layers[0].feed_forward
+    moe = model.layers["0"].feed_forward
     x = torch.randn(2, 12, MOE.dim, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(moe(x), _naive_moe(moe, x), atol=1e-5)
     counts = moe.tokens_per_expert
@@ -67,7 +67,7 @@ def test_grouped_gemm_handles_empty_experts():
 
 
 def test_routing_and_aux_loss_do_not_depend_on_how_the_batch_is_split():
-    moe = build_model(dataclasses.replace(MOE, capacity_factor=1.0), seed=2).layers[1].feed_forward
+    moe = build_model(dataclasses.replace(MOE, capacity_factor=1.0), seed=2).layers["1"].feed_forward
     x = torch.randn(4, 10, MOE.dim, generator=torch.Generator().manual_seed(3))
     whole = moe(x)
     aux_whole = moe.aux_loss

@@ -8,6 +8,7 @@ All scenarios of one world size run in one launch (process start-up dominates on
 import pytest
 import torch
 
+from parallelisms.support import validate_layout
 from parallelisms.comm import Comms
 from parallelisms.config import ConfigError, ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
@@ -32,13 +33,13 @@ def _identity(world: int, comms: Comms, style: str) -> dict:
     before = [id(p) for p in model.parameters()]
     plain_keys = list(build_model(MODEL, 0).state_dict())
     parallel = ParallelConfig(ParallelDims(dp_shard=world), fsdp="full_shard", fsdp_style=style)
-    runner = parallelize(model, parallel, BASE, comms)
-    held = [id(p) for group in runner.optimizer.param_groups for p in group["params"]]
+    trainer = parallelize(model, parallel, BASE, comms)
+    held = [id(p) for group in trainer.optimizer.param_groups for p in group["params"]]
     inputs = torch.randint(0, MODEL.vocab_size, (2, 16))
-    runner.train_step(inputs, inputs)
+    trainer.train_step(inputs, inputs)
     grads_are_views = all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
-    runner.engine.remove()
-    expected = before if style == "per_param" else [id(u.flat_param) for u in runner.engine.units]
+    trainer.grad_sync.remove()
+    expected = before if style == "per_param" else [id(u.flat_param) for u in trainer.grad_sync.units]
     return {"same_objects": before == [id(p) for p in model.parameters()] and held == expected,
             "keys_equal": list(model.state_dict()) == plain_keys, "grads_shard_shaped": grads_are_views,
             "sharded_numel": sum(p.numel() for p in model.parameters())}
@@ -113,5 +114,5 @@ def test_full_shard_gathers_blocks_again_in_backward(run):
 def test_bad_style_is_one_line_error(changes, message):
     parallel = ParallelConfig(ParallelDims(dp_shard=2), **changes)
     with pytest.raises(ConfigError, match=message) as info:
-        parallel.validate(MODEL, BASE)
+        validate_layout(MODEL, BASE, parallel)
     assert "\n" not in str(info.value)

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from parallelisms.support import validate_layout
 from parallelisms.cli import main
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.launch import launch
@@ -35,7 +36,7 @@ def _layouts(pp: int, dp: int) -> list[ParallelConfig]:
 def _run(info, layouts):
     out = {}
     for parallel in layouts:
-        report = train_rank(info, RunSpec(MODEL, TRAIN, parallel.validate(MODEL, TRAIN), collect_state=True))
+        report = train_rank(info, RunSpec(MODEL, TRAIN, validate_layout(MODEL, TRAIN, parallel), collect_state=True))
         if report is not None:
             out[(parallel.schedule, parallel.dims.pp, parallel.dims.dp)] = report
     return out

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from parallelisms.support import validate_layout
 from parallelisms.config import PRESETS, ConfigError, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.model import comm_per_step
@@ -36,7 +37,7 @@ def _layout(name: str) -> ParallelConfig:
     dims, sp, schedule, train = SCENARIOS[name]
     parallel = ParallelConfig(dims, sequence_parallel=sp, schedule=schedule, microbatches=4 // dims.dp,
                               chunks=2 if schedule == "interleaved" else 1)
-    return parallel.validate(MODEL, train)
+    return validate_layout(MODEL, train, parallel)
 
 
 SPECS = {name: RunSpec(MODEL, SCENARIOS[name][-1], _layout(name), collect_state=True) for name in SCENARIOS}
@@ -73,7 +74,7 @@ def test_sequence_parallel_sends_one_tp_th_of_the_bytes():
 def test_schedules_without_tensor_parallel_layers_are_rejected(schedule):
     parallel = ParallelConfig(ParallelDims(pp=2, tp=2), schedule=schedule, microbatches=4)
     with pytest.raises(ConfigError, match="runs --schedule gpipe, 1f1b or interleaved") as err:
-        parallel.validate(MODEL, TRAIN)
+        validate_layout(MODEL, TRAIN, parallel)
     assert "\n" not in str(err.value)
 
 
@@ -85,7 +86,7 @@ def test_schedules_without_tensor_parallel_layers_are_rejected(schedule):
 def test_layout_validation(dims, options, match):
     parallel = ParallelConfig(dims, **options)
     if match is None:
-        parallel.validate(MODEL, TRAIN)
+        validate_layout(MODEL, TRAIN, parallel)
         return
     with pytest.raises(ConfigError, match=match):
-        parallel.validate(MODEL, TRAIN)
+        validate_layout(MODEL, TRAIN, parallel)

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from parallelisms.support import validate_layout
 from parallelisms.config import PRESETS, ConfigError, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.model import comm_per_step
@@ -38,7 +39,7 @@ def _layout(name: str) -> ParallelConfig:
     dims, zero, sp, schedule, train = SCENARIOS[name]
     parallel = ParallelConfig(dims, zero=zero, sequence_parallel=sp, schedule=schedule, microbatches=2,
                               chunks=2 if schedule == "interleaved" else 1)
-    return parallel.validate(MODEL, train)
+    return validate_layout(MODEL, train, parallel)
 
 
 SPECS = {name: RunSpec(MODEL, SCENARIOS[name][-1], _layout(name), collect_state=True) for name in SCENARIOS}
@@ -60,7 +61,7 @@ def test_matches_single_process(name):
 
 def _stage_numel(stage: int) -> int:
     """Parameters of stage ``stage`` of pp 2 (equal layer counts): embedding or head plus two blocks."""
-    block = sum(p.numel() for p in _blocks()[0].parameters())
+    block = sum(p.numel() for p in _blocks()["0"].parameters())
     edge = MODEL.vocab_size * MODEL.dim + (MODEL.dim if stage else 0)  # embedding; or output + final norm
     return edge + 2 * block
 
@@ -89,7 +90,7 @@ def test_optimizer_state_is_one_dp_th_per_rank():
     step counter per stage; the plain runner holds moments for the whole stage."""
     ranks = results(4)
     zero, plain = ranks["pp2_dp2_1f1b"]["memory_per_rank"], ranks["pp2_dp2_1f1b_plain"]["memory_per_rank"]
-    n_params = len(list(_blocks()[0].parameters())) * 2
+    n_params = len(list(_blocks()["0"].parameters())) * 2
     for rank in range(4):  # rank order: pp outermost, so ranks 0-1 hold stage 0
         numel = _stage_numel(rank // 2)
         assert zero[rank]["optimizer"] == 8 * math.ceil(numel / 2) + 4
@@ -107,5 +108,5 @@ def test_optimizer_state_is_one_dp_th_per_rank():
 ])
 def test_rejected_layouts_are_one_line(dims, extra, match):
     with pytest.raises(ConfigError, match=match) as info:
-        ParallelConfig(dims, microbatches=4, **extra).validate(MODEL, TRAIN.replace(global_batch=8))
+        validate_layout(MODEL, TRAIN.replace(global_batch=8), ParallelConfig(dims, microbatches=4, **extra))
     assert "\n" not in str(info.value)

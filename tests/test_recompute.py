@@ -46,3 +46,35 @@ def test_recompute_keeps_less_and_computes_the_same():
 def test_verify_with_recompute(capsys, mode):
     assert main(["verify", "--dp", "2", "--recompute", mode, "--steps", "3"]) == 0
     assert capsys.readouterr().out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("style, recompute", [("flat", "full"), ("flat", "selective"), ("per_param", "selective"),
+                                              ("reuse", "selective")])
+def test_every_fsdp_style_recomputes_when_asked(style, recompute, monkeypatch):
+    """parallelize applies recomputation before the gradient sync whatever the sync is, so the recomputed
+    attention core runs again in backward (the per-parameter and reuse styles used to return before
+    recomputation was applied, training without recomputing anything)."""
+    import torch.nn.functional as F
+
+    from parallelisms.comm import Comms
+    from parallelisms.config import ParallelConfig, TrainConfig, preset
+    from parallelisms.train import parallelize
+
+    calls, attention = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+
+    def attention_calls(mode: str) -> int:
+        calls.clear()
+        trainer = parallelize(build_model(preset("tiny"), 0),
+                              ParallelConfig(fsdp="full_shard", fsdp_style=style, recompute=mode), TrainConfig(), Comms())
+        tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+        trainer.train_step(tokens, tokens)
+        return len(calls)
+    assert attention_calls("none") == preset("tiny").n_layers
+    assert attention_calls(recompute) == 2 * preset("tiny").n_layers
+
+
+def test_full_recompute_with_per_parameter_styles_is_rejected_before_launch(capsys):
+    for style in ("per_param", "reuse"):
+        assert main(["verify", "--dp", "2", "--fsdp", "full_shard", "--fsdp-style", style, "--recompute", "full"]) == 2
+        assert "re-gathers" in capsys.readouterr().err

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallelisms.support import validate_layout
 from parallelisms.comm import CommLedger, Comms
 from parallelisms.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.parallel.tensor import apply_tensor_parallel
+from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import compare, reference_train
 
@@ -34,8 +35,8 @@ BATCH, SEQ = 2, 32
 
 
 def _train_layouts(info):
-    return {name: train_rank(info, RunSpec(model, TRAIN, ParallelConfig(dims, sequence_parallel=sp, tp_overlap=ov)
-                                           .validate(model, TRAIN), collect_state=True))
+    return {name: train_rank(info, RunSpec(model, TRAIN, validate_layout(
+                model, TRAIN, ParallelConfig(dims, sequence_parallel=sp, tp_overlap=ov)), collect_state=True))
             for name, (model, dims, sp, ov) in LAYOUTS.items()}
 
 
@@ -85,11 +86,11 @@ def _probe(info):
     h_full = torch.randn(BATCH, SEQ, ODD_VOCAB.dim, generator=gen)
     plain = build_model(ODD_VOCAB, 0)
     cos, sin = plain.rope_cos[:SEQ], plain.rope_sin[:SEQ]
-    out = {"plain_block_bytes": _saved_bytes(lambda: plain.layers[0](h_full.detach().requires_grad_(), cos, sin), plain)}
+    out = {"plain_block_bytes": _saved_bytes(lambda: plain.layers["0"](h_full.detach().requires_grad_(), cos, sin), plain)}
     for sp in (False, True):
         comms = Comms(meshes, CommLedger())
         model = apply_tensor_parallel(build_model(ODD_VOCAB, 0), comms["tp"], sequence_parallel=sp)
-        block = model.layers[0]
+        block = model.layers["0"]
         h = (h_full.chunk(tp, dim=1)[rank] if sp else h_full).detach().clone().requires_grad_()
         with comms.ledger.in_phase("forward"):
             y = block(h, cos, sin)
@@ -213,7 +214,7 @@ def test_sequence_parallel_divides_activation_memory(probe):
 ])
 def test_bad_layouts_fail_before_launch(changes, message):
     with pytest.raises(ConfigError, match=message) as err:
-        ParallelConfig(**changes).validate(TINY, TRAIN)
+        validate_layout(TINY, TRAIN, ParallelConfig(**changes))
     assert "\n" not in str(err.value)
 
 
@@ -226,7 +227,7 @@ def test_bad_model_shapes_fail_before_launch():
     for model, dims, train, message in cases:
         config = ParallelConfig(dims, sequence_parallel=True)
         if message is None:
-            config.validate(model, train)
+            validate_layout(model, train, config)
             continue
         with pytest.raises(ConfigError, match=message):
-            config.validate(model, train)
+            validate_layout(model, train, config)

@@ -132,10 +132,10 @@ def test_backward_prefetch_waits_for_the_mlp_backward(style):
     if style == "flat":
         engine, method, blocks = ShardedEngine(model, module_units(model), zero_plan(3), Comms()), "_unshard", 0
     else:
-        engine, method, blocks = PerParamSharding(model, Comms()["dp_shard"]), "_issue_gather", 1
+        engine, method, blocks = PerParamSharding(model, Comms(), "dp_shard"), "_issue_gather", 1
     events, gather = [], getattr(engine, method)
     setattr(engine, method, lambda unit: (events.append(("gather", engine.units.index(unit))), gather(unit))[1])
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         block.feed_forward.register_full_backward_hook(lambda *_, i=i: events.append(("mlp", i)))
         block.attention.register_full_backward_hook(lambda *_, i=i: events.append(("attention", i)))
     tokens = torch.randint(0, MODEL.vocab_size, (2, 16))

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from parallelisms.config import ConfigError, TrainConfig, preset
+from parallelisms.config import TrainConfig, preset
+from parallelisms.errors import ConfigError
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import RankInfo, launch
 from parallelisms.model import build_model
@@ -100,7 +101,7 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
         0, info.rank, info.world_size)
 
     ours_model = build_model(model_cfg, train_cfg.seed)
-    ours = DataParallel(ours_model, comms["dp"], bucket_cap_mb=train_cfg.bucket_mb)
+    ours = DataParallel(ours_model, comms, "dp", bucket_cap_mb=train_cfg.bucket_mb)
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=train_cfg.lr)
     peer_model = TorchDDP(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb,
                           gradient_as_bucket_view=True)

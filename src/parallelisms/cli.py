@@ -11,7 +11,9 @@ import json
 import os
 import sys
 
-from parallelisms.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
+from parallelisms.support import validate_layout
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
+from parallelisms.errors import ConfigError
 from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
 
@@ -89,7 +91,7 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               schedule=args.schedule, cp_attention=args.cp_attention, recompute=args.recompute,
                               microbatches=args.microbatches, chunks=args.chunks, pp_balance=args.pp_balance)
-    parallel = parallel.validate(model, train)
+    parallel = validate_layout(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
@@ -234,7 +236,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from parallelisms.config import require
+    from parallelisms.errors import require
     from parallelisms.perf.estimate import HARDWARE, estimate
 
     require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parallelisms.config import require
+from parallelisms.errors import require
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -1,8 +1,12 @@
 """The training loop, run on every rank: build the full seeded model, parallelize it, train, report.
 
-A :class:`Runner` owns the local model, its optimizer and the gradient synchronisation of one layout and
-does one optimizer step per ``train_step``. :func:`parallelize` picks the runner for a layout; each
-parallelism adds its branch there. :func:`train_rank` is the per-rank entry point for ``launch``.
+:func:`parallelize` applies a layout to the full model in one straight line (tensor/sequence parallelism,
+context parallelism, expert parallelism, recomputation, then the pipeline cut, then the gradient sync) and
+returns a :class:`Trainer`. The :class:`Trainer` does the same step for every layout: zero grad ->
+forward/backward (the microbatch loop, or the pipeline executor running the schedule) -> finish the gradient
+sync -> global gradient norm -> clip -> optimizer step -> after-step. What differs between layouts is the
+gradient sync (a :class:`parallelisms.parallel.grad_sync.GradSync`) and the forward/backward strategy.
+:func:`train_rank` is the per-rank entry point for ``launch``.
 """
 
 from __future__ import annotations
@@ -21,8 +25,21 @@ from parallelisms.data.loader import microbatches
 from parallelisms.launch import RankInfo
 from parallelisms.model import build_model
 from parallelisms.model.numerics import upcast
-from parallelisms.parallel.common import clip_grad_norm_, gather_full, global_grad_norm
+from parallelisms.optim import make_optimizer
+from parallelisms.parallel.common import clip_grad_norm_
+from parallelisms.parallel.context import apply_context_parallel
 from parallelisms.parallel.data import DataParallel
+from parallelisms.parallel.expert import apply_expert_parallel
+from parallelisms.parallel.fsdp2 import PerParamSharding
+from parallelisms.parallel.grad_sync import GradSync, LocalGradients
+from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
+from parallelisms.parallel.pipeline.pipedream import WeightStashing
+from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
+from parallelisms.parallel.pipeline.zero import StageShards
+from parallelisms.parallel.recompute import apply_recompute
+from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+from parallelisms.parallel.yafsdp import ReuseSharding
+from parallelisms.parallel.zero import sharded_grad_sync
 
 
 @dataclass(frozen=True)
@@ -36,35 +53,20 @@ class RunSpec:
     collect_state: bool = False   # return the full final parameters (verify)
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
+class MicrobatchLoop:
+    """Forward and backward of a step without a pipeline: ``grad_accum`` microbatches of this rank's rows,
+    each loss divided by their count, all but the last inside the gradient sync's ``no_sync``. Context
+    parallelism: each rank feeds the sequence ``positions`` it holds. Returns the local mean loss."""
 
+    def __init__(self, model: nn.Module, comms: Comms, grad_accum: int, positions: torch.Tensor | None = None):
+        self.model, self.comms, self.grad_accum, self.positions = model, comms, grad_accum, positions
 
-class Runner:
-    """One layout's training step. Subclasses override what differs; the dense data-parallel step is here."""
-
-    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, grad_sync: DataParallel | None,
-                 positions: torch.Tensor | None = None):
-        self.model, self.comms, self.cfg, self.grad_sync = model, comms, cfg, grad_sync
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, cfg)
-        self.positions = positions  # context parallelism: the sequence positions this rank holds
-        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
-
-    def zero_grad(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.zero_grad()
-        else:
-            self.model.zero_grad(set_to_none=True)
-
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Accumulated gradients of the mean loss over this rank's rows; returns the local mean loss."""
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync: GradSync) -> torch.Tensor:
         ledger, timeline = self.comms.ledger, self.comms.timeline
-        micro = microbatches(inputs, targets, self.cfg.grad_accum)
+        micro = microbatches(inputs, targets, self.grad_accum)
         total = None
         for i, (x, y) in enumerate(micro):
-            last = i == len(micro) - 1
-            with (self.grad_sync.no_sync() if self.grad_sync is not None and not last else nullcontext()):
+            with (grad_sync.no_sync() if i < len(micro) - 1 else nullcontext()):
                 with ledger.in_phase("forward"), timeline.span("forward"):
                     if self.positions is None:
                         loss = self.model(x, y) / len(micro)
@@ -76,80 +78,119 @@ class Runner:
             total = loss.detach() if total is None else total + loss.detach()
         return upcast(total).cpu()
 
-    def global_grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient (every rank gets it): squared norms of the local pieces
-        summed over the mesh dimensions each is sharded on."""
-        return global_grad_norm(self.params, self.comms)
+    def report(self) -> dict:
+        return {}
+
+
+class Trainer:
+    """One training step for every layout (see the module docstring). ``optimizer`` None: the schedule
+    updates the weights itself (PipeDream's per-microbatch updates), so the step has no clip or step of its
+    own and no single gradient norm."""
+
+    def __init__(self, grad_sync: GradSync, forward_backward, comms: Comms, cfg: TrainConfig,
+                 optimizer: torch.optim.Optimizer | None, stage_optimizers=()):
+        self.grad_sync, self.forward_backward, self.comms, self.cfg = grad_sync, forward_backward, comms, cfg
+        self.optimizer = optimizer
+        self.optimizers = [optimizer] if optimizer is not None else list(stage_optimizers)  # for the memory report
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.grad_sync.zero_grad()
+        loss = self.forward_backward(inputs, targets, self.grad_sync)
+        with self.comms.ledger.in_phase("backward"):
+            self.grad_sync.finish()
+        if self.optimizer is not None:
+            self.optimizer_step()
+        return loss
 
     def optimizer_step(self) -> None:
         """Measure the global gradient norm (reported every step, clipping or not), clip by it when asked,
-        step the optimizer, then :meth:`after_step`."""
+        step the optimizer, then the gradient sync's after-step (sharded engines refresh parameters)."""
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            self.grad_norm = self.global_grad_norm()
+            self.grad_norm = self.grad_sync.grad_norm()
             if self.cfg.grad_clip > 0:
-                clip_grad_norm_(self.params, self.cfg.grad_clip, self.comms, norm=self.grad_norm)
+                clip_grad_norm_(self.grad_sync.parameters(), self.cfg.grad_clip, self.comms, norm=self.grad_norm)
             self.optimizer.step()
-            self.after_step()
+            self.grad_sync.after_step()
 
-    def after_step(self) -> None:
-        """What follows the optimizer step (the sharded engines refresh full parameters from their shards)."""
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.zero_grad()
-        loss = self.forward_backward(inputs, targets)
-        self.optimizer_step()
-        return loss
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) parameters by the plain model's names; every rank must call it. The gradient
+        sync gathers this rank's stages over every dimension but the pipeline's; stages are then joined."""
+        with self.comms.ledger.in_phase("report"):
+            state = self.grad_sync.full_state_dict()
+            if self.comms["pp"].size > 1:
+                state = {name: t for part in self.comms["pp"].all_gather_object(state) for name, t in part.items()}
+        return state
 
     def memory_report(self) -> dict:
         """Persistent bytes of parameters, gradients and optimizer state on this rank, and peaks."""
-        from parallelisms.parallel.memory import memory_report, tensor_bytes
-        return memory_report(tensor_bytes(self.params), tensor_bytes(p.grad for p in self.params), self.optimizer)
+        return self.grad_sync.memory(self.optimizers)
 
     def report(self) -> dict:
-        """Layout-specific figures merged into rank 0's report (e.g. the pipeline bubble); every rank calls it."""
-        return {}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) parameters by the plain model's names; every rank must call it."""
-        with self.comms.ledger.in_phase("report"):
-            return {name: gather_full(p, self.comms).cpu().clone() for name, p in self.model.named_parameters()}
+        """Layout-specific figures merged into rank 0's report (the pipeline bubble); every rank calls it."""
+        return self.forward_backward.report()
 
 
-def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
-    """Apply the layout to the full model, in a fixed order (pipeline split, TP/SP, CP, EP, ZeRO/FSDP/DDP).
-
-    Each parallelism's branch lives in its own module; this function only decides the order.
-    """
-    if parallel.dims.pp > 1:
-        from parallelisms.parallel.pipeline.runner import PipelineRunner
-        return PipelineRunner.for_layout(model, parallel, train, comms)
-    if parallel.dims.tp > 1:
-        from parallelisms.parallel.tensor import apply_tensor_parallel
+def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+                bounds: list[int] | None = None) -> Trainer:
+    """Apply the layout to the full seeded model, in this order and with no early exit: tensor/sequence
+    parallelism, context parallelism, expert parallelism, recomputation (each a module swap every stage
+    shares), then the pipeline cut (this rank's stages), then the gradient sync over data parallelism, and
+    the step's forward/backward strategy. Each parallelism's transform lives in its own module. ``bounds``
+    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
+    dims = parallel.dims
+    if dims.tp > 1:
         apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
                               overlap=parallel.tp_overlap)
-    if parallel.fsdp and parallel.fsdp_style != "flat":
-        from parallelisms.parallel.fsdp2 import per_param_runner
-        return per_param_runner(model, parallel, train, comms)
     positions = None
-    if parallel.dims.cp > 1:
-        from parallelisms.parallel.context import apply_context_parallel
+    if dims.cp > 1:
         positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
-    replica_comms = None
-    if parallel.dims.ep > 1:
-        from parallelisms.parallel.expert import apply_expert_parallel
+    if dims.ep > 1:
         apply_expert_parallel(model, comms["ep"])
-        replica_comms = {"ep": comms["ep_replicate"]}
     if parallel.recompute != "none":
-        from parallelisms.parallel.recompute import apply_recompute
         apply_recompute(model, parallel.recompute)
+    schedule, stages, copies = None, {0: model}, set()
+    if dims.pp > 1:
+        schedule = schedule_for(parallel)
+        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
+    grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    optimizer = make_optimizer(grad_sync.parameters(), train)
+    if schedule is None:
+        return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train, optimizer)
+    store = WeightGradStore()
+    if schedule.split_backward:
+        for stage in stages.values():
+            split_linears(stage, store)
+    hooks = {"on_stage_done": grad_sync.stage_done}
+    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage
+        stashing = WeightStashing(stages, train)
+        hooks = {"forward_fn": stashing.forward, "on_optimizer": stashing.update}
+        pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
+                                    before_step=stashing.start_window, **hooks)
+        return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
+    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, **hooks)
+    return Trainer(grad_sync, pipeline, comms, train, optimizer)
+
+
+def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
+               comms: Comms) -> GradSync:
+    """How gradients reach the optimizer: the pipeline's stage buffers (ZeRO-1 shards with --zero), the flat
+    engine (ZeRO, FSDP flat), per-parameter FSDP or buffer reuse, DDP over every rank that saw other tokens
+    (dp x cp; expert weights over their replicas), or plain local gradients."""
+    dims = parallel.dims
+    if dims.pp > 1:
+        return StageShards(stages, comms) if parallel.zero else StageGradients(stages, copies, comms)
+    if parallel.fsdp and parallel.fsdp_style == "reuse":
+        return ReuseSharding(model, comms, "dp_shard")
+    if parallel.fsdp and parallel.fsdp_style == "per_param":
+        return PerParamSharding(model, comms, "dp_shard", reshard_after_forward=parallel.fsdp != "shard_grad_op")
     if parallel.zero or parallel.fsdp:
-        from parallelisms.parallel.zero import parallelize_sharded
-        return parallelize_sharded(model, parallel, train, comms, positions)
-    grad_sync = None
-    if parallel.dims.dp * parallel.dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
-        grad_sync = DataParallel(model, comms["dp_cp"], bucket_cap_mb=train.bucket_mb,
-                                 find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
-    return Runner(model, comms, train, grad_sync, positions)
+        return sharded_grad_sync(model, parallel, train, comms)
+    if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
+        replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None
+        return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
+                            find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
+    return LocalGradients(model, comms)
 
 
 def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:
@@ -159,7 +200,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
-    runner = parallelize(model, spec.parallel, spec.train, comms)
+    trainer = parallelize(model, spec.parallel, spec.train, comms)
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     loader = BatchLoader(load_corpus(), spec.train.global_batch, spec.train.seq_len, spec.train.seed)
@@ -174,10 +215,10 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         inputs, targets = (t.to(info.device) for t in loader.shard(step, dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
         start = Timeline.now()
-        loss = runner.train_step(inputs, targets)
+        loss = trainer.train_step(inputs, targets)
         end = Timeline.now()
         losses.append(loss)
-        grad_norms.append(None if runner.grad_norm is None else runner.grad_norm.item())
+        grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
         if hasattr(steps, "set_postfix"):
@@ -192,9 +233,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                                          exclude_phases=("report", "setup"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
-                                           "memory": runner.memory_report()}, info.world_size)
-    state = runner.full_state_dict() if spec.collect_state else None
-    extra = runner.report()
+                                           "memory": trainer.memory_report()}, info.world_size)
+    state = trainer.full_state_dict() if spec.collect_state else None
+    extra = trainer.report()
     if info.rank != 0:
         return None
     median = statistics.median(step_times[measured])

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallelisms.config import ConfigError, ModelConfig, TrainConfig
+from parallelisms.config import ModelConfig, TrainConfig
+from parallelisms.errors import ConfigError
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.model import build_model
 

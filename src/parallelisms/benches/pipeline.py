@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallelisms.support import validate_layout
 from parallelisms.bench import alternate, bench
 from parallelisms.comm import Comms
-from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset, require
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
+from parallelisms.errors import require
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import RankInfo, launch
 from parallelisms.mesh import ParallelDims
@@ -32,11 +34,11 @@ def _layout(world: int, schedule: str, microbatches: int) -> ParallelConfig:
 
 def _ours(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig, parallel: ParallelConfig,
           comms: Comms, bounds=None):
-    from parallelisms.parallel.pipeline.runner import PipelineRunner
+    from parallelisms.train import parallelize
 
-    runner = PipelineRunner(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms, bounds)
+    trainer = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms, bounds)
     inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
-    return runner, lambda: runner.train_step(inputs, targets)
+    return trainer.forward_backward, lambda: trainer.train_step(inputs, targets)
 
 
 def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int):
@@ -45,7 +47,7 @@ def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int
     from torch.distributed.pipelining import PipelineStage
 
     from parallelisms.parallel.pipeline.stage import build_stages
-    from parallelisms.train import make_optimizer
+    from parallelisms.optim import make_optimizer
 
     schedule = runner.schedule
     stages = build_stages(build_model(model_cfg, train_cfg.seed), runner.bounds, schedule.modules_on(rank))
@@ -78,7 +80,7 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     require(args.schedule in PEERS, f"bench pipeline --schedule {args.schedule!r} has no torch peer; "
                                     f"choose one of {', '.join(PEERS)}")
     parallel = _layout(args.world, args.schedule, args.microbatches)
-    return model_cfg, train_cfg, parallel.validate(model_cfg, train_cfg)
+    return model_cfg, train_cfg, validate_layout(model_cfg, train_cfg, parallel)
 
 
 @bench("pipeline")
@@ -114,7 +116,7 @@ def bench_pipeline_balance(args) -> dict:
     schedule = args.schedule
     require(schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2"),
             f"bench pipeline-balance runs a one-stage-per-rank schedule (gpipe, 1f1b, zb-h1, zb-h2), not {schedule}")
-    parallel = _layout(args.world, schedule, args.microbatches).validate(BIG_HEAD, train_cfg)
+    parallel = validate_layout(BIG_HEAD, train_cfg, _layout(args.world, schedule, args.microbatches))
     torch.set_num_threads(1)
     layers, first, last = profile_costs(BIG_HEAD, args.global_batch // parallel.microbatches, args.seq_len)
     layouts = {"equal": equal_bounds(BIG_HEAD.n_layers, args.world),

@@ -13,8 +13,10 @@ import statistics
 
 import torch
 
+from parallelisms.support import validate_layout
 from parallelisms.bench import alternate, bench
-from parallelisms.config import ConfigError, ParallelConfig, TrainConfig, preset
+from parallelisms.config import ParallelConfig, TrainConfig, preset
+from parallelisms.errors import ConfigError
 from parallelisms.launch import RankInfo, launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
@@ -44,7 +46,7 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from parallelisms.comm import CommLedger, Comms, Timeline
-    from parallelisms.parallel.tensor import apply_tensor_parallel
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
     gen = torch.Generator().manual_seed(0)
@@ -62,12 +64,12 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
         runs[overlap] = (ours, timeline)
     peer = build_model(model_cfg, train_cfg.seed)
     cos, sin = peer.rope_cos[:train_cfg.seq_len], peer.rope_sin[:train_cfg.seq_len]
-    parallelize_module(peer.layers[0], mesh, _peer_plan(sp))
+    parallelize_module(peer.layers["0"], mesh, _peer_plan(sp))
     for target in ("block", "mlp"):
         fns = {}
         for overlap, (model, _) in runs.items():
-            fns["ours_overlap" if overlap else "ours"] = _step(model.layers[0], x, grad_out, cos, sin, target)
-        fns["peer"] = _step(peer.layers[0], x, grad_out, cos, sin, target)
+            fns["ours_overlap" if overlap else "ours"] = _step(model.layers["0"], x, grad_out, cos, sin, target)
+        fns["peer"] = _step(peer.layers["0"], x, grad_out, cos, sin, target)
         timings[target] = alternate(fns, steps, rounds)
 
     # What the overlap hides: block backwards traced per setting (``steps`` each, alternating; medians).
@@ -76,7 +78,7 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     traced = {overlap: [] for overlap in runs}
     for _ in range(steps):
         for overlap, (model, timeline) in runs.items():
-            out = model.layers[0](x, cos, sin)
+            out = model.layers["0"](x, cos, sin)
             timeline.enabled = True
             start = timeline.now()
             out.backward(grad_out)
@@ -115,7 +117,7 @@ def bench_tp(args) -> dict:
     train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len)
     if args.world < 2:
         raise ConfigError(f"bench tp needs --world >= 2 (the TP degree), got {args.world}")
-    ParallelConfig(ParallelDims(tp=args.world), sequence_parallel=sp).validate(model_cfg, train_cfg)
+    validate_layout(model_cfg, train_cfg, ParallelConfig(ParallelDims(tp=args.world), sequence_parallel=sp))
     result = launch(_tp_rank, args.world, model_cfg, train_cfg, sp, args.steps, args.rounds, backend="gloo",
                     threads=1)
     times = result[0]["timings"]

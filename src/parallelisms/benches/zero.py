@@ -33,7 +33,8 @@ from parallelisms.launch import RankInfo, launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.model.transformer import Block
-from parallelisms.train import make_optimizer, parallelize
+from parallelisms.optim import make_optimizer
+from parallelisms.train import parallelize
 
 
 # -- measuring -------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def _torch_fsdp2(mesh):
         from torch.distributed.fsdp import fully_shard
 
         model = build_model(model_cfg, train_cfg.seed)
-        for module in [model.tok_embeddings, *model.layers]:
+        for module in [model.tok_embeddings, *model.layers.values()]:
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return _plain_step(model, make_optimizer(model.parameters(), train_cfg), batch)

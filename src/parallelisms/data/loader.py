@@ -12,7 +12,7 @@ from importlib import resources
 
 import torch
 
-from parallelisms.config import require
+from parallelisms.errors import require
 
 
 class ByteTokenizer:

@@ -124,14 +124,19 @@ class Transformer(nn.Module):
     """The reference model. ``forward(tokens)`` gives logits; ``forward(tokens, targets)`` the mean loss.
 
     ``positions`` (default ``0..seq-1``) lets a rank holding a slice of the sequence rotate by the
-    right angles. A pipeline stage is the same class with some parts set to ``None``.
+    right angles. A pipeline stage is the same class holding some of the layers, with the embedding or the
+    head absent (``None``) where they live on another stage (:meth:`stage`): its input is then the hidden
+    states, its output the hidden states. ``layers`` is a ``ModuleDict`` keyed by the layer index, so a
+    stage keeps the plain model's parameter names. ``seq_shards`` > 1 when the residual stream between
+    layers holds 1/seq_shards of the sequence (tensor parallelism's sequence parallelism).
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.seq_shards = 1
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss = CrossEntropy()
@@ -141,13 +146,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if positions is None:
+        if positions is None:  # hidden states in (a later stage) may hold a shard of the sequence
+            seq = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.seq_shards)
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.output is None:
             return h
@@ -156,8 +161,23 @@ class Transformer(nn.Module):
             return logits
         loss = self.loss(logits, targets)
         if self.cfg.n_experts and self.cfg.aux_loss_coef:
-            loss = loss + self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers)
+            loss = loss + self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers.values())
         return loss
+
+
+    def stage(self, layers: range, first: bool, last: bool) -> "Transformer":
+        """A pipeline stage: this model's ``layers`` (shared modules, plain names), with the embedding only
+        on the ``first`` stage and the final norm, head and loss only on the ``last`` (torchtitan cuts its
+        stages the same way: the model class with absent parts)."""
+        stage = Transformer.__new__(Transformer)
+        nn.Module.__init__(stage)
+        stage.cfg, stage.seq_shards = self.cfg, self.seq_shards
+        stage.tok_embeddings = self.tok_embeddings if first else None
+        stage.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in layers})
+        stage.norm, stage.output, stage.loss = (self.norm, self.output, self.loss) if last else (None, None, None)
+        stage.register_buffer("rope_cos", self.rope_cos, persistent=False)
+        stage.register_buffer("rope_sin", self.rope_sin, persistent=False)
+        return stage
 
 
 @torch.no_grad()

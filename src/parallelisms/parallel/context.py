@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, all_to_all
-from parallelisms.config import require
+from parallelisms.errors import require
 
 
 def shard_sequence(seq_len: int, rank: int, size: int, zigzag: bool) -> torch.Tensor:
@@ -182,7 +182,7 @@ def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: in
     """Swap every attention core for a context-parallel one; returns the positions of this rank's tokens
     (zigzag chunks for the ring, a contiguous chunk for Ulysses), which the runner slices and passes on."""
     positions = shard_sequence(seq_len, comm.rank, comm.size, zigzag=style == "ring")
-    for layer in model.layers:
+    for layer in model.layers.values():
         attention = layer.attention
         if style == "ring":
             attention.core = RingAttentionCore(comm, positions)

@@ -12,13 +12,12 @@ all-reduced through shared memory (:mod:`parallelisms.comm.shm`; 2 x N x the lar
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm
+from parallelisms.comm import Comm, Comms
 from parallelisms.parallel.common import sharded_over
+from parallelisms.parallel.grad_sync import LocalGradients, syncing_off
 
 
 class Bucket:
@@ -62,10 +61,10 @@ def _buckets_in_ready_order(ready_order: list[tuple[str, nn.Parameter]], cap_byt
     return buckets
 
 
-class DataParallel:
-    """Synchronises gradients of ``module`` over ``comm`` (a data-parallel mesh dimension).
+class DataParallel(LocalGradients):
+    """Synchronises gradients of ``module`` over ``comm`` (a data-parallel mesh dimension); a ``GradSync``.
 
-    Use: ``ddp = DataParallel(model, comms["dp"])``; then ``loss.backward()`` leaves averaged gradients.
+    Use: ``ddp = DataParallel(model, comms, "dp")``; then ``loss.backward()`` leaves averaged gradients.
     ``with ddp.no_sync():`` accumulates locally for gradient accumulation. ``find_unused_parameters=True``
     treats parameters that got no gradient as zero instead of raising an error naming them.
     ``first_bucket_mb`` caps the first bucket so its all-reduce starts after the head's gradients instead of
@@ -76,10 +75,11 @@ class DataParallel:
     summed over that group only, and still divided by the full data-parallel size.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, comms: Comms, dim: str = "dp", bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, broadcast_parameters: bool = True,
                  replica_comms: dict[str, Comm] | None = None, first_bucket_mb: float | None = None):
-        self.module, self.comm = module, comm
+        super().__init__(module, comms)
+        comm = self.comm = comms[dim]
         replica_comms = replica_comms or {}
 
         def comm_of(param):
@@ -187,14 +187,9 @@ class DataParallel:
         self._next_to_launch = 0
 
     # -- user API ----------------------------------------------------------------------------------------
-    @contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside this block."""
-        previous, self.syncing = self.syncing, False
-        try:
-            yield
-        finally:
-            self.syncing = previous
+        return syncing_off(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients. The first gradient of the next backward is copied into its bucket slot, which

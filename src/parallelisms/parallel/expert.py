@@ -53,6 +53,6 @@ class ExpertParallelExperts(nn.Module):
 
 def apply_expert_parallel(model: nn.Module, comm: Comm) -> None:
     """Give every MoE layer's experts to their owners over ``comm`` (the ``ep`` mesh dimension)."""
-    for layer in model.layers:
+    for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
             layer.feed_forward.experts = ExpertParallelExperts(layer.feed_forward.experts, comm)

@@ -22,7 +22,7 @@ API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse varia
     engine.zero_grad(); loss.backward()   # hooks gather, prefetch, reshard and reduce-scatter
     engine.after_step()       # all-gather updated shards into persistent full buffers (stages 1-2)
     engine.full_state_dict()  # {name: full fp32 tensor}, a collective
-    engine.memory()           # persistent bytes by kind and transient peaks
+    engine.memory(optimizer)  # persistent bytes by kind, transient peaks, all-gather counts
     engine.gathers            # {"prefetched": n, "on_demand": m} all-gathers so far
 
 Communication per unit and step (fp32, N ranks, ring): stages 1-2 reduce-scatter the gradient in
@@ -35,7 +35,7 @@ reduced in fp32; with a replicate dimension (HYBRID_SHARD) the reduced shard is 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,9 @@ from torch import nn
 
 from parallelisms.comm import Comm, Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
-                                          norm_dims, norm_pieces, squared_norms_of_pieces)
+                                          norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
+from parallelisms.parallel.grad_sync import syncing_off
+from parallelisms.parallel.memory import memory_report
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[s
     With ``cap_bytes``, consecutive units are merged while their parameters fit under it: gradient
     buckets in the sense of DDP (ZeRO-1/2 communicate a unit's gradient as one bucket)."""
     units = [("tok_embeddings", [model.tok_embeddings])]
-    units += [(f"layers.{i}", [block]) for i, block in enumerate(model.layers)]
+    units += [(f"layers.{i}", [block]) for i, block in model.layers.items()]
     units.append(("head", [model.norm, model.output]))
     if cap_bytes is None:
         return units
@@ -158,7 +160,8 @@ class FlatUnit:
 
 
 class ShardedEngine:
-    """Applies ``plan`` to ``units`` of ``model`` over the mesh dimensions in ``comms`` (see module doc)."""
+    """Applies ``plan`` to ``units`` of ``model`` over the mesh dimensions in ``comms`` (see module doc); a
+    ``GradSync`` whose optimizer parameters are the flat fp32 shards."""
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
                  comms: Comms):
@@ -320,17 +323,9 @@ class ShardedEngine:
         """The fp32 shards, one per unit, for the optimizer (``.grad`` holds the reduced gradient shard)."""
         return [unit.shard for unit in self.units]
 
-    @contextmanager
     def no_sync(self):
         """Accumulate locally without communication; a no-op when gradients are sharded (reduced per microbatch)."""
-        if self.plan.shard_grads:
-            yield
-            return
-        previous, self.syncing = self.syncing, False
-        try:
-            yield
-        finally:
-            self.syncing = previous
+        return nullcontext() if self.plan.shard_grads else syncing_off(self)
 
     def zero_grad(self) -> None:
         """Gradients are dropped, as ``zero_grad(set_to_none=True)`` does for torch DDP and FSDP: no gradient
@@ -347,6 +342,13 @@ class ShardedEngine:
             return
         for unit in self.units:
             _gather_into(self.shard_comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
+
+    def finish(self) -> None:
+        """Nothing: the end-of-backward callback completes the last reduction."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The norm of each shard's runs summed over their own mesh dimensions (squared norms all-reduced)."""
+        return norm_of_groups(self.squared_grad_norms(), self.comms)
 
     def squared_grad_norms(self) -> dict:
         """The shards' squared gradient norms grouped by the mesh dimensions to sum them over
@@ -366,7 +368,17 @@ class ShardedEngine:
                 state[name] = gather_full(piece.view(shape), self.comms, marks).cpu().clone()
         return state
 
-    def memory(self) -> dict[str, int]:
+    def memory(self, optimizers) -> dict:
+        """:func:`memory_report` of the engine's buffers, with the all-gather counts that explain the
+        gathered-parameter peak (prefetched ones hold two units at once)."""
+        held = self.held_bytes()
+        report = memory_report(held["params"], held["grads"], optimizers, held["master"],
+                               {"gathered_params_peak": held["gathered_params_peak"],
+                                "grad_buffers_peak": held["grad_buffers_peak"]})
+        report.update({f"{kind}_gathers": count for kind, count in self.gathers.items()})
+        return report
+
+    def held_bytes(self) -> dict[str, int]:
         """Persistent bytes held by the engine: compute-dtype parameters, gradients, fp32 master copies."""
         params = sum(_nbytes(u.full) for u in self.units if not self.plan.shard_params)
         params += sum(_nbytes(u.shard) for u in self.units if self.plan.shard_params

@@ -26,15 +26,16 @@ this engine with a flat layout and two preallocated buffer pairs.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from parallelisms.comm import Comm, Comms
-from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.common import SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded
+from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, global_grad_norm,
+                                          mark_sharded)
 from parallelisms.parallel.flat import module_units
 from parallelisms.parallel.memory import memory_report
-from parallelisms.train import Runner, make_optimizer
 
 
 class BufferStats:
@@ -95,14 +96,16 @@ def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
 
 
 class PerParamSharding:
-    """FSDP2-style sharding of ``model`` over ``comm`` (one data-parallel mesh dimension).
+    """FSDP2-style sharding of ``model`` over mesh dimension ``dim`` of ``comms`` (data-parallel); a
+    ``GradSync`` whose optimizer parameters are the model's own (sharded) parameters.
 
     ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). Use ``zero_grad``
     before each step; gradients are averaged over the ranks when backward returns.
     """
 
-    def __init__(self, model: nn.Module, comm: Comm, reshard_after_forward: bool = True):
-        self.model, self.comm, self.reshard_after_forward = model, comm, reshard_after_forward
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", reshard_after_forward: bool = True):
+        self.model, self.comms, self.reshard_after_forward = model, comms, reshard_after_forward
+        self.comm = comms[dim]
         self.stats = BufferStats()
         self.units = [Unit(i, modules) for i, (_, modules) in enumerate(module_units(model))]
         covered = {id(p) for u in self.units for _, _, p in u.entries}
@@ -339,19 +342,46 @@ class PerParamSharding:
         for (_, _, p), view in zip(unit.entries, views):
             p.grad = view
 
-    def optimizer_parameters(self) -> list[nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates: the model's own parameters (their data are the shards)."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def no_sync(self):
+        """Gradients are reduce-scattered every microbatch and accumulate in the shards: nothing to defer."""
+        return nullcontext()
+
+    def finish(self) -> None:
+        """Nothing: the end-of-backward callback waits for the last reduce-scatter."""
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self.parameters(), self.comms)
+
+    def after_step(self) -> None:
+        """Nothing: the next forward gathers the updated shards."""
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full parameters by the plain model's names (every rank takes part)."""
+        """The full parameters by the plain model's names (every rank takes part): gathered over the
+        sharding dimension by units, then over the other dimensions a parameter is marked sharded on
+        (tensor parallelism's)."""
         by_id = {}
         for unit in self.units:
             gathered = self.comm.all_gather(unit.shard)
             for (_, _, p), tensor in zip(unit.entries, self._unflatten(unit, gathered)):
                 by_id[id(p)] = tensor
-        return {name: by_id[id(p)] for name, p in self.model.named_parameters()}
+        return {name: gather_full(by_id[id(p)], self.comms,
+                                  [m for m in getattr(p, SHARD_ATTR, ()) if m[0] != self.comm.name]).cpu().clone()
+                for name, p in self.model.named_parameters()}
+
+    def memory(self, optimizers) -> dict:
+        """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
+        engine's temporary buffers (the reused ones count as persistent) and the buffer counts."""
+        held, stats = self.persistent_bytes(), self.stats
+        transient = ({"reused_buffers": held["buffers"]} if "buffers" in held else
+                     {"gathered_params_peak": stats.peak_bytes["weight"], "grad_buffers_peak": stats.peak_bytes["grad"]})
+        report = memory_report(held["params"], held["grads"], optimizers, transient=transient)
+        report["buffer_allocations"], report["live_buffers"] = dict(stats.allocations), dict(stats.live)
+        return report
 
     def persistent_bytes(self) -> dict[str, int]:
         """Bytes this rank keeps: parameter shards, gradient shards (held from backward to the optimizer
@@ -388,45 +418,3 @@ def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool) -> Non
         flat[:whole * chunk].view(whole, chunk).copy_(ranks[:whole])
         if rest:
             flat[whole * chunk:].copy_(ranks[whole, :rest])
-
-
-class PerParamRunner(Runner):
-    """The training step over a sharding engine (this module's or the buffer-reusing one); the optimizer
-    holds ``engine.optimizer_parameters()``, whose data and gradients are the local shards."""
-
-    def __init__(self, model: nn.Module, comms: Comms, cfg: TrainConfig, engine: PerParamSharding):
-        super().__init__(model, comms, cfg, None)
-        self.engine = engine
-        self.params = engine.optimizer_parameters()
-        self.optimizer = make_optimizer(self.params, cfg)
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathered over the sharding dimension by the engine, then over the others a parameter is marked
-        sharded on (tensor parallelism's)."""
-        params, own = dict(self.model.named_parameters()), self.engine.comm.name
-        with self.comms.ledger.in_phase("report"):
-            return {name: gather_full(t, self.comms, [m for m in getattr(params[name], SHARD_ATTR, ()) if m[0] != own])
-                    .cpu().clone() for name, t in self.engine.full_state_dict().items()}
-
-    def memory_report(self) -> dict:
-        """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
-        engine's temporary buffers (the reused ones count as persistent) and the buffer counts."""
-        held, stats = self.engine.persistent_bytes(), self.engine.stats
-        transient = ({"reused_buffers": held["buffers"]} if "buffers" in held else
-                     {"gathered_params_peak": stats.peak_bytes["weight"], "grad_buffers_peak": stats.peak_bytes["grad"]})
-        report = memory_report(held["params"], held["grads"], self.optimizer, transient=transient)
-        report["buffer_allocations"], report["live_buffers"] = dict(stats.allocations), dict(stats.live)
-        return report
-
-
-def per_param_runner(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> Runner:
-    """The runner for ``--fsdp full_shard|shard_grad_op --fsdp-style per_param|reuse``."""
-    if parallel.fsdp_style == "reuse":
-        from parallelisms.parallel.yafsdp import ReuseSharding
-        engine = ReuseSharding(model, comms["dp_shard"])
-    else:
-        engine = PerParamSharding(model, comms["dp_shard"], reshard_after_forward=parallel.fsdp != "shard_grad_op")
-    return PerParamRunner(model, comms, train, engine)

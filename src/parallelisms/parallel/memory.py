@@ -29,9 +29,11 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in the optimizer's state (Adam: exp_avg, exp_avg_sq, step)."""
-    return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+def optimizer_state_bytes(optimizers) -> int:
+    """Bytes of every tensor in the state of ``optimizers`` (one optimizer or several; Adam: exp_avg,
+    exp_avg_sq, step)."""
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+    return tensor_bytes(v for opt in optimizers for state in opt.state.values() for v in state.values())
 
 
 def process_peak_bytes() -> int:
@@ -62,10 +64,10 @@ def zero_formula(numel: int, n: int, stage: int, param_bytes: int = 4, grad_byte
     return out
 
 
-def memory_report(params_bytes: int, grads_bytes: int, optimizer, master_bytes: int = 0,
+def memory_report(params_bytes: int, grads_bytes: int, optimizers, master_bytes: int = 0,
                   transient: dict | None = None) -> dict:
     """The ``memory`` entry of a train report: persistent bytes by kind, transient peaks, process peak."""
-    optim = optimizer_state_bytes(optimizer) + master_bytes
+    optim = optimizer_state_bytes(optimizers) + master_bytes
     report = {"params": params_bytes, "grads": grads_bytes, "optimizer": optim,
               "persistent": params_bytes + grads_bytes + optim}
     transient = transient or {}

@@ -27,7 +27,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Recompute every block (``full``) or every attention core (``selective``) in backward."""
     if mode not in MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; choose one of {', '.join(MODES)}")
-    for layer in model.layers:
+    for layer in model.layers.values():
         if mode == "full":
             _checkpointed(layer)
         elif mode == "selective":

@@ -233,34 +233,3 @@ class SequenceParallelRMSNorm(nn.Module):
         x32 = upcast(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * copy_to_group(self.weight, self.comm)
-
-
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
-                          overlap: bool = False) -> nn.Module:
-    """Shard ``model`` (the full seeded plain Transformer, or a pipeline stage of it) over ``comm`` in place.
-
-    Blocks get parallel attention and MLP; the embedding, the output head and the loss become
-    vocabulary-parallel; under SP the norms become sequence-parallel, and the residual stream between
-    the embedding and the head is ``[batch, seq/N, dim]``. Parameter names are those of the plain model;
-    every sharded parameter is marked for :func:`gather_full`. With ``targets`` the model returns the
-    same mean loss as the plain one; without, its logits are this rank's vocabulary shard.
-    """
-    from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-
-    cfg = model.cfg
-    region = Region(comm, sequence_parallel, overlap)
-    padded_vocab = -(-cfg.vocab_size // comm.size) * comm.size
-    for layer in model.layers:
-        layer.attention = ParallelAttention(layer.attention, region, cfg.n_heads, cfg.n_kv_heads)
-        layer.feed_forward = ParallelFeedForward(layer.feed_forward, region)
-        if sequence_parallel:
-            layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
-            layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
-    if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, region, padded_vocab)
-    if model.output is not None:
-        if sequence_parallel:
-            model.norm = SequenceParallelRMSNorm(model.norm, comm)
-        model.output = ColumnParallelLinear(model.output, region, rows=padded_vocab)
-        model.loss = VocabParallelCrossEntropy(comm, cfg.vocab_size)
-    return model

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm
+from parallelisms.comm import Comms
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
 
@@ -31,12 +31,12 @@ from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
 class ReuseSharding(PerParamSharding):
     """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD)."""
 
-    def __init__(self, model: nn.Module, comm: Comm):
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard"):
         self.weight_buffers: list[torch.Tensor | None] = [None, None]
         self.grad_buffers: list[torch.Tensor | None] = [None, None]
         self.owners: list[Unit | None] = [None, None]
-        super().__init__(model, comm, reshard_after_forward=True)
-        self.buffer_numel = max(u.shard.numel() for u in self.units) * comm.size
+        super().__init__(model, comms, dim, reshard_after_forward=True)
+        self.buffer_numel = max(u.shard.numel() for u in self.units) * self.comm.size
 
     # -- layout --------------------------------------------------------------------------------------------
     def _shard(self, unit: Unit) -> None:
@@ -56,7 +56,7 @@ class ReuseSharding(PerParamSharding):
             offset += shape.numel()
         unit.flat_param = mark_sharded(nn.Parameter(unit.shard), self.comm.name, None)
 
-    def optimizer_parameters(self) -> list[nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         """One flat shard per unit (sharing storage with the model's parameters)."""
         return [unit.flat_param for unit in self.units]
 

@@ -106,15 +106,15 @@ class Executor:
 
     Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
     ``on_optimizer(action)`` runs an OPT action, ``on_stage_done(stage)`` follows the stage's last
-    weight-gradient work of the step (data-parallel gradient sync starts there). ``seq_shards``: the
-    messages hold 1/seq_shards of the sequence (tensor parallelism's sequence-sharded residual stream).
+    weight-gradient work of the step (data-parallel gradient sync starts there). Messages hold 1/seq_shards
+    of the sequence where the stages' residual stream is sequence-sharded (tensor parallelism's SP).
     """
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  timeline: Timeline, store: WeightGradStore | None = None,
-                 forward_fn=None, on_optimizer=None, on_stage_done=None, seq_shards: int = 1):
+                 forward_fn=None, on_optimizer=None, on_stage_done=None):
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
-        self.seq_shards = seq_shards
+        self.seq_shards = next(iter(stages.values())).seq_shards
         self.dtype = next(next(iter(stages.values())).parameters()).dtype  # of the activations exchanged
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
@@ -233,10 +233,10 @@ class Executor:
             x = self.tokens[a.mb]
         else:
             x = self.acts.pop((a.stage - 1, a.mb)).detach().requires_grad_()
-        out = self.forward_fn(a, module, x, self.targets[a.mb] if module.is_last else None)
+        out = self.forward_fn(a, module, x, self.targets[a.mb] if module.output is not None else None)
         self.saved[key] = (x, out)
         self.peak_held = max(self.peak_held, len(self.saved) + len(self.store.pending))
-        if module.is_last:
+        if module.output is not None:
             self.losses.append(out.detach())
         else:
             self.acts[key] = out.detach()
@@ -244,7 +244,7 @@ class Executor:
     def _backward(self, a: Action) -> None:
         key, module = (a.stage, a.mb), self.stages[a.stage]
         x, out = self.saved.pop(key)
-        grad = torch.full_like(out, self.scale) if module.is_last else self.grads.pop((a.stage + 1, a.mb))
+        grad = torch.full_like(out, self.scale) if module.output is not None else self.grads.pop((a.stage + 1, a.mb))
         if a.kind is Kind.BACKWARD_INPUT:
             with self.store.deferring(key):
                 torch.autograd.backward(out, grad)

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from parallelisms.config import ConfigError, ModelConfig
+from parallelisms.config import ModelConfig
+from parallelisms.errors import ConfigError
 from parallelisms.model import build_model
 
 
@@ -93,7 +94,7 @@ def profile_costs(cfg: ModelConfig, rows: int, seq_len: int, repeats: int = 5, s
             part(x).float().sum().backward()
         return fn
 
-    layers = [timed(run(lambda x, layer=layer: layer(x, cos, sin))) for layer in model.layers]
+    layers = [timed(run(lambda x, layer=layer: layer(x, cos, sin))) for layer in model.layers.values()]
     first = timed(lambda: model.tok_embeddings(tokens).sum().backward())
     last = timed(run(lambda x: model.loss(model.output(model.norm(x)), tokens)))
     return layers, first, last

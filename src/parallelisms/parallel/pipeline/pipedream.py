@@ -23,30 +23,29 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
 from parallelisms.model import build_model
 from parallelisms.parallel.pipeline.partition import equal_bounds
-from parallelisms.parallel.pipeline.runner import PipelineRunner
 from parallelisms.parallel.pipeline.schedules import Action
 from parallelisms.parallel.pipeline.stage import stage_of_parameter
-from parallelisms.train import make_optimizer
+from parallelisms.optim import make_optimizer
 
 
-class PipeDreamRunner(PipelineRunner):
-    """Runs the ``pipedream`` schedule: per-stage optimizers stepped inside the schedule, weight stashing."""
+class WeightStashing:
+    """PipeDream's per-stage updates inside the schedule, with weight stashing: the executor's forward
+    (:meth:`forward`) runs a stage on the stashed version its microbatch must see, and its OPTIMIZER action
+    (:meth:`update`) clips by the stage's own norm and steps the stage's own optimizer. Call
+    :meth:`start_window` before each step's schedule (the window ends in a drain)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.named = {s: dict(st.named_parameters()) for s, st in self.stages.items()}
-        self.optimizers = {s: make_optimizer(list(named.values()), self.cfg) for s, named in self.named.items()}
+    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig):
+        self.cfg = cfg
+        self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
+        self.optimizers = {s: make_optimizer(list(named.values()), cfg) for s, named in self.named.items()}
+        self.start_window()
+
+    def start_window(self) -> None:
         self.stash: dict[int, tuple[int, dict]] = {}   # stage -> (version, stashed weights)
         self.leaves: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the leaves its forward used
-        self.updates = {s: 0 for s in self.stages}     # updates applied in this window
+        self.updates = {s: 0 for s in self.named}      # updates applied in this window
 
-    def executor_hooks(self) -> dict:
-        return {"forward_fn": self._forward, "on_optimizer": self._update}
-
-    def loss_scale(self) -> float:
-        return 1.0  # every update uses one microbatch's mean loss
-
-    def _forward(self, a: Action, module, x, targets):
+    def forward(self, a: Action, module, x, targets):
         if a.version != self.updates[a.stage]:
             raise RuntimeError(f"stage {a.stage} forward of mb {a.mb} expects version {a.version}, "
                                f"but {self.updates[a.stage]} updates were applied")
@@ -58,7 +57,7 @@ class PipeDreamRunner(PipelineRunner):
         self.leaves[(a.stage, a.mb)] = leaves
         return functional_call(module, leaves, (x, targets))
 
-    def _update(self, a: Action) -> None:
+    def update(self, a: Action) -> None:
         leaves = self.leaves.pop((a.stage, a.mb))
         params = list(self.named[a.stage].values())
         for name, p in self.named[a.stage].items():
@@ -69,11 +68,6 @@ class PipeDreamRunner(PipelineRunner):
         for p in params:
             p.grad = None
         self.updates[a.stage] += 1
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.updates = {s: 0 for s in self.stages}
-        self.stash = {}
-        return self.forward_backward(inputs, targets)  # the updates happen inside the schedule
 
 
 def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int, m: int

@@ -1,5 +1,6 @@
-"""The pipeline-parallel training step: split the plain model into stages, run the schedule, synchronise
-gradients over data parallelism and between DualPipe's two copies, clip by the global norm, step.
+"""The pipeline-parallel parts of a training step: the stages cut from the plain model, the schedule as the
+step's forward and backward (:class:`PipelineSchedule`), and the gradient sync over data parallelism and
+between DualPipe's two copies (:class:`StageGradients`, a ``GradSync``); clip and step are the common ones.
 
 Layout: ``comms["pp"]`` carries activations and gradients between stages, ``comms["dp"]`` the gradient
 all-reduce of each stage (a reduce-scatter under ZeRO-1: ``zero.py``) (one flat buffer per stage, launched asynchronously right after that stage's
@@ -26,12 +27,12 @@ from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
 from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded
 from parallelisms.parallel.data import Bucket
-from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore, split_linears
+from parallelisms.parallel.grad_sync import LocalGradients
+from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
 from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
 from parallelisms.parallel.pipeline.simulate import Times, simulate
 from parallelisms.parallel.pipeline.stage import build_stages
-from parallelisms.train import Runner
 
 
 def schedule_for(parallel: ParallelConfig) -> Schedule:
@@ -52,139 +53,93 @@ def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms
     return balanced_bounds(*costs, schedule.num_stages)
 
 
-class PipelineRunner(Runner):
-    """Runs one schedule per optimizer step; the returned loss is the global mean over microbatches."""
+class StageGradients(LocalGradients):
+    """The pipeline's ``GradSync`` without sharding: one flat gradient buffer per stage, all-reduced over
+    ``dp`` as soon as the stage's backward of the step is done (:meth:`stage_done`, called by the executor),
+    and DualPipe's two copies of a stage exchanging their buffers. Without either, plain gradients. The
+    global norm sums stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales
+    them)."""
 
-    def __init__(self, model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms,
-                 bounds: list[int] | None = None):
-        self.schedule = schedule_for(parallel)
-        self.pp_comm, self.dp_comm = comms["pp"], comms["dp"]
-        rank = self.pp_comm.rank
-        self.bounds = bounds or equal_bounds(model.cfg.n_layers, self.schedule.num_stages)
-        wanted = self.schedule.modules_on(rank)
-        seq_shards = self._tensor_parallel(model, parallel, comms)
-        self.stages = build_stages(model, self.bounds, wanted, seq_shards)
-        self.copies = {s for path, s in wanted if path == 1}  # DualPipe's second copies
-        self.hidden_dim = model.cfg.dim
-        store = WeightGradStore()
-        if self.schedule.split_backward:
-            for stage in self.stages.values():
-                split_linears(stage, store)
-        super().__init__(nn.ModuleList(self.stages.values()), comms, cfg, None)
-        for s, stage in self.stages.items():
-            if s not in self.copies:
-                for p in stage.parameters():
-                    mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
-        self.buckets = self._grad_buffers()
-        self.dp_pending: list = []
-        self.executor = Executor(self.schedule, rank, self.stages, self.pp_comm, comms.timeline, store,
-                                 seq_shards=seq_shards, **self.executor_hooks())
-        self.step_records: list[list] = []
-
-    @classmethod
-    def for_layout(cls, model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms) -> "PipelineRunner":
-        """The runner of ``parallel.schedule`` (PipeDream's asynchronous updates have their own), with stages cut
-        by equal layer counts or, for ``pp_balance="measured"``, by the per-layer times rank 0 measures."""
-        bounds = None
-        if parallel.pp_balance == "measured":
-            bounds = measured_bounds(model.cfg, parallel, cfg, comms)
-        if parallel.schedule == "pipedream":
-            from parallelisms.parallel.pipeline.pipedream import PipeDreamRunner
-            return PipeDreamRunner(model, parallel, cfg, comms, bounds=bounds)
-        if parallel.zero:
-            from parallelisms.parallel.pipeline.zero import ZeroPipelineRunner
-            return ZeroPipelineRunner(model, parallel, cfg, comms, bounds=bounds)
-        return cls(model, parallel, cfg, comms, bounds=bounds)
-
-    @staticmethod
-    def _tensor_parallel(model: nn.Module, parallel: ParallelConfig, comms: Comms) -> int:
-        """Make ``model`` tensor-parallel (before the cut, so stages take the parallel modules); returns the
-        number of sequence shards of the hidden states stages exchange (tp under SP, else 1)."""
-        if parallel.dims.tp == 1:
-            return 1
-        from parallelisms.parallel.tensor import apply_tensor_parallel
-        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
-                              overlap=parallel.tp_overlap)
-        return parallel.dims.tp if parallel.sequence_parallel else 1
-
-    def executor_hooks(self) -> dict:
-        return {"on_stage_done": self._sync_stage}
-
-    def loss_scale(self) -> float:
-        """Each microbatch's mean loss is scaled by 1/M: the accumulated gradient is the batch mean's."""
-        return 1.0 / self.schedule.microbatches
-
-    # -- gradients -------------------------------------------------------------------------------------
-    def _grad_buffers(self) -> dict[int, Bucket]:
-        """Flat per-stage gradient buffers, for one all-reduce per stage and the DualPipe exchange; without
-        either, none: gradients are plain (set to None between steps, so the first microbatch's is not an add)."""
-        if self.dp_comm.size == 1 and not self.copies:
-            return {}
-        return {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
-                for s, st in self.stages.items()}
+    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms):
+        super().__init__(nn.ModuleList(stages.values()), comms)
+        self.stages, self.copies = stages, copies
+        self.dp_comm, self.pp_comm = comms["dp"], comms["pp"]
+        self.pending: list = []
+        self.buckets = ({} if self.dp_comm.size == 1 and not copies else
+                        {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
+                         for s, st in stages.items()})
 
     def zero_grad(self) -> None:
         if not self.buckets:
-            for p in self.params:
-                p.grad = None
+            super().zero_grad()
         for bucket in self.buckets.values():
             bucket.buffer.zero_()
             for param, view in zip(bucket.params, bucket.views):
                 param.grad = view
 
-    def _sync_stage(self, stage: int) -> None:
+    def stage_done(self, stage: int) -> None:
         """Launch the data-parallel average of one stage's gradients (the stage's backward is complete)."""
         if self.dp_comm.size > 1:
             buffer = self.buckets[stage].buffer.div_(self.dp_comm.size)
-            self.dp_pending.append(self.dp_comm.all_reduce(buffer, async_op=True))
+            self.pending.append(self.dp_comm.all_reduce(buffer, async_op=True))
 
-    def _sum_dualpipe_copies(self) -> None:
-        """Rank r and rank pp-1-r hold the same two stages; each adds the other's gradient buffers."""
-        if not self.copies:
-            return
-        peer = self.schedule.pp - 1 - self.pp_comm.rank
-        mine = sorted(self.buckets)
-        theirs = [torch.empty_like(self.buckets[s].buffer) for s in mine]
-        self.pp_comm.send_recv(sends=[(self.buckets[s].buffer, peer) for s in mine],
-                               recvs=list(zip(theirs, [peer] * len(mine)))).wait()
-        for s, other in zip(mine, theirs):  # the peer holds the same two stages, sent in the same order
-            self.buckets[s].buffer.add_(other)
+    def finish(self) -> None:
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+        if self.copies:  # rank r and rank pp-1-r hold the same two stages; each adds the other's buffers
+            peer = self.pp_comm.size - 1 - self.pp_comm.rank
+            mine = sorted(self.buckets)
+            theirs = [torch.empty_like(self.buckets[s].buffer) for s in mine]
+            self.pp_comm.send_recv(sends=[(self.buckets[s].buffer, peer) for s in mine],
+                                   recvs=list(zip(theirs, [peer] * len(mine)))).wait()
+            for s, other in zip(mine, theirs):  # the peer holds the same two stages, sent in the same order
+                self.buckets[s].buffer.add_(other)
 
-    # -- one step --------------------------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
+                                 for p in st.parameters()], self.comms)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages (path-0 copies), tensor-parallel shards gathered."""
+        return {name: gather_full(p, self.comms).cpu().clone() for s, st in self.stages.items()
+                if s not in self.copies for name, p in st.named_parameters()}
+
+
+class PipelineSchedule:
+    """Forward and backward of one step as ``schedule`` says, over this rank's ``stages``: the microbatch
+    loop of a pipelined layout. Each microbatch's mean loss is scaled by ``loss_scale`` (1/M: the accumulated
+    gradient is the batch mean's); the returned loss is the global mean over microbatches. ``hooks`` go to
+    the :class:`Executor` (the gradient sync's ``stage_done``; PipeDream's forward and update), and
+    ``before_step`` runs first (PipeDream opens a new window of weight versions)."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comms: Comms, hidden_dim: int,
+                 bounds: list[int], store: WeightGradStore, loss_scale: float | None = None,
+                 before_step=None, **hooks):
+        self.schedule, self.stages, self.comms, self.bounds = schedule, stages, comms, bounds
+        self.pp_comm, self.hidden_dim = comms["pp"], hidden_dim
+        self.loss_scale = 1.0 / schedule.microbatches if loss_scale is None else loss_scale
+        self.executor = Executor(schedule, self.pp_comm.rank, stages, self.pp_comm, comms.timeline, store,
+                                 **hooks)
+        self.before_step = before_step or (lambda: None)
+        self.step_records: list[tuple] = []
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync=None) -> torch.Tensor:
+        self.before_step()
         m = self.schedule.microbatches
         micro = microbatches(inputs, targets, m)
         ledger = self.comms.ledger
         with ledger.in_phase("pipeline"):
             losses = self.executor.run([x for x, _ in micro], [y for _, y in micro], self.hidden_dim,
-                                       self.loss_scale())
-        with ledger.in_phase("backward"):
-            for pending in self.dp_pending:
-                pending.wait()
-            self.dp_pending = []
-            self._sum_dualpipe_copies()
+                                       self.loss_scale)
         self.step_records.append((self.executor.records, self.executor.peak_held))
         local = (torch.stack(losses).sum().reshape(1) / m if losses
                  else torch.zeros(1, dtype=torch.promote_types(self.executor.dtype, torch.float32)))
         with ledger.in_phase("report"):
             return self.pp_comm.all_reduce(local).reshape(())
 
-    def global_grad_norm(self) -> torch.Tensor:
-        """Summed over the pipeline's stages; DualPipe's second copies are left out of the norm (the clip
-        still scales them)."""
-        return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
-                                 for p in st.parameters()], self.comms)
-
     # -- reporting -------------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model by plain names: tensor-parallel shards gathered over tp, then every pipeline
-        rank's stages (path-0 copies)."""
-        with self.comms.ledger.in_phase("report"):
-            mine = {name: gather_full(p, self.comms).cpu().clone() for s, st in self.stages.items()
-                    if s not in self.copies for name, p in st.named_parameters()}
-            parts = self.pp_comm.all_gather_object(mine)
-        return {name: t for part in parts for name, t in part.items()}
-
     def report(self) -> dict:
         """Measured bubble (Zero Bubble definition) and per-action times, against the simulator fed with
         those times; every rank must call it."""
@@ -210,6 +165,24 @@ class PipelineRunner(Runner):
             comm.send_recv(sends=[(out, (rank + 1) % comm.size)], recvs=[(back, (rank - 1) % comm.size)]).wait()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
+
+
+def cut_stages(model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms, schedule: Schedule,
+               bounds: list[int] | None = None) -> tuple[dict[int, nn.Module], set[int], list[int]]:
+    """This rank's stages of ``model`` (stage index -> module), DualPipe's second copies among them, and the
+    layer bounds: ``bounds`` if given, else equal layer counts, or for ``pp_balance="measured"`` the
+    per-layer times rank 0 measures."""
+    if bounds is None:
+        bounds = (measured_bounds(model.cfg, parallel, cfg, comms) if parallel.pp_balance == "measured"
+                  else equal_bounds(model.cfg.n_layers, schedule.num_stages))
+    wanted = schedule.modules_on(comms["pp"].rank)
+    stages = build_stages(model, bounds, wanted)
+    copies = {s for path, s in wanted if path == 1}
+    for s, stage in stages.items():
+        if s not in copies:
+            for p in stage.parameters():
+                mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
+    return stages, copies, bounds
 
 
 def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float = 0.0) -> dict:

@@ -15,15 +15,14 @@ replicated norm weights), every rank reducing the same groups in the same order.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm
-from parallelisms.parallel.common import norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces
+from parallelisms.comm import Comm, Comms
+from parallelisms.parallel.common import gather_full, norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces
 from parallelisms.parallel.memory import memory_report, tensor_bytes
-from parallelisms.parallel.pipeline.runner import PipelineRunner
-from parallelisms.train import make_optimizer
 
 
 class StageShard:
@@ -65,40 +64,53 @@ class StageShard:
         return self.comm.all_gather(self.shard.detach(), out=self.data, async_op=True)
 
 
-class ZeroPipelineRunner(PipelineRunner):
-    """:class:`PipelineRunner` with optimizer state sharded over ``dp`` (ZeRO-1): gpipe, 1f1b, interleaved
-    and the zero-bubble schedules (DualPipe's stage copies and PipeDream's per-microbatch updates are not)."""
+class StageShards:
+    """The pipeline's ``GradSync`` under ZeRO-1 (Megatron's distributed optimizer): one :class:`StageShard`
+    per stage of this rank; the optimizer holds the shards' slices. gpipe, 1f1b, interleaved and the
+    zero-bubble schedules (DualPipe's stage copies and PipeDream's per-microbatch updates are not)."""
 
-    def _grad_buffers(self) -> dict:
-        """No all-reduce buckets: the stages' flat buffers are reduce-scattered instead."""
-        self.shards = {s: StageShard(list(st.parameters()), self.dp_comm) for s, st in self.stages.items()}
-        self.params = [shard.shard for shard in self.shards.values()]
-        self.optimizer = make_optimizer(self.params, self.cfg)
-        return {}
+    def __init__(self, stages: dict[int, nn.Module], comms: Comms):
+        self.stages, self.comms = stages, comms
+        self.shards = {s: StageShard(list(st.parameters()), comms["dp"]) for s, st in stages.items()}
+        self.pending: list = []
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [shard.shard for shard in self.shards.values()]
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
             shard.zero_grad()
 
-    def _sync_stage(self, stage: int) -> None:
-        self.dp_pending.append(self.shards[stage].reduce_scatter())
+    def no_sync(self):
+        return nullcontext()
 
-    def global_grad_norm(self) -> torch.Tensor:
-        """The global norm of the reduced slices."""
-        return norm_of_groups(self.squared_grad_norms(), self.comms)
+    def stage_done(self, stage: int) -> None:
+        self.pending.append(self.shards[stage].reduce_scatter())
+
+    def finish(self) -> None:
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of the reduced slices, grouped by the mesh dimensions to sum them over; the groups
+        are every key this rank's stages can have (each stage holds blocks, so all ranks have the same)."""
+        return norm_of_groups(squared_norms_of_pieces(
+            {dims for shard in self.shards.values() for dims in shard.norm_keys},
+            ((shard.shard.grad, shard.pieces) for shard in self.shards.values())), self.comms)
 
     def after_step(self) -> None:
         """All-gather every rank's updated slices into the stages' flat parameters."""
         for pending in [shard.all_gather() for shard in self.shards.values()]:
             pending.wait()
 
-    def squared_grad_norms(self) -> dict:
-        """Squared norms of the reduced slices grouped by the mesh dimensions to sum them over; the groups
-        are every key this rank's stages can have (each stage holds blocks, so all ranks have the same)."""
-        return squared_norms_of_pieces({dims for shard in self.shards.values() for dims in shard.norm_keys},
-                                       ((shard.shard.grad, shard.pieces) for shard in self.shards.values()))
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages, tensor-parallel shards gathered (the flat buffers hold full parameters)."""
+        return {name: gather_full(p, self.comms).cpu().clone() for st in self.stages.values()
+                for name, p in st.named_parameters()}
 
-    def memory_report(self) -> dict:
+    def memory(self, optimizers) -> dict:
         """Flat parameter and gradient buffers (padding included) and the 1/N optimizer state."""
         return memory_report(tensor_bytes(s.data for s in self.shards.values()),
-                             tensor_bytes(s.grad for s in self.shards.values()), self.optimizer)
+                             tensor_bytes(s.grad for s in self.shards.values()), optimizers)

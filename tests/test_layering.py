@@ -1,0 +1,70 @@
+"""The source's layers point down: no import cycle anywhere in src/ (every import, lazy ones included), and
+the parallelisms never import the training loop, the verifier or the command line above them."""
+
+import ast
+import pathlib
+
+import parallelisms
+
+SRC = pathlib.Path(parallelisms.__file__).parent
+ABOVE_THE_PARALLELISMS = ("parallelisms.train", "parallelisms.verify", "parallelisms.cli", "parallelisms.bench",
+                          "parallelisms.support")
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its source (functions included)."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = ("parallelisms", *path.relative_to(SRC).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {r for t in targets if (r := resolve(t)) and r != name and not name.startswith(r + ".")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of modules, or None (depth-first search with colours)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    graph = _imports()
+    assert len(graph) > 40
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_lower_layers_do_not_import_higher_ones():
+    graph = _imports()
+    for name, targets in graph.items():
+        if name.startswith(("parallelisms.parallel", "parallelisms.model", "parallelisms.comm", "parallelisms.data")):
+            assert not targets & set(ABOVE_THE_PARALLELISMS), (name, targets & set(ABOVE_THE_PARALLELISMS))
+    for bottom in ("parallelisms.errors", "parallelisms.config", "parallelisms.mesh"):
+        assert not {t for t in graph[bottom] if t.startswith(("parallelisms.parallel", "parallelisms.model"))}, bottom
