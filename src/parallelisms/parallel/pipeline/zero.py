@@ -96,7 +96,8 @@ class ZeroPipelineRunner(PipelineRunner):
         """Squared norms of the reduced slices grouped by the mesh dimensions to sum them over; the groups
         are every key this rank's stages can have (each stage holds blocks, so all ranks have the same)."""
         return squared_norms_of_pieces({dims for shard in self.shards.values() for dims in shard.norm_keys},
-                                       ((shard.shard.grad, shard.pieces) for shard in self.shards.values()))
+                                       ((shard.shard.grad, shard.pieces) for shard in self.shards.values()),
+                                       torch.promote_types(next(iter(self.shards.values())).data.dtype, torch.float32))
 
     def memory_report(self) -> dict:
         """Flat parameter and gradient buffers (padding included) and the 1/N optimizer state."""
