@@ -91,11 +91,12 @@ def norm_pieces(params, lo: int, hi: int, shard_dims: tuple[str, ...]) -> list[t
     return pieces
 
 
-def squared_norms_of_pieces(keys, sliced) -> dict:
+def squared_norms_of_pieces(keys, sliced, dtype: torch.dtype) -> dict:
     """Squared gradient norms grouped by mesh dimensions, from ``sliced``: (flat gradient slice or None,
     its :func:`norm_pieces`) pairs. ``keys`` holds every group any rank can have, so that all ranks
-    reduce the same groups in the same order."""
-    groups = {dims: torch.zeros(()) for dims in keys}
+    reduce the same groups in the same order; a group this rank holds nothing of is a zero of ``dtype``
+    (the gradients' reduction dtype: every rank must all-reduce the same dtype)."""
+    groups = {dims: torch.zeros((), dtype=dtype) for dims in keys}
     for grad, pieces in sliced:
         if grad is not None:
             for dims, start, end in pieces:

@@ -354,7 +354,8 @@ class ShardedEngine:
         """The shards' squared gradient norms grouped by the mesh dimensions to sum them over
         (:func:`parallelisms.parallel.common.norm_of_groups` makes the global norm of them)."""
         return squared_norms_of_pieces({dims for unit in self.units for dims in unit.norm_keys},
-                                       ((unit.shard.grad, unit.norm_segments) for unit in self.units))
+                                       ((unit.shard.grad, unit.norm_segments) for unit in self.units),
+                                       self.units[0].master_dtype)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

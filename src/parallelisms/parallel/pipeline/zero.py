@@ -97,7 +97,8 @@ class StageShards:
         are every key this rank's stages can have (each stage holds blocks, so all ranks have the same)."""
         return norm_of_groups(squared_norms_of_pieces(
             {dims for shard in self.shards.values() for dims in shard.norm_keys},
-            ((shard.shard.grad, shard.pieces) for shard in self.shards.values())), self.comms)
+            ((shard.shard.grad, shard.pieces) for shard in self.shards.values()),
+            torch.promote_types(next(iter(self.shards.values())).data.dtype, torch.float32)), self.comms)
 
     def after_step(self) -> None:
         """All-gather every rank's updated slices into the stages' flat parameters."""

@@ -1,0 +1,327 @@
+"""The float64 equivalence matrix: every engine and layout against single-process float64 training at
+TOLERANCE_FLOAT64 (1e-10), on per-step losses, per-step gradient norms before clipping and final
+parameters. Correct layouts land between 0 and 3e-13 here, so a logic error cannot hide in rounding. Each
+scenario targets a path a bug can hide in:
+
+- DDP, ZeRO-1/2/3, FSDP full_shard / shard_grad_op / no_shard (flat), per_param, reuse, and hybrid_shard /
+  hybrid_shard_zero2 on dp_replicate 2 x dp_shard 2: each with several gradient buckets (0.05 MB; the
+  ledger shows the whole float64 gradient reduced once, in more than one collective) and each with
+  gradient accumulation 2; padded shards (odd vocabulary at dp 2, odd widths at dp 4);
+- tensor parallelism above the KV-head count (tp 4 replicates tiny's 2 KV heads), an odd vocabulary over
+  tp 4 (padded vocab-parallel embedding and head), sequence parallelism, the overlapped input gradient;
+- ring attention at cp 4 (the direction of the ring matters) and Ulysses, alone and under ZeRO-3 / FSDP;
+- expert parallelism (tiny-moe at dp 4 with ep 2 and ep 4; ep 2 with capacity and accumulation; ep 8);
+- every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2;
+- sharded engines over tensor-parallel shards (ZeRO-1/2/3, hybrid, pipeline ZeRO-1) on eight ranks;
+- activation recomputation under DDP and ZeRO-3;
+- clipping active (0.5, below every step's reference norm, which is asserted, and shown to change the
+  training) and off.
+
+Adam is invariant to a constant gradient scale, and clipping absorbs one too, so a wrong scale shows in
+the gradient norms only: a test shows that the comparison catches a doubled gradient with clipping
+active. A NaN or Inf fails the comparison, naming the step or tensor (pure Python).
+
+One launch per world size trains every scenario of that size in the same processes (process start-up
+dominates on two cores); two families run in launches of their own (see OWN_LAUNCH); the comparisons run
+in pytest, one per scenario.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
+from parallelisms.launch import LaunchError
+from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.pipeline.pipedream import pipedream_reference
+from parallelisms.parallel.pipeline.schedules import SCHEDULES
+from parallelisms.train import RunSpec
+from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, Run, compare, reference_train
+
+from _launching import launch_once_per_world, train_each
+
+TINY = preset("tiny")
+MOE = preset("tiny-moe")
+CAPPED_MOE = dataclasses.replace(MOE, capacity_factor=1.0)  # tokens beyond an expert's capacity are dropped
+# vocabulary 257: embedding and head rows split unevenly over 2 or 4 ranks (padded per-parameter shards,
+# a padded vocab-parallel embedding and head at tp 4)
+ODD_VOCAB = dataclasses.replace(TINY, vocab_size=257)
+# odd widths: the embedding's flat unit (257 x 30 elements) is 2 mod 4, and rows of 257, 30, 10 and 50 do
+# not split over 4 either: padded flat and per-parameter shards at dp 4
+ODD = ModelConfig(vocab_size=257, dim=30, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=50, max_seq_len=64)
+# eight thin layers: a layer for each of pp 4 x 2 virtual stages (interleaved, zb-v, dualpipev)
+PIPE = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+
+PLAIN = TrainConfig(steps=3, global_batch=8, seq_len=16, grad_clip=0.0, bucket_mb=0.05, dtype="float64")
+CLIP = PLAIN.replace(grad_clip=0.5)  # the clipped models' norms measure 1.6 to 2.7: every step is scaled
+ACCUM = PLAIN.replace(grad_accum=2)
+PIPE_PLAIN = PLAIN.replace(steps=2)
+PIPE_CLIP = CLIP.replace(steps=2)
+
+
+def _dp(world: int, sharded: bool) -> ParallelDims:
+    return ParallelDims(dp_shard=world) if sharded else ParallelDims(dp_replicate=world)
+
+
+# data-parallel engines on a 1-D mesh of dp ranks: name -> ParallelConfig for dp
+ENGINES = {
+    "ddp": lambda dp: ParallelConfig(_dp(dp, False)),
+    "zero1": lambda dp: ParallelConfig(_dp(dp, True), zero=1),
+    "zero2": lambda dp: ParallelConfig(_dp(dp, True), zero=2),
+    "zero3": lambda dp: ParallelConfig(_dp(dp, True), zero=3),
+    "fsdp_full_shard": lambda dp: ParallelConfig(_dp(dp, True), fsdp="full_shard"),
+    "fsdp_shard_grad_op": lambda dp: ParallelConfig(_dp(dp, True), fsdp="shard_grad_op"),
+    "fsdp_no_shard": lambda dp: ParallelConfig(_dp(dp, True), fsdp="no_shard"),
+    "per_param_full_shard": lambda dp: ParallelConfig(_dp(dp, True), fsdp="full_shard", fsdp_style="per_param"),
+    "per_param_shard_grad_op": lambda dp: ParallelConfig(_dp(dp, True), fsdp="shard_grad_op", fsdp_style="per_param"),
+    "reuse_full_shard": lambda dp: ParallelConfig(_dp(dp, True), fsdp="full_shard", fsdp_style="reuse"),
+}
+HYBRID = ParallelDims(dp_replicate=2, dp_shard=2)
+
+SCENARIOS: dict[str, tuple[ModelConfig, TrainConfig, ParallelConfig]] = {}
+for _name, _engine in ENGINES.items():
+    # 0.05 MB buckets: DDP and ZeRO-1/2 cut several (the others reduce per block anyway); accumulation on
+    # the odd vocabulary, whose 257 rows pad the per-parameter shards
+    SCENARIOS[f"{_name}_buckets_clip"] = (TINY, CLIP, _engine(2))
+    SCENARIOS[f"{_name}_accum"] = (ODD_VOCAB, ACCUM, _engine(2))
+for _strategy in ("hybrid_shard", "hybrid_shard_zero2"):
+    SCENARIOS[f"{_strategy}_buckets_clip"] = (TINY, CLIP, ParallelConfig(HYBRID, fsdp=_strategy))
+    SCENARIOS[f"{_strategy}_accum"] = (TINY, ACCUM, ParallelConfig(HYBRID, fsdp=_strategy))
+for _name in ("zero1", "zero2", "zero3", "fsdp_full_shard", "per_param_full_shard"):
+    SCENARIOS[f"{_name}_dp4_padded"] = (ODD, PLAIN, ENGINES[_name](4))
+SCENARIOS.update({
+    "tp2_sp_clip": (TINY, CLIP, ParallelConfig(ParallelDims(tp=2), sequence_parallel=True)),
+    "tp4_kv_replicated_clip": (TINY, CLIP, ParallelConfig(ParallelDims(tp=4))),
+    "tp4_odd_vocab": (ODD_VOCAB, PLAIN, ParallelConfig(ParallelDims(tp=4))),
+    "tp4_odd_vocab_sp": (ODD_VOCAB, PLAIN, ParallelConfig(ParallelDims(tp=4), sequence_parallel=True)),
+    "dp2_tp2_overlap": (TINY, PLAIN, ParallelConfig(ParallelDims(dp_replicate=2, tp=2), tp_overlap=True)),
+    "ulysses_cp2": (TINY, PLAIN, ParallelConfig(ParallelDims(cp=2), cp_attention="ulysses")),
+    "ring_cp4_clip": (TINY, CLIP, ParallelConfig(ParallelDims(cp=4), cp_attention="ring")),
+    "ring_cp4": (TINY, PLAIN, ParallelConfig(ParallelDims(cp=4), cp_attention="ring")),
+    "ring_cp2_tp2": (TINY, PLAIN, ParallelConfig(ParallelDims(cp=2, tp=2))),
+    "dp2_ring_cp2_zero3_clip": (TINY, CLIP, ParallelConfig(ParallelDims(dp_shard=2, cp=2), zero=3)),
+    "dp2_ulysses_cp2_full_shard": (TINY, PLAIN, ParallelConfig(ParallelDims(dp_shard=2, cp=2), fsdp="full_shard",
+                                                               cp_attention="ulysses")),
+    "moe_dp4_ep2_clip": (MOE, CLIP, ParallelConfig(ParallelDims(dp_replicate=4, ep=2))),
+    "moe_dp4_ep4": (MOE, PLAIN, ParallelConfig(ParallelDims(dp_replicate=4, ep=4))),
+    "moe_dp2_ep2_capacity_accum": (CAPPED_MOE, ACCUM, ParallelConfig(ParallelDims(dp_replicate=2, ep=2))),
+    "moe_dp2_zero3_clip": (MOE, CLIP, ParallelConfig(_dp(2, True), zero=3)),
+    "ddp_recompute_selective": (TINY, PLAIN, ParallelConfig(_dp(2, False), recompute="selective")),
+    "zero3_recompute_full_clip": (TINY, CLIP, ParallelConfig(_dp(2, True), zero=3, recompute="full")),
+    "dp2_tp2_per_param_accum": (ODD_VOCAB, ACCUM, ParallelConfig(ParallelDims(dp_shard=2, tp=2), fsdp="full_shard",
+                                                                 fsdp_style="per_param")),
+})
+MICROBATCHES = {2: 4, 4: 8}  # per pipeline: rows of 2 (pp 2) or 1 (pp 4) of the global batch of 8
+for _pp, _train in ((2, PIPE_PLAIN), (4, PIPE_CLIP)):  # each schedule unclipped at pp 2, clipped at pp 4
+    for _schedule in SCHEDULES:
+        SCENARIOS[f"pp{_pp}_{_schedule}" + ("_clip" if _train.grad_clip else "")] = (PIPE, _train, ParallelConfig(
+            ParallelDims(pp=_pp), schedule=_schedule, microbatches=MICROBATCHES[_pp],
+            chunks=2 if _schedule == "interleaved" else 1))
+for _schedule, _train in (("1f1b", PIPE_CLIP), ("interleaved", PIPE_PLAIN)):
+    SCENARIOS[f"pp2_dp2_zero1_{_schedule}" + ("_clip" if _train.grad_clip else "")] = (PIPE, _train, ParallelConfig(
+        ParallelDims(pp=2, dp_shard=2), zero=1, schedule=_schedule, microbatches=4,
+        chunks=2 if _schedule == "interleaved" else 1))
+SCENARIOS.update({
+    "pp2_tp2_sp_1f1b_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, tp=2), schedule="1f1b",
+                                                             microbatches=4, sequence_parallel=True)),
+    "pp2_tp2_interleaved": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, tp=2), schedule="interleaved",
+                                                             chunks=2, microbatches=4)),
+})
+# Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
+# pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over
+# different mesh dimensions (a rank may hold no piece of a group); expert parallelism over eight ranks.
+OWN_LAUNCH = {
+    "sharded_tp": {
+        "dp4_tp2_sp_zero3_clip": (TINY, CLIP, ParallelConfig(ParallelDims(dp_shard=4, tp=2), zero=3,
+                                                             sequence_parallel=True)),
+        "dp4_tp2_zero1_accum": (TINY, ACCUM, ParallelConfig(ParallelDims(dp_shard=4, tp=2), zero=1)),
+        "hybrid_shard_tp2_clip": (TINY, CLIP, ParallelConfig(ParallelDims(dp_replicate=2, dp_shard=2, tp=2),
+                                                             fsdp="hybrid_shard")),
+        "dp2_cp2_tp2_ring_zero2": (TINY, PLAIN, ParallelConfig(ParallelDims(dp_shard=2, cp=2, tp=2), zero=2)),
+        "pp2_dp2_tp2_sp_zero1_1f1b_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_shard=2, tp=2),
+                                                                           zero=1, sequence_parallel=True,
+                                                                           microbatches=2)),
+    },
+    "ep8": {"moe_dp8_ep8": (MOE, PLAIN, ParallelConfig(ParallelDims(dp_replicate=8, ep=8)))},
+}
+GROUP = dict.fromkeys(SCENARIOS, "main")
+for _group, _scenarios in OWN_LAUNCH.items():
+    SCENARIOS.update(_scenarios)
+    GROUP.update(dict.fromkeys(_scenarios, _group))
+
+SPECS = {name: RunSpec(model, train, parallel.validate(model, train), collect_state=True)
+         for name, (model, train, parallel) in SCENARIOS.items()}
+
+
+def _world(name: str) -> int:
+    return SPECS[name].parallel.dims.world_size
+
+
+def _run(group, info, world):
+    return train_each(info, world, {name: spec for name, spec in SPECS.items() if GROUP[name] == group})
+
+
+def _once_even_if_it_fails(get):
+    """``get(world)``, launched once: a failed launch fails every scenario of it without launching again."""
+    failed = {}
+
+    def run(world: int) -> dict:
+        if world in failed:
+            raise failed[world]
+        try:
+            return get(world)
+        except LaunchError as exc:
+            failed[world] = exc
+            raise
+    return run
+
+
+LAUNCHES = {group: _once_even_if_it_fails(launch_once_per_world(functools.partial(_run, group)))
+            for group in ("main", *OWN_LAUNCH)}
+
+
+def _report(name: str) -> dict:
+    return LAUNCHES[GROUP[name]](_world(name))[name]
+
+
+def _splits(parallel: ParallelConfig, train: TrainConfig) -> int:
+    """The equal slices of the global batch whose mean losses the layout averages: data-parallel ranks x
+    pipeline microbatches, or x gradient-accumulation microbatches (context and tensor parallelism split
+    tokens and weights, not rows)."""
+    micro = (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
+    return parallel.dims.dp * micro
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Single-process references on one thread: the models are tiny, and two threads on two cores busy
+    with other tests were ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def _reference(model: ModelConfig, train: TrainConfig, splits: int, pipedream_pp: int = 0) -> Run:
+    """Single-process training on ``splits`` slices, or PipeDream's delayed-update reference over
+    ``pipedream_pp`` stages and ``splits`` microbatches."""
+    with _one_thread():
+        if pipedream_pp:
+            return Run(*pipedream_reference(model, train, pipedream_pp, splits))
+        return reference_train(model, train, splits=splits)
+
+
+def _pipedream(parallel: ParallelConfig) -> bool:
+    return parallel.dims.pp > 1 and parallel.schedule == "pipedream"
+
+
+def _reference_for(name: str, train: TrainConfig | None = None) -> Run:
+    model, own, parallel = SCENARIOS[name]
+    train = train or own
+    if _pipedream(parallel):  # per-microbatch updates: its own reference
+        return _reference(model, train, parallel.microbatches, parallel.dims.pp)
+    return _reference(model, train, _splits(parallel, train))
+
+
+# one launch per (group, world size), in order
+ORDER = sorted(SCENARIOS, key=lambda name: (GROUP[name] != "main", GROUP[name], _world(name)))
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_float64_matches_single_process(name):
+    model, train, parallel = SCENARIOS[name]
+    reference = _reference_for(name)
+    result = compare(_report(name), reference, TOLERANCE_FLOAT64)
+    assert result["ok"], (name, result)
+    # every synchronous layout reports one global norm per step, and it was compared
+    assert (result["max_grad_norm_rel_diff"] is None) == _pipedream(parallel), (name, result)
+    if train.grad_clip:  # clipping scaled every step, and it changed the training
+        if not _pipedream(parallel):
+            assert min(reference.grad_norms) > 2 * train.grad_clip, (name, reference.grad_norms)
+        unclipped = compare(_report(name), _reference_for(name, train.replace(grad_clip=0.0)))
+        assert unclipped["max_param_rel_diff"] > 1e-3, (name, unclipped)
+
+
+@pytest.mark.parametrize("name", [n for n in ORDER if "_buckets" in n])
+def test_gradients_are_reduced_in_several_buckets(name):
+    """Per step the whole float64 gradient is reduced once (the ring's share of 8 bytes per parameter:
+    nothing downcast, nothing skipped), in more than one collective: several 0.05 MB buckets for DDP and
+    ZeRO-1/2, one per block for the others. A sharded engine's all-reduce is the replicas' (hybrid) or the
+    8-byte norm."""
+    model, _, parallel = SCENARIOS[name]
+    comm = _report(name)["comm"]
+    kind = "reduce_scatter" if "reduce_scatter" in comm else "all_reduce"
+    n = parallel.dims.dp_shard if kind == "reduce_scatter" else parallel.dims.dp
+    ring = (n - 1) / n * 8 * model.num_params() * (2 if kind == "all_reduce" else 1)
+    assert comm[kind]["bytes_per_rank"] == pytest.approx(ring, rel=1e-12), (name, comm)
+    assert comm[kind]["calls"] > 1, (name, comm)
+
+
+def test_ddp_and_zero_cut_buckets_under_the_cap():
+    """The 0.05 MB cap is below every unit's float64 gradient: DDP all-reduces and ZeRO-1/2 reduce-scatter
+    several buckets per step where the 25 MB default makes one."""
+    units = TINY.n_layers + 2
+    assert _report("ddp_buckets_clip")["comm"]["all_reduce"]["calls"] > units
+    for stage in (1, 2):
+        assert _report(f"zero{stage}_buckets_clip")["comm"]["reduce_scatter"]["calls"] == units
+
+
+def _doubled_gradients(monkeypatch) -> Run:
+    """Single-process training whose every gradient is twice the true one: a layout that sums over two
+    data-parallel ranks instead of averaging."""
+    import parallelisms.verify as verify
+
+    build = verify.build_model
+
+    def build_doubling(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for p in model.parameters():
+            p.register_hook(lambda g: 2 * g)
+        return model
+    with monkeypatch.context() as patch, _one_thread():
+        patch.setattr(verify, "build_model", build_doubling)
+        return reference_train(TINY, CLIP, splits=2)
+
+
+def test_wrong_gradient_scale_is_caught_by_the_norms_even_with_clipping(monkeypatch):
+    """With clipping active the doubled gradient is clipped to almost the same update (only the clip's
+    1e-6 guard differs), and Adam would hide a constant scale anyway: losses and parameters stay within the
+    fp32 contract of the true run. The gradient norm before clipping is off by 100% and fails it."""
+    truth = _reference(TINY, CLIP, 2)
+    doubled = _doubled_gradients(monkeypatch)
+    result = compare(doubled, truth, TOLERANCE)
+    assert result["max_grad_norm_rel_diff"] == pytest.approx(1.0, rel=1e-6), result
+    assert not result["ok"] and result["nonfinite"] is None, result
+    blind = compare(dataclasses.replace(doubled, grad_norms=None), truth, TOLERANCE)
+    assert blind["ok"], blind  # what losses and parameters alone would have let through
+    assert not compare(doubled, truth, TOLERANCE_FLOAT64)["ok"]
+    # while the same clipped layout run for real (DDP over two ranks) matches the norms to float64 rounding
+    ddp = compare(_report("ddp_buckets_clip"), truth, TOLERANCE_FLOAT64)
+    assert ddp["ok"] and ddp["max_grad_norm_rel_diff"] < TOLERANCE_FLOAT64, ddp
+
+
+def _toy_run(**changes) -> Run:
+    state = {"a.weight": torch.ones(2, 3, dtype=torch.float64), "b.bias": torch.full((3,), 2.0, dtype=torch.float64)}
+    run = Run([3.0, 2.5, 2.0], state, [1.5, 1.25, 1.0])
+    return dataclasses.replace(run, **changes)
+
+
+@pytest.mark.parametrize("changes, where", [
+    ({"losses": [3.0, math.nan, 2.0]}, "step 1 loss nan"),
+    ({"losses": [3.0, 2.5, math.inf]}, "step 2 loss inf"),
+    ({"grad_norms": [1.5, 1.25, math.nan]}, "step 2 gradient norm nan"),
+    ({"state": {"a.weight": torch.ones(2, 3, dtype=torch.float64),
+                "b.bias": torch.tensor([2.0, math.nan, 2.0], dtype=torch.float64)}}, "parameter b.bias"),
+])
+def test_nonfinite_run_fails_naming_where(changes, where):
+    reference = _toy_run()
+    assert compare(reference, reference, TOLERANCE_FLOAT64)["ok"]
+    result = compare(_toy_run(**changes), reference, tolerance=1.0)  # even under a tolerance that lets anything pass
+    assert not result["ok"] and result["nonfinite"] == where, result
