@@ -34,6 +34,7 @@ import math
 import pytest
 import torch
 
+from parallelisms.support import validate_layout
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.launch import LaunchError
 from parallelisms.mesh import ParallelDims
@@ -153,7 +154,7 @@ for _group, _scenarios in OWN_LAUNCH.items():
     SCENARIOS.update(_scenarios)
     GROUP.update(dict.fromkeys(_scenarios, _group))
 
-SPECS = {name: RunSpec(model, train, parallel.validate(model, train), collect_state=True)
+SPECS = {name: RunSpec(model, train, validate_layout(model, train, parallel), collect_state=True)
          for name, (model, train, parallel) in SCENARIOS.items()}
 
 
