@@ -21,8 +21,6 @@ def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
     _check_expert_parallel(parallel, model)
     require(parallel.recompute in ("none", "selective", "full"),
             f"unknown --recompute {parallel.recompute!r}; choose none, selective or full")
-    require(parallel.recompute == "none" or dims.pp == 1,
-            f"--recompute {parallel.recompute} with --pp is not supported yet; drop one of them")
     _check_tensor_parallel(parallel, model, train)
     _check_context_parallel(parallel, model, train)
     _check_sharded_data_parallel(parallel)
@@ -46,6 +44,10 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
             f"--pp {dims.pp} with --zero 1 trains in fp32 only so far, got --mixed-precision "
             f"{parallel.mixed_precision}; drop --mixed-precision")
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
+    require(name != "pipedream" or parallel.recompute != "full",
+            "--recompute full with --schedule pipedream: weight stashing swaps a microbatch's weight version in "
+            "only for its forward call, so a block recomputed in backward would read the live, already updated "
+            "weights; use --recompute selective (no weights inside) or another schedule")
     require(parallel.pp_balance in ("layers", "measured"),
             f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
     require(name == "interleaved" or parallel.chunks == 1,

@@ -9,18 +9,22 @@ any collectives inside a recomputed region run again in backward, as in Megatron
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "selective", "full")
 
 
-def _checkpointed(module: nn.Module) -> None:
-    original = module.forward
+def _checkpointed_forward(self: nn.Module, *args):
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False)
 
-    def forward(*args):
-        return checkpoint(original, *args, use_reentrant=False)
-    module.forward = forward
+
+def _checkpointed(module: nn.Module) -> None:
+    """The instance's forward runs its class's forward under a checkpoint; a bound method, so a deep copy of
+    the module (DualPipe's second copy of a stage) recomputes its own forward, not the original's."""
+    module.forward = types.MethodType(_checkpointed_forward, module)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:

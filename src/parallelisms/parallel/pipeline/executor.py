@@ -63,7 +63,9 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, store):
         ctx.save_for_backward(x, weight)
-        ctx.store = store
+        # the parameter itself: under recomputation the saved weight unpacks as an alias of it, and the
+        # deferred gradient must land on the parameter's .grad
+        ctx.store, ctx.param = store, weight
         return F.linear(x, weight)
 
     @staticmethod
@@ -71,7 +73,7 @@ class _SplitLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.store.key is not None:
-            ctx.store.put(weight, grad_out, x)
+            ctx.store.put(ctx.param, grad_out, x)
             return grad_in, None, None
         return grad_in, grad_out.flatten(0, -2).t().mm(x.flatten(0, -2)), None
 
