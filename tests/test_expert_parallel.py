@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from parallelisms.cli import main
 from parallelisms.config import ParallelConfig, TrainConfig, preset
+from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
@@ -129,6 +130,27 @@ def test_expert_parallel_communication(trained):
         expected = (2 * (world - 1) / world * dense_bytes + 2 * (replicas - 1) / replicas * expert_bytes / dims.ep
                     + clip)
         assert comm["all_reduce"]["bytes_per_rank"] == pytest.approx(expected, rel=1e-12)
+
+
+# ep 8 with one expert per rank: at this seed, step 0's batch routes no token to layer 1's expert 2, so
+# rank 2 of ep receives nothing (it used to drop out of the backward all-to-alls and crash gloo)
+EP8_TRAIN = TrainConfig(steps=2, global_batch=8, seq_len=8, seed=10)
+
+
+def _train_ep8(info):
+    return train_rank(info, RunSpec(MOE, EP8_TRAIN, ParallelConfig(ParallelDims(dp_replicate=8, ep=8)),
+                                    collect_state=True))
+
+
+def test_expert_parallel_with_a_rank_whose_expert_gets_no_token():
+    model = build_model(MOE, EP8_TRAIN.seed)
+    with torch.no_grad():
+        model(*BatchLoader(load_corpus(), EP8_TRAIN.global_batch, EP8_TRAIN.seq_len, EP8_TRAIN.seed).shard(0, 0, 1))
+    assert model.layers[1].feed_forward.tokens_per_expert[2] == 0  # the case is hit
+    report = launch(_train_ep8, 8, threads=1)[0]
+    result = compare(report, reference_train(MOE, EP8_TRAIN))
+    assert result["ok"], result
+    assert report["comm"]["all_to_all"]["calls"] == MOE.n_layers * 5
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -29,10 +29,12 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate, w_up, w_down) 
 
     The grouped GEMM: rows are scattered into one [experts, max_count, dim] tensor so three batched
     matmuls serve every expert at once; padding rows are zero and are never read back.
+
+    No rows (an expert-parallel rank whose experts received no token) take the same path, so the [0, dim]
+    output stays in the autograd graph of ``x`` and the weights: backward still reaches the rank's
+    all-to-alls, which every rank of the group must issue, and the weights get zero gradients, not None.
     """
     experts = w_gate.shape[0]
-    if x.shape[0] == 0:
-        return x.new_zeros((0, w_down.shape[-1]))
     offsets = torch.cumsum(counts, 0) - counts
     expert_of = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
     slot = torch.arange(x.shape[0], device=x.device) - offsets[expert_of]
