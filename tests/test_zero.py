@@ -172,9 +172,9 @@ def test_ledger_bytes_match_data_parallel(run):
 @pytest.mark.parametrize("argv, needle", [
     (["--dp", "1", "--zero", "2"], "data-parallel degree is 1"),
     (["--dp", "2", "--zero", "4"], "not a ZeRO stage"),
-    (["--dp", "2", "--tp", "2", "--zero", "2", "--mixed-precision", "bf16"], "use fp32 with --tp"),
-    (["--dp", "2", "--tp", "2", "--fsdp", "full_shard", "--fsdp-style", "reuse"], "use --fsdp-style flat or per_param"),
-    (["--dp-replicate", "2", "--dp-shard", "2", "--cp", "2", "--fsdp", "hybrid_shard"], "with --cp use --zero"),
+    (["--dp", "2", "--tp", "2", "--zero", "2", "--mixed-precision", "bf16"], "--tp with --mixed-precision bf16: its bf16 partial sums have no single-process reference"),
+    (["--dp", "2", "--tp", "2", "--fsdp", "full_shard", "--fsdp-style", "reuse"], "--fsdp-style reuse with --tp"),
+    (["--dp-replicate", "2", "--dp-shard", "2", "--cp", "2", "--fsdp", "hybrid_shard"], "--fsdp hybrid_shard with --cp (ring)"),
     (["--dp", "4", "--fsdp", "hybrid_shard"], "needs a 2-D layout"),
     (["--dp", "2", "--fsdp", "fully_sharded"], "choose one of full_shard, shard_grad_op"),
     (["--dp", "2", "--zero", "3", "--fsdp", "full_shard"], "pick one"),

@@ -13,21 +13,139 @@ from parallelisms.parallel.context import check_context_parallel
 from parallelisms.parallel.fsdp import HYBRID, STRATEGIES
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
 
+# -- the support table ---------------------------------------------------------------------------------------
+# Features a layout can switch on, as `features()` names them, with the flag a user writes for each.
+FLAGS = {
+    "ddp": "--dp (DDP)", "zero1": "--zero 1", "zero2": "--zero 2", "zero3": "--zero 3",
+    **{f"fsdp-{s}": f"--fsdp {s}" for s in STRATEGIES},
+    "per_param": "--fsdp-style per_param", "reuse": "--fsdp-style reuse",
+    "tp": "--tp", "sp": "--sp", "tp-overlap": "--tp-overlap", "ring": "--cp (ring)", "ulysses": "--cp-attention ulysses",
+    "moe": "a mixture-of-experts model", "ep": "--ep", "pp": "--pp",
+    **{s: f"--schedule {s}" for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe",
+                                      "dualpipev", "pipedream")},
+    "recompute-selective": "--recompute selective", "recompute-full": "--recompute full",
+    "bf16": "--mixed-precision bf16", "float64": "--dtype float64",
+}
+
+_FSDP = [f"fsdp-{s}" for s in STRATEGIES]
+_SPLIT_OR_COPIES = ["zb-h1", "zb-h2", "zb-v", "dualpipe", "dualpipev", "pipedream"]
+
+
+def _pairs(left, right, reason: str) -> dict:
+    left, right = ([left] if isinstance(left, str) else left), ([right] if isinstance(right, str) else right)
+    return {frozenset((a, b)): reason for a in left for b in right}
+
+
+# Every pair of features that cannot run together, with the reason; any pair not listed works (each tested
+# or verified; see README's feature table). Validation reads this table before any per-value check.
+UNSUPPORTED: dict[frozenset, str] = {
+    **_pairs("pp", ["ring", "ulysses"], "not built yet: the executor feeds every stage the whole sequence, not "
+             "the rank's context-parallel positions"),
+    **_pairs("pp", ["moe", "ep"], "not built yet: the auxiliary load-balancing loss of earlier stages' layers is "
+             "not carried to the last stage's loss"),
+    **_pairs("pp", _FSDP + ["zero2", "zero3"], "not built yet: pipeline stages shard optimizer state only (--zero "
+             "1, Megatron's distributed optimizer); gradient and parameter sharding across the microbatches of a "
+             "step is not written for stages"),
+    **_pairs("pp", "bf16", "not built yet: pipeline stages train in fp32 (their flat buffers hold one dtype)"),
+    **_pairs(["dualpipe", "pipedream"], "zero1", "DualPipe keeps two copies of each stage and PipeDream updates "
+             "per microbatch: neither has one sharded optimizer step"),
+    **_pairs("pipedream", "ddp", "PipeDream updates weights per microbatch, so there is no step at which "
+             "replicas could average their gradients"),
+    **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
+             "its forward call, so a block recomputed in backward would read the live, already updated weights"),
+    **_pairs("tp", _SPLIT_OR_COPIES, "not built yet: tensor-parallel layers do not defer their weight gradients "
+             "to the W-store, DualPipe's copies and PipeDream's per-stage clipping do not see tp"),
+    **_pairs("bf16", "tp", "its bf16 partial sums have no single-process reference to verify against (1.7e-2 off "
+             "the bf16 one)"),
+    **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
+    **_pairs(["per_param", "reuse"], "bf16", "not built yet: the per-parameter engines keep one dtype"),
+    **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
+             "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
+             "what autograd saved"),
+    **_pairs("reuse", "tp", "not built yet: the two reused buffers are sized for unsharded units"),
+    **_pairs(["ring", "ulysses"], "sp", "not built yet: Megatron SP and context parallelism would both shard "
+             "the sequence"),
+    **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
+             "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
+             "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
+    **_pairs("moe", ["tp", "ring", "ulysses"], "not built yet: the experts and router are not split over tp and "
+             "routing is not computed on context-parallel sequence shards"),
+    **_pairs("ep", ["zero1", "zero2", "zero3"] + _FSDP, "not built yet: expert weights would need sharding over the "
+             "ranks holding the same experts (ep_replicate)"),
+}
+
+
+def features(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> list[str]:
+    """The features this layout switches on, by the support table's names."""
+    dims, out = parallel.dims, []
+    if dims.dp > 1 and not (parallel.zero or parallel.fsdp):
+        out.append("ddp")
+    if parallel.zero:
+        out.append(f"zero{parallel.zero}")
+    if parallel.fsdp:
+        out.append(f"fsdp-{parallel.fsdp}")
+    if parallel.fsdp_style in ("per_param", "reuse"):
+        out.append(parallel.fsdp_style)
+    out += [name for name, on in (("tp", dims.tp > 1), ("sp", parallel.sequence_parallel),
+                                  ("tp-overlap", parallel.tp_overlap), ("moe", model.n_experts > 0),
+                                  ("ep", dims.ep > 1), ("pp", dims.pp > 1)) if on]
+    if dims.cp > 1:
+        out.append(parallel.cp_attention)
+    if dims.pp > 1:
+        out.append(parallel.schedule)
+    if parallel.recompute != "none":
+        out.append(f"recompute-{parallel.recompute}")
+    if parallel.mixed_precision == "bf16":
+        out.append("bf16")
+    if train.dtype == "float64":
+        out.append("float64")
+    return out
+
+
+def check_pairs(feats: list[str]) -> None:
+    """One line for the first pair of ``feats`` the support table says cannot run together."""
+    for i, a in enumerate(feats):
+        for b in feats[i + 1:]:
+            reason = UNSUPPORTED.get(frozenset((a, b)))
+            require(reason is None, f"{FLAGS.get(a, a)} with {FLAGS.get(b, b)}: {reason}")
+
+
+def not_supported_markdown() -> str:
+    """The README's list of pairs that do not run, generated from the table (a test keeps them equal)."""
+    by_reason: dict[str, list[str]] = {}
+    for pair, reason in UNSUPPORTED.items():
+        a, b = sorted(pair, key=list(FLAGS).index)
+        by_reason.setdefault(reason, []).append(f"`{FLAGS[a]}` with `{FLAGS[b]}`")
+    return "\n".join(f"- {', '.join(pairs)}: {reason}." for reason, pairs in by_reason.items())
+
 
 def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> ParallelConfig:
     """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
     dims = parallel.dims
+    _check_names(parallel)
+    check_pairs(features(model, train, parallel))
     _check_pipeline(parallel, model, train)
     _check_expert_parallel(parallel, model)
-    require(parallel.recompute in ("none", "selective", "full"),
-            f"unknown --recompute {parallel.recompute!r}; choose none, selective or full")
     _check_tensor_parallel(parallel, model, train)
     _check_context_parallel(parallel, model, train)
     _check_sharded_data_parallel(parallel)
     train.validate(model, dp=dims.dp)
-    require(parallel.mixed_precision == "fp32" or train.dtype == "float32",
-            f"--mixed-precision {parallel.mixed_precision} keeps float32 master weights; drop --dtype {train.dtype}")
     return parallel
+
+
+def _check_names(parallel: ParallelConfig) -> None:
+    """Every named option is one that exists (the support table names features by them)."""
+    require(parallel.recompute in ("none", "selective", "full"),
+            f"unknown --recompute {parallel.recompute!r}; choose none, selective or full")
+    require(parallel.zero in (0, 1, 2, 3), f"--zero {parallel.zero} is not a ZeRO stage; use 1, 2 or 3 (or 0 for plain DDP)")
+    require(parallel.fsdp is None or parallel.fsdp in STRATEGIES,
+            f"unknown --fsdp strategy {parallel.fsdp!r}; choose one of {', '.join(STRATEGIES)}")
+    require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
+            f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
+    require(parallel.cp_attention in ("ring", "ulysses"),
+            f"unknown --cp-attention {parallel.cp_attention!r}; choose ring or ulysses")
+    require(parallel.mixed_precision in ("fp32", "bf16"),
+            f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
 
 
 def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
@@ -36,38 +154,18 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     dims, name = parallel.dims, parallel.schedule
     if dims.pp == 1:
         return
-    require(dims.cp == 1 and dims.ep == 1 and not parallel.fsdp,
-            f"--pp {dims.pp} composes with --dp, --tp (with or without --sp) and --zero 1 only so far; drop --cp/--ep/--fsdp")
-    require(parallel.zero in (0, 1), f"--pp {dims.pp} with --zero {parallel.zero}: pipeline stages shard optimizer "
-                                     f"state only (--zero 1, Megatron's distributed optimizer); use --zero 1")
-    require(not parallel.zero or parallel.mixed_precision == "fp32",
-            f"--pp {dims.pp} with --zero 1 trains in fp32 only so far, got --mixed-precision "
-            f"{parallel.mixed_precision}; drop --mixed-precision")
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
-    require(name != "pipedream" or parallel.recompute != "full",
-            "--recompute full with --schedule pipedream: weight stashing swaps a microbatch's weight version in "
-            "only for its forward call, so a block recomputed in backward would read the live, already updated "
-            "weights; use --recompute selective (no weights inside) or another schedule")
     require(parallel.pp_balance in ("layers", "measured"),
             f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
     require(name == "interleaved" or parallel.chunks == 1,
             f"--chunks {parallel.chunks} applies to --schedule interleaved only ({name} fixes its chunks)")
     require(train.grad_accum == 1, f"--grad-accum {train.grad_accum} with --pp: the pipeline's --microbatches "
                                    f"already accumulate; use --microbatches instead")
-    require(name != "pipedream" or dims.dp == 1,
-            f"--schedule pipedream updates weights per microbatch and runs with --dp 1 only, got --dp {dims.dp}")
     m = parallel.microbatches or 2 * dims.pp
     try:
         schedule = build_schedule(name, dims.pp, m, parallel.chunks if name == "interleaved" else None)
     except ScheduleError as exc:
         raise ConfigError(f"--schedule {exc}") from None
-    require(not parallel.zero or not (len(schedule.placement) > 1 or name == "pipedream"),
-            f"--zero 1 with --schedule {name}: DualPipe keeps two copies of each stage and PipeDream updates per "
-            f"microbatch, neither has one sharded optimizer step; use gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v "
-            f"or dualpipev")
-    require(dims.tp == 1 or not (schedule.split_backward or len(schedule.placement) > 1 or name == "pipedream"),
-            f"--pp {dims.pp} with --tp {dims.tp} runs --schedule gpipe, 1f1b or interleaved; {name} (split backward, "
-            f"DualPipe copies or per-stage clipping) does not handle tensor-parallel layers yet")
     require(model.n_layers >= schedule.num_stages,
             f"{model.n_layers} layers cannot fill {schedule.num_stages} pipeline stages ({name}: pp {dims.pp} x "
             f"{schedule.chunks} chunk(s)); use at least {schedule.num_stages} layers or a smaller --pp/--chunks")
@@ -81,17 +179,10 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     2-D dp_replicate x dp_shard mesh exactly for the hybrid strategies."""
     dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
     two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
-    require(zero in (0, 1, 2, 3), f"--zero {zero} is not a ZeRO stage; use 1, 2 or 3 (or 0 for plain DDP)")
-    require(fsdp is None or fsdp in STRATEGIES, f"unknown --fsdp strategy {fsdp!r}; choose one of {', '.join(STRATEGIES)}")
     require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "
                                  f"(--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)")
-    require(parallel.mixed_precision in ("fp32", "bf16"),
-            f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
     require(parallel.mixed_precision == "fp32" or zero or fsdp,
             "--mixed-precision bf16 needs --zero or --fsdp (plain DDP trains in fp32); add --zero 1")
-    require(parallel.mixed_precision == "fp32" or dims.tp == 1,
-            f"--mixed-precision bf16 with --tp {dims.tp} is not supported: its bf16 partial sums have no "
-            f"single-process reference to verify against (1.7e-2 off the bf16 one); use fp32 with --tp")
     require(not zero or dims.dp * dims.cp > 1,
             f"--zero {zero} shards over data-parallel ranks but the data-parallel degree is {dims.dp}; use --dp 2 or more")
     require(not zero or not two_d,
@@ -106,30 +197,12 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
                            f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
     require(fsdp is None or dims.dp * dims.cp > 1,
             f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
-    require(not fsdp or dims.pp == 1,
-            f"--fsdp {fsdp} combines with --dp, --tp and --cp only so far (got {dims.describe()}); drop --pp, "
-            f"or use --zero 1, which composes with --pp")
-    require(not (zero or fsdp) or dims.cp == 1 or (fsdp not in HYBRID and parallel.fsdp_style == "flat"),
-            f"--cp {dims.cp} with --fsdp {fsdp} --fsdp-style {parallel.fsdp_style} is not supported; with --cp "
-            f"use --zero 1/2/3 or a 1-D --fsdp strategy in the flat style")
-    require(not (zero or fsdp) or dims.tp == 1 or parallel.fsdp_style in ("flat", "per_param"),
-            f"--fsdp-style {parallel.fsdp_style} with --tp {dims.tp} is not supported; use --fsdp-style flat or "
-            f"per_param, which shard the tensor-parallel shards")
     require(not (zero or fsdp) or parallel.fsdp_style == "flat" or fsdp is not None,
             f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
-    require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
-            f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
     if parallel.fsdp_style != "flat":
         strategies = ("full_shard",) if parallel.fsdp_style == "reuse" else ("full_shard", "shard_grad_op")
         require(fsdp in strategies, f"--fsdp-style {parallel.fsdp_style} runs --fsdp {' or '.join(strategies)}, "
                                     f"got {fsdp}; use --fsdp-style flat for the others")
-        require(parallel.mixed_precision == "fp32", f"--fsdp-style {parallel.fsdp_style} trains in fp32 only; "
-                                                    f"use --fsdp-style flat for --mixed-precision bf16")
-        require(parallel.recompute != "full",
-                f"--recompute full with --fsdp-style {parallel.fsdp_style}: this engine swaps a unit's full weights "
-                f"in around its forward call, which the block's recomputation in backward does not pass through, "
-                f"and re-gathers only what autograd saved; use --recompute selective (no weights inside) or "
-                f"--fsdp-style flat")
 
 
 def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
@@ -162,17 +235,14 @@ def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train:
     """--cp / --cp-attention: a sequence the ring's zigzag chunks (or Ulysses' contiguous chunks) divide, and
     for Ulysses heads the degree divides (after tensor parallelism has split them)."""
     dims = parallel.dims
-    require(parallel.cp_attention in ("ring", "ulysses"),
-            f"unknown --cp-attention {parallel.cp_attention!r}; choose ring or ulysses")
     if dims.cp == 1:
         return
-    require(not parallel.sequence_parallel, f"--cp {dims.cp} with --sp is not supported yet; drop --sp")
     check_context_parallel(parallel.cp_attention, dims.cp, model.n_heads // dims.tp,
                            max(1, model.n_kv_heads // dims.tp), train.seq_len)
 
 
 def _check_expert_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
-    """--ep: an MoE model whose experts split evenly; MoE models compose with dp and ep only so far."""
+    """--ep: a mixture-of-experts model whose experts split evenly over it."""
     dims = parallel.dims
     if dims.ep > 1:
         require(model.n_experts > 0, f"--ep {dims.ep} needs a mixture-of-experts model, but this one is dense; "
@@ -180,10 +250,3 @@ def _check_expert_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
         require(model.n_experts % dims.ep == 0,
                 f"--ep {dims.ep} must divide n_experts {model.n_experts}; "
                 f"try --ep in {[d for d in divisors(model.n_experts) if d > 1]}")
-    if model.n_experts:
-        require(dims.tp == dims.pp == dims.cp == 1,
-                f"a mixture-of-experts model runs with --dp, --ep, --zero and --fsdp only so far, got "
-                f"{dims.describe()}; drop --tp/--pp/--cp")
-        require(dims.ep == 1 or not (parallel.zero or parallel.fsdp),
-                f"--zero/--fsdp with --ep {dims.ep} is not supported yet (expert weights would need sharding over "
-                f"the ranks holding the same experts); use --ep 1 with --zero/--fsdp, or --ep without them")
