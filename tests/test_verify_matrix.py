@@ -11,7 +11,8 @@ scenario targets a path a bug can hide in:
   tp 4 (padded vocab-parallel embedding and head), sequence parallelism, the overlapped input gradient;
 - ring attention at cp 4 (the direction of the ring matters) and Ulysses, alone and under ZeRO-3 / FSDP;
 - expert parallelism (tiny-moe at dp 4 with ep 2 and ep 4; ep 2 with capacity and accumulation; ep 8);
-- every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2;
+- every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2,
+  pp 2 x cp 2 (ring and Ulysses, and with dp 2 and ZeRO-1);
 - sharded engines over tensor-parallel shards (ZeRO-1/2/3, hybrid, pipeline ZeRO-1) on eight ranks;
 - activation recomputation under DDP and ZeRO-3;
 - clipping active (0.5, below every step's reference norm, which is asserted, and shown to change the
@@ -131,10 +132,20 @@ SCENARIOS.update({
                                                              microbatches=4, sequence_parallel=True)),
     "pp2_tp2_interleaved": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, tp=2), schedule="interleaved",
                                                              chunks=2, microbatches=4)),
+    # pipeline x context parallelism: every stage runs on the rank's sequence positions, gradients averaged
+    # over dp x cp
+    "pp2_ring_cp2_1f1b_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, cp=2), schedule="1f1b",
+                                                               microbatches=4)),
+    "pp2_ulysses_cp2_zbv": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, cp=2), schedule="zb-v",
+                                                             cp_attention="ulysses", microbatches=4)),
+    "pp2_dp2_ring_cp2_zero1_interleaved": (PIPE, PIPE_PLAIN, ParallelConfig(
+        ParallelDims(pp=2, dp_shard=2, cp=2), zero=1, schedule="interleaved", chunks=2, microbatches=2)),
 })
 # Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
 # pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over
-# different mesh dimensions (a rank may hold no piece of a group); expert parallelism over eight ranks.
+# different mesh dimensions (a rank may hold no piece of a group: both aborted until the empty groups took
+# the gradients' dtype); expert parallelism over eight ranks (aborted until a rank whose expert receives no
+# token kept its place in the backward all-to-alls).
 OWN_LAUNCH = {
     "sharded_tp": {
         "dp4_tp2_sp_zero3_clip": (TINY, CLIP, ParallelConfig(ParallelDims(dp_shard=4, tp=2), zero=3,

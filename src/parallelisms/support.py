@@ -39,8 +39,6 @@ def _pairs(left, right, reason: str) -> dict:
 # Every pair of features that cannot run together, with the reason; any pair not listed works (each tested
 # or verified; see README's feature table). Validation reads this table before any per-value check.
 UNSUPPORTED: dict[frozenset, str] = {
-    **_pairs("pp", ["ring", "ulysses"], "not built yet: the executor feeds every stage the whole sequence, not "
-             "the rank's context-parallel positions"),
     **_pairs("pp", ["moe", "ep"], "not built yet: the auxiliary load-balancing loss of earlier stages' layers is "
              "not carried to the last stage's loss"),
     **_pairs("pp", _FSDP + ["zero2", "zero3"], "not built yet: pipeline stages shard optimizer state only (--zero "
@@ -51,6 +49,8 @@ UNSUPPORTED: dict[frozenset, str] = {
              "per microbatch: neither has one sharded optimizer step"),
     **_pairs("pipedream", "ddp", "PipeDream updates weights per microbatch, so there is no step at which "
              "replicas could average their gradients"),
+    **_pairs("pipedream", ["ring", "ulysses"], "PipeDream updates each stage per microbatch without communication, "
+             "while context-parallel ranks hold different tokens whose gradients would first have to be summed"),
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
              "its forward call, so a block recomputed in backward would read the live, already updated weights"),
     **_pairs("tp", _SPLIT_OR_COPIES, "not built yet: tensor-parallel layers do not defer their weight gradients "

@@ -166,9 +166,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         stashing = WeightStashing(stages, train)
         hooks = {"forward_fn": stashing.forward, "on_optimizer": stashing.update}
         pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
-                                    before_step=stashing.start_window, **hooks)
+                                    before_step=stashing.start_window, positions=positions, **hooks)
         return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
-    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, **hooks)
+    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions, **hooks)
     return Trainer(grad_sync, pipeline, comms, train, optimizer)
 
 
@@ -179,7 +179,9 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
     (dp x cp; expert weights over their replicas), or plain local gradients."""
     dims = parallel.dims
     if dims.pp > 1:
-        return StageShards(stages, comms) if parallel.zero else StageGradients(stages, copies, comms)
+        data_dim = "dp_cp" if dims.cp > 1 else "dp"  # context-parallel ranks hold different tokens too
+        return StageShards(stages, comms, data_dim) if parallel.zero else StageGradients(stages, copies, comms,
+                                                                                         data_dim)
     if parallel.fsdp and parallel.fsdp_style == "reuse":
         return ReuseSharding(model, comms, "dp_shard")
     if parallel.fsdp and parallel.fsdp_style == "per_param":

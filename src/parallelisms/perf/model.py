@@ -143,7 +143,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         schedule = build_schedule(parallel.schedule, dims.pp, m, parallel.chunks if parallel.schedule == "interleaved"
                                   else None)
         sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
-        activation = train.global_batch // dims.dp // m * train.seq_len * cfg.dim * dtype_bytes
+        activation = train.global_batch // dims.dp // m * train.seq_len // dims.cp * cfg.dim * dtype_bytes
         if parallel.sequence_parallel:  # stages exchange the sequence-sharded residual stream
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))

@@ -120,7 +120,7 @@ class Executor:
         self.dtype = next(next(iter(stages.values())).parameters()).dtype  # of the activations exchanged
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
-        self.forward_fn = forward_fn or (lambda a, module, x, y: module(x, y))
+        self.forward_fn = forward_fn or (lambda a, module, x, y, **kwargs: module(x, y, **kwargs))
         self.on_optimizer = on_optimizer or (lambda a: None)
         self.on_stage_done = on_stage_done or (lambda stage: None)
         # the order in which each peer sends to this rank: receives are posted in that order

@@ -45,7 +45,7 @@ class WeightStashing:
         self.leaves: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the leaves its forward used
         self.updates = {s: 0 for s in self.named}      # updates applied in this window
 
-    def forward(self, a: Action, module, x, targets):
+    def forward(self, a: Action, module, x, targets, **kwargs):
         if a.version != self.updates[a.stage]:
             raise RuntimeError(f"stage {a.stage} forward of mb {a.mb} expects version {a.version}, "
                                f"but {self.updates[a.stage]} updates were applied")
@@ -55,7 +55,7 @@ class WeightStashing:
             self.stash[a.stage] = (a.version, weights)
         leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
         self.leaves[(a.stage, a.mb)] = leaves
-        return functional_call(module, leaves, (x, targets))
+        return functional_call(module, leaves, (x, targets), kwargs)
 
     def update(self, a: Action) -> None:
         leaves = self.leaves.pop((a.stage, a.mb))

@@ -16,6 +16,7 @@ under sequence parallelism, its sequence shard (1/tp of the bytes).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -60,10 +61,10 @@ class StageGradients(LocalGradients):
     global norm sums stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales
     them)."""
 
-    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms):
+    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms, data_dim: str = "dp"):
         super().__init__(nn.ModuleList(stages.values()), comms)
         self.stages, self.copies = stages, copies
-        self.dp_comm, self.pp_comm = comms["dp"], comms["pp"]
+        self.dp_comm, self.pp_comm = comms[data_dim], comms["pp"]
         self.pending: list = []
         self.buckets = ({} if self.dp_comm.size == 1 and not copies else
                         {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
@@ -112,14 +113,19 @@ class PipelineSchedule:
     loop of a pipelined layout. Each microbatch's mean loss is scaled by ``loss_scale`` (1/M: the accumulated
     gradient is the batch mean's); the returned loss is the global mean over microbatches. ``hooks`` go to
     the :class:`Executor` (the gradient sync's ``stage_done``; PipeDream's forward and update), and
-    ``before_step`` runs first (PipeDream opens a new window of weight versions)."""
+    ``before_step`` runs first (PipeDream opens a new window of weight versions). Context parallelism: the
+    step runs on this rank's sequence ``positions`` (every stage rotates by them; messages hold them only)."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comms: Comms, hidden_dim: int,
                  bounds: list[int], store: WeightGradStore, loss_scale: float | None = None,
-                 before_step=None, **hooks):
+                 before_step=None, positions: torch.Tensor | None = None, **hooks):
         self.schedule, self.stages, self.comms, self.bounds = schedule, stages, comms, bounds
         self.pp_comm, self.hidden_dim = comms["pp"], hidden_dim
         self.loss_scale = 1.0 / schedule.microbatches if loss_scale is None else loss_scale
+        self.positions = positions
+        if positions is not None:
+            forward = hooks.pop("forward_fn", None) or (lambda a, module, x, y, **kwargs: module(x, y, **kwargs))
+            hooks["forward_fn"] = functools.partial(forward, positions=positions)
         self.executor = Executor(schedule, self.pp_comm.rank, stages, self.pp_comm, comms.timeline, store,
                                  **hooks)
         self.before_step = before_step or (lambda: None)
@@ -127,6 +133,8 @@ class PipelineSchedule:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync=None) -> torch.Tensor:
         self.before_step()
+        if self.positions is not None:
+            inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         m = self.schedule.microbatches
         micro = microbatches(inputs, targets, m)
         ledger = self.comms.ledger

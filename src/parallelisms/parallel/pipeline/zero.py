@@ -69,9 +69,9 @@ class StageShards:
     per stage of this rank; the optimizer holds the shards' slices. gpipe, 1f1b, interleaved and the
     zero-bubble schedules (DualPipe's stage copies and PipeDream's per-microbatch updates are not)."""
 
-    def __init__(self, stages: dict[int, nn.Module], comms: Comms):
+    def __init__(self, stages: dict[int, nn.Module], comms: Comms, data_dim: str = "dp"):
         self.stages, self.comms = stages, comms
-        self.shards = {s: StageShard(list(st.parameters()), comms["dp"]) for s, st in stages.items()}
+        self.shards = {s: StageShard(list(st.parameters()), comms[data_dim]) for s, st in stages.items()}
         self.pending: list = []
 
     def parameters(self) -> list[nn.Parameter]:
