@@ -12,7 +12,7 @@ scenario targets a path a bug can hide in:
 - ring attention at cp 4 (the direction of the ring matters) and Ulysses, alone and under ZeRO-3 / FSDP;
 - expert parallelism (tiny-moe at dp 4 with ep 2 and ep 4; ep 2 with capacity and accumulation; ep 8);
 - every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2,
-  pp 2 x cp 2 (ring and Ulysses, and with dp 2 and ZeRO-1);
+  pp 2 x cp 2 (ring and Ulysses, and with dp 2 and ZeRO-1), pp 2 with MoE (zb-v, DualPipeV) and pp 2 x dp 2 x ep 2;
 - sharded engines over tensor-parallel shards (ZeRO-1/2/3, hybrid, pipeline ZeRO-1) on eight ranks;
 - activation recomputation under DDP and ZeRO-3;
 - clipping active (0.5, below every step's reference norm, which is asserted, and shown to change the
@@ -57,6 +57,8 @@ ODD_VOCAB = dataclasses.replace(TINY, vocab_size=257)
 ODD = ModelConfig(vocab_size=257, dim=30, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=50, max_seq_len=64)
 # eight thin layers: a layer for each of pp 4 x 2 virtual stages (interleaved, zb-v, dualpipev)
 PIPE = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+PIPE_MOE = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=32, max_seq_len=64,
+                       n_experts=4, top_k=2)
 
 PLAIN = TrainConfig(steps=3, global_batch=8, seq_len=16, grad_clip=0.0, bucket_mb=0.05, dtype="float64")
 CLIP = PLAIN.replace(grad_clip=0.5)  # the clipped models' norms measure 1.6 to 2.7: every step is scaled
@@ -140,6 +142,13 @@ SCENARIOS.update({
                                                              cp_attention="ulysses", microbatches=4)),
     "pp2_dp2_ring_cp2_zero1_interleaved": (PIPE, PIPE_PLAIN, ParallelConfig(
         ParallelDims(pp=2, dp_shard=2, cp=2), zero=1, schedule="interleaved", chunks=2, microbatches=2)),
+    # pipeline x mixture of experts: a stage without the head backpropagates its layers' load-balancing term
+    # beside its output; expert weights reduced over their replicas only
+    "pp2_moe_zbv_clip": (PIPE_MOE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2), schedule="zb-v", microbatches=4)),
+    "pp2_moe_dualpipev": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2), schedule="dualpipev",
+                                                               microbatches=4)),
+    "pp2_dp2_ep2_moe_1f1b": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, ep=2),
+                                                                  schedule="1f1b", microbatches=2)),
 })
 # Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
 # pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over

@@ -82,6 +82,11 @@ class Comm:
         self.rank = 0 if group is None else dist.get_rank(group)
         self._shm = None  # the shared-memory all-reduce: None until decided, False when not available
 
+    def __deepcopy__(self, memo) -> "Comm":
+        """A handle on a process group, not data: a copied module (DualPipe's second copy of a stage) talks over
+        the same group and records into the same ledger."""
+        return self
+
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 

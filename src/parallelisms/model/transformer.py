@@ -160,9 +160,16 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         loss = self.loss(logits, targets)
-        if self.cfg.n_experts and self.cfg.aux_loss_coef:
-            loss = loss + self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers.values())
-        return loss
+        aux = self.aux_loss_term()
+        return loss if aux is None else loss + aux
+
+    def aux_loss_term(self) -> torch.Tensor | None:
+        """The load-balancing term of the last forward's loss over this model's (or stage's) layers: the
+        auxiliary loss coefficient times the sum of their MoE auxiliary losses; None for a dense model. A
+        pipeline stage without the head backpropagates its own term beside its output."""
+        if not (self.cfg.n_experts and self.cfg.aux_loss_coef and self.layers):
+            return None
+        return self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers.values())
 
 
     def stage(self, layers: range, first: bool, last: bool) -> "Transformer":

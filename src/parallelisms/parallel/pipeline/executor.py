@@ -144,7 +144,7 @@ class Executor:
         self.tokens, self.targets = tokens, targets
         self.acts: dict = {}      # (stage, mb) -> output of stage, waiting for stage + 1
         self.grads: dict = {}     # (stage, mb) -> gradient of stage's input, waiting for stage - 1
-        self.saved: dict = {}     # (stage, mb) -> (input, output) until its backward
+        self.saved: dict = {}     # (stage, mb) -> (input, output, MoE term or None) until its backward
         self.posted: dict = {}    # (tag, stage, mb) -> (buffer, batch handle, peer) of posted receives
         self.cursor = {peer: 0 for peer in self.send_order}
         self.ahead = {peer: 0 for peer in self.send_order}  # posted receives not yet consumed, per peer
@@ -236,21 +236,27 @@ class Executor:
         else:
             x = self.acts.pop((a.stage - 1, a.mb)).detach().requires_grad_()
         out = self.forward_fn(a, module, x, self.targets[a.mb] if module.output is not None else None)
-        self.saved[key] = (x, out)
+        # a stage without the head carries its layers' MoE load-balancing term itself (into its backward
+        # and the reported loss); the last stage's loss already holds its own
+        aux = module.aux_loss_term() if module.output is None else None
+        self.saved[key] = (x, out, aux)
         self.peak_held = max(self.peak_held, len(self.saved) + len(self.store.pending))
         if module.output is not None:
             self.losses.append(out.detach())
         else:
             self.acts[key] = out.detach()
+            if aux is not None:
+                self.losses.append(aux.detach())
 
     def _backward(self, a: Action) -> None:
         key, module = (a.stage, a.mb), self.stages[a.stage]
-        x, out = self.saved.pop(key)
+        x, out, aux = self.saved.pop(key)
         grad = torch.full_like(out, self.scale) if module.output is not None else self.grads.pop((a.stage + 1, a.mb))
+        outs, grads = ([out, aux], [grad, torch.full_like(aux, self.scale)]) if aux is not None else ([out], [grad])
         if a.kind is Kind.BACKWARD_INPUT:
             with self.store.deferring(key):
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(outs, grads)
         else:
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(outs, grads)
         if a.stage > 0:
             self.grads[key] = x.grad

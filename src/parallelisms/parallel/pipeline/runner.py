@@ -26,7 +26,7 @@ from torch import nn
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
-from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded
+from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded, sharded_over
 from parallelisms.parallel.data import Bucket
 from parallelisms.parallel.grad_sync import LocalGradients
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
@@ -55,25 +55,32 @@ def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms
 
 
 class StageGradients(LocalGradients):
-    """The pipeline's ``GradSync`` without sharding: one flat gradient buffer per stage, all-reduced over
-    ``dp`` as soon as the stage's backward of the step is done (:meth:`stage_done`, called by the executor),
-    and DualPipe's two copies of a stage exchanging their buffers. Without either, plain gradients. The
-    global norm sums stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales
-    them)."""
+    """The pipeline's ``GradSync`` without sharding: flat gradient buffers per stage, all-reduced over the
+    data-parallel ranks as soon as the stage's backward of the step is done (:meth:`stage_done`, called by
+    the executor), and DualPipe's two copies of a stage exchanging their buffers. Without either, plain
+    gradients. Expert weights (sharded over ``ep``) have a buffer of their own, summed over the ranks holding
+    the same experts only, and like every gradient divided by the data-parallel size. The global norm sums
+    stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales them)."""
 
     def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms, data_dim: str = "dp"):
         super().__init__(nn.ModuleList(stages.values()), comms)
         self.stages, self.copies = stages, copies
         self.dp_comm, self.pp_comm = comms[data_dim], comms["pp"]
         self.pending: list = []
-        self.buckets = ({} if self.dp_comm.size == 1 and not copies else
-                        {s: Bucket(list(st.parameters()), [n for n, _ in st.named_parameters()], self.dp_comm)
-                         for s, st in stages.items()})
+        self.buckets: dict[int, list[Bucket]] = {}
+        if self.dp_comm.size > 1 or copies:
+            for s, st in stages.items():
+                named = list(st.named_parameters())
+                experts = [(n, p) for n, p in named if "ep" in sharded_over(p)]
+                dense = [(n, p) for n, p in named if "ep" not in sharded_over(p)]
+                self.buckets[s] = [Bucket([p for _, p in group], [n for n, _ in group], comm)
+                                   for group, comm in ((dense, self.dp_comm), (experts, comms["ep_replicate"]))
+                                   if group]
 
     def zero_grad(self) -> None:
         if not self.buckets:
             super().zero_grad()
-        for bucket in self.buckets.values():
+        for bucket in (b for buckets in self.buckets.values() for b in buckets):
             bucket.buffer.zero_()
             for param, view in zip(bucket.params, bucket.views):
                 param.grad = view
@@ -81,8 +88,9 @@ class StageGradients(LocalGradients):
     def stage_done(self, stage: int) -> None:
         """Launch the data-parallel average of one stage's gradients (the stage's backward is complete)."""
         if self.dp_comm.size > 1:
-            buffer = self.buckets[stage].buffer.div_(self.dp_comm.size)
-            self.pending.append(self.dp_comm.all_reduce(buffer, async_op=True))
+            for bucket in self.buckets[stage]:
+                bucket.buffer.div_(self.dp_comm.size)
+                self.pending.append(bucket.comm.all_reduce(bucket.buffer, async_op=True))
 
     def finish(self) -> None:
         for pending in self.pending:
@@ -90,12 +98,12 @@ class StageGradients(LocalGradients):
         self.pending = []
         if self.copies:  # rank r and rank pp-1-r hold the same two stages; each adds the other's buffers
             peer = self.pp_comm.size - 1 - self.pp_comm.rank
-            mine = sorted(self.buckets)
-            theirs = [torch.empty_like(self.buckets[s].buffer) for s in mine]
-            self.pp_comm.send_recv(sends=[(self.buckets[s].buffer, peer) for s in mine],
+            mine = [b.buffer for s in sorted(self.buckets) for b in self.buckets[s]]
+            theirs = [torch.empty_like(buffer) for buffer in mine]
+            self.pp_comm.send_recv(sends=[(buffer, peer) for buffer in mine],
                                    recvs=list(zip(theirs, [peer] * len(mine)))).wait()
-            for s, other in zip(mine, theirs):  # the peer holds the same two stages, sent in the same order
-                self.buckets[s].buffer.add_(other)
+            for buffer, other in zip(mine, theirs):  # the peer holds the same stages, sent in the same order
+                buffer.add_(other)
 
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
