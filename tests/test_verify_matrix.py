@@ -12,7 +12,8 @@ scenario targets a path a bug can hide in:
 - ring attention at cp 4 (the direction of the ring matters) and Ulysses, alone and under ZeRO-3 / FSDP;
 - expert parallelism (tiny-moe at dp 4 with ep 2 and ep 4; ep 2 with capacity and accumulation; ep 8);
 - every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2,
-  pp 2 x cp 2 (ring and Ulysses, and with dp 2 and ZeRO-1), pp 2 with MoE (zb-v, DualPipeV) and pp 2 x dp 2 x ep 2;
+  pp 2 x cp 2 (ring and Ulysses, and with dp 2 and ZeRO-1), pp 2 with MoE (zb-v, DualPipeV) and pp 2 x dp 2 x ep 2; MoE
+  under tp 2 (experts replicated over tp), with ep 2, and pp 2 x dp 2 x tp 2 x ep 2;
 - sharded engines over tensor-parallel shards (ZeRO-1/2/3, hybrid, pipeline ZeRO-1) on eight ranks;
 - activation recomputation under DDP and ZeRO-3;
 - clipping active (0.5, below every step's reference norm, which is asserted, and shown to change the
@@ -149,6 +150,11 @@ SCENARIOS.update({
                                                                microbatches=4)),
     "pp2_dp2_ep2_moe_1f1b": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, ep=2),
                                                                   schedule="1f1b", microbatches=2)),
+    # mixture of experts under tensor parallelism: experts whole on every tp rank (replicated over tp)
+    "tp2_moe_clip": (PIPE_MOE, CLIP, ParallelConfig(ParallelDims(tp=2))),
+    "dp2_tp2_ep2_moe": (PIPE_MOE, PLAIN, ParallelConfig(ParallelDims(dp_replicate=2, tp=2, ep=2))),
+    "pp2_dp2_tp2_ep2_moe_interleaved": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(
+        ParallelDims(pp=2, dp_replicate=2, tp=2, ep=2), schedule="interleaved", chunks=2, microbatches=2)),
 })
 # Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
 # pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over

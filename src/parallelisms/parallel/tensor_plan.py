@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from parallelisms.comm import Comm
+from parallelisms.model.moe import MoE
 from parallelisms.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelFeedForward, Region,
                                           SequenceParallelRMSNorm)
 from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
@@ -21,7 +22,10 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
     vocabulary-parallel; under SP the norms become sequence-parallel, and the residual stream between
     the embedding and the head is ``[batch, seq/N, dim]``. Parameter names are those of the plain model;
     every sharded parameter is marked for :func:`gather_full`. With ``targets`` the model returns the
-    same mean loss as the plain one; without, its logits are this rank's vocabulary shard.
+    same mean loss as the plain one; without, its logits are this rank's vocabulary shard. A mixture of
+    experts stays whole on every tensor-parallel rank (experts replicated over tp, as Megatron-Core does when
+    the expert tensor-parallel size is 1): the residual stream it reads is replicated, so each rank routes the
+    same tokens, and expert parallelism splits the experts over its own group.
     """
     cfg = model.cfg
     region = Region(comm, sequence_parallel, overlap)
@@ -29,7 +33,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
     padded_vocab = -(-cfg.vocab_size // comm.size) * comm.size
     for layer in model.layers.values():
         layer.attention = ParallelAttention(layer.attention, region, cfg.n_heads, cfg.n_kv_heads)
-        layer.feed_forward = ParallelFeedForward(layer.feed_forward, region)
+        if not isinstance(layer.feed_forward, MoE):  # experts stay whole, replicated over tp (see docstring)
+            layer.feed_forward = ParallelFeedForward(layer.feed_forward, region)
         if sequence_parallel:
             layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
             layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
