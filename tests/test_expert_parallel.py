@@ -146,7 +146,7 @@ def test_expert_parallel_with_a_rank_whose_expert_gets_no_token():
     model = build_model(MOE, EP8_TRAIN.seed)
     with torch.no_grad():
         model(*BatchLoader(load_corpus(), EP8_TRAIN.global_batch, EP8_TRAIN.seq_len, EP8_TRAIN.seed).shard(0, 0, 1))
-    assert model.layers[1].feed_forward.tokens_per_expert[2] == 0  # the case is hit
+    assert model.layers["1"].feed_forward.tokens_per_expert[2] == 0  # the case is hit
     report = launch(_train_ep8, 8, threads=1)[0]
     result = compare(report, reference_train(MOE, EP8_TRAIN))
     assert result["ok"], result
