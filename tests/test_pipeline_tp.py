@@ -79,7 +79,8 @@ def test_schedules_without_tensor_parallel_layers_are_rejected(schedule):
 
 
 @pytest.mark.parametrize("dims, options, match", [
-    (ParallelDims(pp=2, cp=2), {}, "the executor feeds every stage the whole sequence"),
+    (ParallelDims(pp=2, cp=2), {"schedule": "pipedream"}, "PipeDream updates each stage per microbatch without"),
+    (ParallelDims(pp=2, cp=2), {"microbatches": 4}, None),
     (ParallelDims(pp=2, dp_shard=2), {"zero": 2}, "pipeline stages shard optimizer state only"),
     (ParallelDims(pp=2, tp=2), {"sequence_parallel": True, "microbatches": 4}, None),
 ])
