@@ -164,3 +164,35 @@ def test_bad_expert_parallel_input(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+def test_the_loss_holds_the_load_balancing_term():
+    """The model's loss is the cross-entropy plus aux_loss_coef x the layers' load-balancing losses (a bug
+    here is in code verify's reference shares, so only a test of the model sees it)."""
+    import torch.nn.functional as F
+
+    model = build_model(MOE, seed=3)
+    tokens = torch.randint(0, MOE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens, tokens)
+    aux = sum(layer.feed_forward.aux_loss for layer in model.layers.values())
+    logits = model(tokens)
+    cross_entropy = F.cross_entropy(logits.flatten(0, -2), tokens.flatten())
+    assert aux.item() > 0.5 and MOE.aux_loss_coef > 0
+    assert loss.item() == pytest.approx((cross_entropy + MOE.aux_loss_coef * aux).item(), rel=1e-6)
+
+
+def test_capacity_keeps_exactly_capacity_assignments():
+    """Every token prefers expert 0, so it is oversubscribed: exactly ceil(factor x seq x k / E) of its
+    assignments per sequence are kept, the earliest ones."""
+    import math
+
+    moe = build_model(dataclasses.replace(MOE, capacity_factor=1.0), seed=4).layers["0"].feed_forward
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0].fill_(1.0)
+    x = torch.ones(2, 16, MOE.dim)
+    top_experts, _, keep, _ = moe.route(x)
+    capacity = math.ceil(1.0 * 16 * MOE.top_k / MOE.n_experts)
+    to_expert0 = (top_experts == 0) & keep
+    assert to_expert0.sum(dim=(1, 2)).tolist() == [capacity, capacity]
+    assert to_expert0[:, :capacity].any(-1).all() and not to_expert0[:, capacity:].any()
