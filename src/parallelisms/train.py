@@ -154,22 +154,22 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         schedule = schedule_for(parallel)
         stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
-    optimizer = make_optimizer(grad_sync.parameters(), train)
     if schedule is None:
-        return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train, optimizer)
+        return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
+                       make_optimizer(grad_sync.parameters(), train))
     store = WeightGradStore()
     if schedule.split_backward:
         for stage in stages.values():
             split_linears(stage, store)
-    hooks = {"on_stage_done": grad_sync.stage_done}
-    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage
+    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
         stashing = WeightStashing(stages, train)
-        hooks = {"forward_fn": stashing.forward, "on_optimizer": stashing.update}
         pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
-                                    before_step=stashing.start_window, positions=positions, **hooks)
+                                    before_step=stashing.start_window, positions=positions,
+                                    forward_fn=stashing.forward, on_optimizer=stashing.update)
         return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
-    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions, **hooks)
-    return Trainer(grad_sync, pipeline, comms, train, optimizer)
+    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
+                                on_stage_done=grad_sync.stage_done)
+    return Trainer(grad_sync, pipeline, comms, train, make_optimizer(grad_sync.parameters(), train))
 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
