@@ -213,7 +213,7 @@ def compare(run: Run | dict, reference: Run, tolerance: float = TOLERANCE, exact
     norm_diff = None
     if run.grad_norms is not None and reference.grad_norms is not None:
         norm_diff = _worst(_rel(a, b) for a, b in zip(run.grad_norms, reference.grad_norms))
-    worst_name, param_diff, abs_diff, params_ok, explained = "", 0.0, 0.0, True, {}
+    worst_name, param_diff, abs_diff, params_ok, explained = "", -math.inf, 0.0, True, {}
     for name, ref in reference.state.items():
         got = run.state[name]
         if got.shape != ref.shape:

@@ -72,7 +72,9 @@ class DataParallel(LocalGradients):
     model here, and on two cores a 1 MB first bucket made backward 2.5 ms slower (its all-reduce takes
     CPU from backward rather than overlapping it). ``replica_comms`` maps a mesh dimension to the group of ranks holding the same shard, for parameters
     sharded over that dimension (expert weights: ``{"ep": comms["ep_replicate"]}``): they are broadcast and
-    summed over that group only, and still divided by the full data-parallel size.
+    summed over that group only, and still divided by the full data-parallel size. ``zero_grad`` (inherited)
+    drops the gradients: the first gradient of the next backward is copied into its bucket slot, cheaper than
+    zeroing every bucket and accumulating into it; later ones accumulate in place.
     """
 
     def __init__(self, module: nn.Module, comms: Comms, dim: str = "dp", bucket_cap_mb: float = 25.0,
@@ -190,13 +192,6 @@ class DataParallel(LocalGradients):
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside this block."""
         return syncing_off(self)
-
-    def zero_grad(self) -> None:
-        """Drop the gradients. The first gradient of the next backward is copied into its bucket slot, which
-        is cheaper than zeroing every bucket and then accumulating into it; later ones accumulate in place."""
-        for bucket in self.buckets:
-            for param in bucket.params:
-                param.grad = None
 
     def remove(self) -> None:
         for handle in self._hooks:

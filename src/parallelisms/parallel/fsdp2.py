@@ -31,7 +31,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm, Comms
+from parallelisms.comm import Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, global_grad_norm,
                                           mark_sharded)
 from parallelisms.parallel.flat import module_units

@@ -168,11 +168,9 @@ def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[Com
     Groups: tensor-parallel weights (tp), weights replicated across tp (the norms), expert weights (ep),
     each also over pp (stages) and the sharding dimension of ZeRO/FSDP; dimensions of size 1 send nothing."""
     dims = parallel.dims
-    base = [("pp", dims.pp)]
-    if _sharding_dim(parallel):
-        base.append(_sharding_dim(parallel))
-    groups = {tuple(base)} | {tuple(base) + ((name, size),) for name, size in (("tp", dims.tp), ("ep", dims.ep))
-                                                               if size > 1}
+    sharding = _sharding_dim(parallel)
+    base = [("pp", dims.pp)] + ([sharding] if sharding else [])
+    groups = [base] + [base + [(name, size)] for name, size in (("tp", dims.tp), ("ep", dims.ep)) if size > 1]
     out = []
     for group in groups:
         for name, size in group:
