@@ -35,7 +35,7 @@ from parallelisms.parallel.grad_sync import GradSync, LocalGradients
 from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
 from parallelisms.parallel.pipeline.pipedream import WeightStashing
 from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
-from parallelisms.parallel.pipeline.zero import StageShards
+from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.yafsdp import ReuseSharding
@@ -153,14 +153,14 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if dims.pp > 1:
         schedule = schedule_for(parallel)
         stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
+    store = WeightGradStore()
+    if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
+        for stage in stages.values():
+            split_linears(stage, store)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
     if schedule is None:
         return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
                        make_optimizer(grad_sync.parameters(), train))
-    store = WeightGradStore()
-    if schedule.split_backward:
-        for stage in stages.values():
-            split_linears(stage, store)
     if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
         stashing = WeightStashing(stages, train)
         pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
@@ -174,14 +174,15 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
                comms: Comms) -> GradSync:
-    """How gradients reach the optimizer: the pipeline's stage buffers (ZeRO-1 shards with --zero), the flat
-    engine (ZeRO, FSDP flat), per-parameter FSDP or buffer reuse, DDP over every rank that saw other tokens
+    """How gradients reach the optimizer: the pipeline's stage buffers, or a flat engine per stage (--zero,
+    --fsdp), the flat engine (ZeRO, FSDP flat), per-parameter FSDP or buffer reuse, DDP over every rank that saw other tokens
     (dp x cp; expert weights over their replicas), or plain local gradients."""
     dims = parallel.dims
-    if dims.pp > 1:
-        data_dim = "dp_cp" if dims.cp > 1 else "dp"  # context-parallel ranks hold different tokens too
-        return StageShards(stages, comms, data_dim) if parallel.zero else StageGradients(stages, copies, comms,
-                                                                                         data_dim)
+    if dims.pp > 1 and (parallel.zero or parallel.fsdp):  # each stage its own flat engine, held through the step
+        return StageSharding({s: sharded_grad_sync(stage, parallel, train, comms, hold_through_step=True)
+                              for s, stage in stages.items()}, copies, comms)
+    if dims.pp > 1:  # context-parallel ranks hold different tokens too
+        return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
     if parallel.fsdp and parallel.fsdp_style == "reuse":
         return ReuseSharding(model, comms, "dp_shard")
     if parallel.fsdp and parallel.fsdp_style == "per_param":

@@ -57,6 +57,13 @@ class ShardingPlan:
     keep them until after backward (SHARD_GRAD_OP). ``shard_grads``: only the reduced gradient shard
     persists, reduced once per microbatch (ZeRO-2/3); otherwise the full gradient persists and is reduced
     once per step (ZeRO-1, NO_SHARD). Optimizer state is always per shard (NO_SHARD: a shard of one).
+
+    ``hold_through_step`` (pipeline stages, whose schedule interleaves the forwards and backwards of many
+    microbatches): a unit is gathered at its first forward of the step and stays gathered, its gradient
+    accumulates in full, and the pipeline's :meth:`ShardedEngine.reduce_held` reduces (and frees) every unit
+    once, after the stage's last backward of the step. That is torchtitan's choice for FSDP under PP (one
+    all-gather and one reduce-scatter per unit and step instead of 2M and M for M microbatches), and it lets
+    a split backward's deferred weight gradients (Zero Bubble's W) land before the reduction.
     """
 
     shard_params: bool = False
@@ -65,16 +72,19 @@ class ShardingPlan:
     shard_dim: str | None = "dp"       # None: no sharding (NO_SHARD)
     replicate_dim: str | None = None   # all-reduce of reduced shards (HYBRID_SHARD, NO_SHARD)
     compute_dtype: torch.dtype = torch.float32
+    hold_through_step: bool = False    # pipeline stages: gather once per step, reduce once (see above)
 
 
 def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
-    """The wrapping units of the transformer in forward order: embedding, each block, head (norm + output).
+    """The wrapping units of the transformer (or pipeline stage) in forward order: embedding, each block,
+    head (norm + output).
 
     With ``cap_bytes``, consecutive units are merged while their parameters fit under it: gradient
     buckets in the sense of DDP (ZeRO-1/2 communicate a unit's gradient as one bucket)."""
-    units = [("tok_embeddings", [model.tok_embeddings])]
+    units = [("tok_embeddings", [model.tok_embeddings])] if model.tok_embeddings is not None else []
     units += [(f"layers.{i}", [block]) for i, block in model.layers.items()]
-    units.append(("head", [model.norm, model.output]))
+    if model.output is not None:  # a pipeline stage holds the embedding or the head only where it lives
+        units.append(("head", [model.norm, model.output]))
     if cap_bytes is None:
         return units
     merged, sizes = [], []
@@ -172,7 +182,8 @@ class ShardedEngine:
         self.dp_size = self.shard_comm.size * self.replicate_comm.size
         self.units = [FlatUnit(name, modules, plan, self.shard_comm) for name, modules in units]
         self.names = [unit.qualified_names(model) for unit in self.units]
-        self.syncing = True
+        self.hold = plan.hold_through_step
+        self.syncing = not self.hold      # held units are reduced by reduce_held only
         self._callback_queued = False
         self._in_flight = None            # (unit, Pending, gradient, its fp32 copy being reduced)
         self.gathers = {"prefetched": 0, "on_demand": 0}  # all-gathers issued ahead of need, or when needed
@@ -238,7 +249,7 @@ class ShardedEngine:
     def _post_forward_hook(self, index: int):
         def hook(module, args, output):
             unit = self.units[index]
-            if self.plan.reshard_after_forward:
+            if self.plan.reshard_after_forward and not self.hold:
                 self._reshard(unit)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._pre_backward(index))
@@ -260,7 +271,7 @@ class ShardedEngine:
         def hook(full: torch.Tensor):
             unit = self.units[index]
             self._queue_final_callback()
-            if self.plan.shard_params:
+            if not self.hold:
                 self._reshard(unit)
             if self.syncing:
                 self._launch_reduce(unit)
@@ -313,10 +324,20 @@ class ShardedEngine:
         """End of backward: complete the last reduction, free whatever is still gathered."""
         self._callback_queued = False
         self._finish_reduce()
-        for unit in self.units:
+        if not self.hold:
+            for unit in self.units:
+                if unit.pending_gather is not None:
+                    self._wait_unshard(unit)
+                self._reshard(unit)
+
+    def reduce_held(self) -> None:
+        """``hold_through_step``: the stage's last backward work of the step is done; reduce each unit's
+        accumulated gradient (last unit first, one reduction in flight) and free the gathered parameters."""
+        for unit in reversed(self.units):
             if unit.pending_gather is not None:
                 self._wait_unshard(unit)
             self._reshard(unit)
+            self._launch_reduce(unit)
 
     # -- user API ------------------------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -344,7 +365,9 @@ class ShardedEngine:
             _gather_into(self.shard_comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
 
     def finish(self) -> None:
-        """Nothing: the end-of-backward callback completes the last reduction."""
+        """Complete the last reduction (after backward the end-of-backward callback already has, unless the
+        units are held through the step)."""
+        self._finish_reduce()
 
     def grad_norm(self) -> torch.Tensor:
         """The norm of each shard's runs summed over their own mesh dimensions (squared norms all-reduced)."""
@@ -370,14 +393,8 @@ class ShardedEngine:
         return state
 
     def memory(self, optimizers) -> dict:
-        """:func:`memory_report` of the engine's buffers, with the all-gather counts that explain the
-        gathered-parameter peak (prefetched ones hold two units at once)."""
-        held = self.held_bytes()
-        report = memory_report(held["params"], held["grads"], optimizers, held["master"],
-                               {"gathered_params_peak": held["gathered_params_peak"],
-                                "grad_buffers_peak": held["grad_buffers_peak"]})
-        report.update({f"{kind}_gathers": count for kind, count in self.gathers.items()})
-        return report
+        """:func:`engines_memory` of this engine."""
+        return engines_memory([self], optimizers)
 
     def held_bytes(self) -> dict[str, int]:
         """Persistent bytes held by the engine: compute-dtype parameters, gradients, fp32 master copies."""
@@ -395,3 +412,16 @@ class ShardedEngine:
         for handle in self._hooks:
             handle.remove()
 
+
+def engines_memory(engines: list[ShardedEngine], optimizers) -> dict:
+    """:func:`memory_report` of the engines' buffers (summed; the gathered peaks too, an upper bound when
+    the engines' peaks do not coincide), with the all-gather counts that explain the gathered-parameter peak
+    (prefetched ones hold two units at once)."""
+    held = [engine.held_bytes() for engine in engines]
+    total = {key: sum(h[key] for h in held) for key in held[0]}
+    report = memory_report(total["params"], total["grads"], optimizers, total["master"],
+                           {"gathered_params_peak": total["gathered_params_peak"],
+                            "grad_buffers_peak": total["grad_buffers_peak"]})
+    for kind in ("prefetched", "on_demand"):
+        report[f"{kind}_gathers"] = sum(engine.gathers[kind] for engine in engines)
+    return report

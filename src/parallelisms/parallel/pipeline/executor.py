@@ -117,7 +117,8 @@ class Executor:
                  forward_fn=None, on_optimizer=None, on_stage_done=None):
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
         self.seq_shards = next(iter(stages.values())).seq_shards
-        self.dtype = next(next(iter(stages.values())).parameters()).dtype  # of the activations exchanged
+        # the activations' dtype: the model's (its rotary tables'; a sharding engine may own the parameters)
+        self.dtype = next(iter(stages.values())).rope_cos.dtype
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
         self.forward_fn = forward_fn or (lambda a, module, x, y, **kwargs: module(x, y, **kwargs))

@@ -33,7 +33,7 @@ from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
 from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
 from parallelisms.parallel.pipeline.simulate import Times, simulate
-from parallelisms.parallel.pipeline.stage import build_stages
+from parallelisms.parallel.pipeline.stage import add_mirror_copies, build_stages
 
 
 def schedule_for(parallel: ParallelConfig) -> Schedule:
@@ -96,14 +96,8 @@ class StageGradients(LocalGradients):
         for pending in self.pending:
             pending.wait()
         self.pending = []
-        if self.copies:  # rank r and rank pp-1-r hold the same two stages; each adds the other's buffers
-            peer = self.pp_comm.size - 1 - self.pp_comm.rank
-            mine = [b.buffer for s in sorted(self.buckets) for b in self.buckets[s]]
-            theirs = [torch.empty_like(buffer) for buffer in mine]
-            self.pp_comm.send_recv(sends=[(buffer, peer) for buffer in mine],
-                                   recvs=list(zip(theirs, [peer] * len(mine)))).wait()
-            for buffer, other in zip(mine, theirs):  # the peer holds the same stages, sent in the same order
-                buffer.add_(other)
+        if self.copies:
+            add_mirror_copies(self.pp_comm, [b.buffer for s in sorted(self.buckets) for b in self.buckets[s]])
 
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
+from parallelisms.comm import Comm
 from parallelisms.model.transformer import Transformer
 
 
@@ -34,3 +37,13 @@ def stage_of_parameter(name: str, bounds: list[int]) -> int:
         layer = int(name.split(".")[1])
         return next(s for s in range(len(bounds) - 1) if bounds[s] <= layer < bounds[s + 1])
     return len(bounds) - 2
+
+
+def add_mirror_copies(pp: Comm, tensors: list[torch.Tensor]) -> None:
+    """DualPipe's two copies of a stage: rank r and rank pp-1-r hold the same two stages, and ``tensors``
+    (their gradients, in the same order on both) become the sum of both ranks' (a batched exchange)."""
+    peer = pp.size - 1 - pp.rank
+    theirs = [torch.empty_like(t) for t in tensors]
+    pp.send_recv(sends=[(t, peer) for t in tensors], recvs=[(t, peer) for t in theirs]).wait()
+    for mine, other in zip(tensors, theirs):
+        mine.add_(other)
