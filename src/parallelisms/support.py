@@ -68,8 +68,9 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("moe", ["sp", "ring", "ulysses"], "not built yet: expert capacity and the load-balancing statistics "
              "are per whole sequence (a running count in token order, means over it), and a rank holding a sequence "
              "shard would need its peers' counts and sums first"),
-    **_pairs("ep", ["zero1", "zero2", "zero3"] + _FSDP, "not built yet: expert weights would need sharding over the "
-             "ranks holding the same experts (ep_replicate)"),
+    **_pairs("ep", ["per_param", "reuse"], "not built yet: the per-parameter engines shard every parameter over "
+             "one data-parallel dimension, while expert weights differ between expert-parallel ranks (the flat "
+             "style shards them over the ranks holding the same experts)"),
 }
 
 

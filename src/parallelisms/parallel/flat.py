@@ -43,7 +43,8 @@ from torch import nn
 
 from parallelisms.comm import Comm, Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
-                                          norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
+                                          norm_dims, norm_of_groups, norm_pieces, sharded_over,
+                                          squared_norms_of_pieces)
 from parallelisms.parallel.grad_sync import syncing_off
 from parallelisms.parallel.memory import memory_report
 
@@ -113,15 +114,18 @@ def _gather_into(comm: Comm, shard: torch.Tensor, out: torch.Tensor, async_op: b
 
 
 class FlatUnit:
-    """The parameters of ``modules`` as one flat buffer ``full`` plus this rank's fp32 ``shard``."""
+    """The parameters of ``modules`` (those ``owned`` says are this unit's) as one flat buffer ``full`` plus
+    this rank's fp32 ``shard`` of it over ``shard_comm``; reduced shards are all-reduced over ``replicate``."""
 
-    def __init__(self, name: str, modules: list[nn.Module], plan: ShardingPlan, shard_comm: Comm):
-        self.name, self.modules = name, modules
+    def __init__(self, name: str, modules: list[nn.Module], plan: ShardingPlan, shard_comm: Comm,
+                 replicate: Comm, owned=lambda param: True):
+        self.name, self.modules, self.comm, self.replicate = name, modules, shard_comm, replicate
         self.slots = []  # (wrapped module, owning submodule, attribute, qualified name inside the wrapped module)
         for mod in modules:
-            for qual, _ in mod.named_parameters():
-                *path, attr = qual.split(".")
-                self.slots.append((mod, mod.get_submodule(".".join(path)), attr, qual))
+            for qual, param in mod.named_parameters():
+                if owned(param):
+                    *path, attr = qual.split(".")
+                    self.slots.append((mod, mod.get_submodule(".".join(path)), attr, qual))
         params = [owner._parameters[attr] for _, owner, attr, _ in self.slots]
         self.marks = [getattr(p, SHARD_ATTR, ()) for p in params]  # tensor parallelism's shards, kept
         self.shapes = [p.shape for p in params]
@@ -176,11 +180,23 @@ class ShardedEngine:
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
                  comms: Comms):
         self.model, self.plan, self.comms = model, plan, comms
-        self.shard_comm = comms[plan.shard_dim] if plan.shard_dim else Comm("none", None, comms.ledger, comms.timeline)
-        self.replicate_comm = (comms[plan.replicate_dim] if plan.replicate_dim
-                               else Comm("none", None, comms.ledger, comms.timeline))
-        self.dp_size = self.shard_comm.size * self.replicate_comm.size
-        self.units = [FlatUnit(name, modules, plan, self.shard_comm) for name, modules in units]
+        alone = Comm("none", None, comms.ledger, comms.timeline)
+        shard_comm = comms[plan.shard_dim] if plan.shard_dim else alone
+        replicate_comm = comms[plan.replicate_dim] if plan.replicate_dim else alone
+        self.dp_size = shard_comm.size * replicate_comm.size
+        # expert weights (sharded over ``ep``) differ between expert-parallel ranks: their units shard (or, without
+        # sharding, replicate) over the ranks holding the same experts, ``ep_replicate``
+        expert_comms = (comms["ep_replicate"], alone) if plan.shard_dim else (alone, comms["ep_replicate"])
+        self.units = []
+        for name, modules in units:
+            experts = [p for m in modules for p in m.parameters() if "ep" in sharded_over(p)]
+            if not experts:
+                self.units.append(FlatUnit(name, modules, plan, shard_comm, replicate_comm))
+                continue
+            self.units.append(FlatUnit(name, modules, plan, shard_comm, replicate_comm,
+                                       lambda p: "ep" not in sharded_over(p)))
+            self.units.append(FlatUnit(f"{name}.experts", modules, plan, *expert_comms,
+                                       lambda p: "ep" in sharded_over(p)))
         self.names = [unit.qualified_names(model) for unit in self.units]
         self.hold = plan.hold_through_step
         self.syncing = not self.hold      # held units are reduced by reduce_held only
@@ -218,7 +234,7 @@ class ShardedEngine:
         unit.allocate()
         self._track("params", _nbytes(unit.full))
         src = unit.shard.detach().to(self.plan.compute_dtype)
-        unit.pending_gather = (_gather_into(self.shard_comm, src, unit.full.data, async_op=True), src)
+        unit.pending_gather = (_gather_into(unit.comm, src, unit.full.data, async_op=True), src)
 
     def _wait_unshard(self, unit: FlatUnit) -> None:
         if not unit.gathered:
@@ -290,7 +306,7 @@ class ShardedEngine:
         if self.plan.shard_grads:
             unit.full.grad = None
             self._track("grads", _nbytes(grad32) if grad32 is not grad else 0)
-        pending = self.shard_comm.reduce_scatter(grad32, async_op=True, scratch=True)
+        pending = unit.comm.reduce_scatter(grad32, async_op=True, scratch=True)
         self._in_flight = (unit, pending, grad, grad32)
 
     def _finish_reduce(self) -> None:
@@ -299,7 +315,7 @@ class ShardedEngine:
         unit, pending, grad, grad32 = self._in_flight
         self._in_flight = None
         reduced = pending.wait()
-        self.replicate_comm.all_reduce(reduced)
+        unit.replicate.all_reduce(reduced)
         if self.plan.shard_grads:
             self._track("grads", -(_nbytes(grad) + (_nbytes(grad32) if grad32 is not grad else 0)))
             if unit.shard.grad is None:  # the first microbatch's reduced shard becomes the gradient
@@ -308,7 +324,7 @@ class ShardedEngine:
                 unit.shard.grad.add_(reduced)
         else:  # ZeRO-1 / NO_SHARD: the shard's gradient is a slice of the persistent full gradient if dtypes agree
             if unit.shard_is_view:
-                lo = self.shard_comm.rank * unit.shard_numel
+                lo = unit.comm.rank * unit.shard_numel
                 unit.shard.grad = grad[lo:lo + unit.shard_numel]
             elif unit.shard.grad is None:
                 unit.shard.grad = torch.zeros_like(unit.shard)
@@ -362,7 +378,7 @@ class ShardedEngine:
         if self.plan.shard_params:
             return
         for unit in self.units:
-            _gather_into(self.shard_comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
+            _gather_into(unit.comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
 
     def finish(self) -> None:
         """Complete the last reduction (after backward the end-of-backward callback already has, unless the
@@ -386,7 +402,7 @@ class ShardedEngine:
         shards are gathered too."""
         state = {}
         for unit, names in zip(self.units, self.names):
-            flat = self.shard_comm.all_gather(unit.shard.detach().clone())
+            flat = unit.comm.all_gather(unit.shard.detach().clone())
             pieces = flat[:unit.numel].split(unit.numels)
             for name, piece, shape, marks in zip(names, pieces, unit.shapes, unit.marks):
                 state[name] = gather_full(piece.view(shape), self.comms, marks).cpu().clone()
