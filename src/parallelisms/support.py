@@ -63,8 +63,6 @@ UNSUPPORTED: dict[frozenset, str] = {
              "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
              "what autograd saved"),
     **_pairs("reuse", "tp", "not built yet: the two reused buffers are sized for unsharded units"),
-    **_pairs(["ring", "ulysses"], "sp", "not built yet: Megatron SP and context parallelism would both shard "
-             "the sequence"),
     **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
              "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
              "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
@@ -234,7 +232,7 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
 
 def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
     """--cp / --cp-attention: a sequence the ring's zigzag chunks (or Ulysses' contiguous chunks) divide, and
-    for Ulysses heads the degree divides (after tensor parallelism has split them)."""
+    for Ulysses query heads the degree divides and KV heads it divides or repeats to (per tensor-parallel rank)."""
     dims = parallel.dims
     if dims.cp == 1:
         return
