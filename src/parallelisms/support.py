@@ -66,9 +66,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
              "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
              "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
-    **_pairs("moe", ["sp", "ring", "ulysses"], "not built yet: expert capacity and the load-balancing statistics "
-             "are per whole sequence (a running count in token order, means over it), and a rank holding a sequence "
-             "shard would need its peers' counts and sums first"),
     **_pairs("ep", ["zero1", "zero2", "zero3"] + _FSDP, "not built yet: expert weights would need sharding over the "
              "ranks holding the same experts (ep_replicate)"),
 }

@@ -20,6 +20,8 @@ KV head is repeated N/KV times before the all-to-all, so rank j receives the hea
 Apply with ``apply_context_parallel(model, comm, style, seq_len)``; the runner slices each sequence to
 the positions it returns (:func:`shard_sequence`) and passes them to the model for rotary embeddings.
 Gradients of the (replicated) weights are then averaged over dp x cp, since cp ranks see different tokens.
+Mixture-of-experts layers gather their router logits over cp to route whole sequences
+(:mod:`parallelisms.parallel.moe_sequence`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, all_to_all
 from parallelisms.errors import require
+from parallelisms.parallel.moe_sequence import shard_moe_sequences
 
 
 def shard_sequence(seq_len: int, rank: int, size: int, zigzag: bool) -> torch.Tensor:
@@ -185,9 +188,12 @@ def check_context_parallel(style: str, cp: int, n_heads: int, n_kv_heads: int, s
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: int) -> torch.Tensor:
-    """Swap every attention core for a context-parallel one; returns the positions of this rank's tokens
-    (zigzag chunks for the ring, a contiguous chunk for Ulysses), which the runner slices and passes on."""
-    positions = shard_sequence(seq_len, comm.rank, comm.size, zigzag=style == "ring")
+    """Swap every attention core for a context-parallel one and give MoE layers the sequence layout; returns
+    the positions of this rank's tokens (zigzag chunks for the ring, a contiguous chunk for Ulysses), which
+    the runner slices and passes on."""
+    held = [shard_sequence(seq_len, r, comm.size, zigzag=style == "ring") for r in range(comm.size)]
+    positions = held[comm.rank]
+    shard_moe_sequences(model, cp=comm, positions=positions, order=torch.argsort(torch.cat(held)))
     for layer in model.layers.values():
         attention = layer.attention
         if style == "ring":
