@@ -116,7 +116,7 @@ def test_training_matches_single_process(world, names):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "--dp", "1", "--cp", "2", "--seq-len", "30"], "not divisible by 4"),
-    (["train", "--dp", "1", "--cp", "4", "--cp-attention", "ulysses"], "n_kv_heads 2 are not both divisible by 4"),
+    (["train", "--dp", "1", "--cp", "8", "--cp-attention", "ulysses"], "n_heads 4 and n_kv_heads 2 do not fit 8"),
     (["train", "--dp", "1", "--cp", "2", "--cp-attention", "tree"], "unknown --cp-attention 'tree'"),
 ])
 def test_bad_context_parallel_input(capsys, argv, fragment):

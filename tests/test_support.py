@@ -65,7 +65,8 @@ def test_every_unsupported_pair_fails_before_launch_with_its_reason(pair):
 def test_supported_pairs_pass_the_table():
     """A few pairs the runtime verifies (see the equivalence tests) are not in the table."""
     for pair in (("tp", "interleaved"), ("zero1", "pp"), ("recompute-full", "zb-v"), ("ring", "zero3"),
-                 ("moe", "zero3"), ("sp", "1f1b"), ("fsdp-hybrid_shard", "tp")):
+                 ("moe", "zero3"), ("sp", "1f1b"), ("fsdp-hybrid_shard", "tp"), ("sp", "ring"), ("sp", "ulysses"),
+                 ("moe", "sp"), ("moe", "ring"), ("moe", "ulysses")):
         check_pairs(list(pair))
 
 

@@ -60,14 +60,9 @@ UNSUPPORTED: dict[frozenset, str] = {
              "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
              "what autograd saved"),
     **_pairs("reuse", "tp", "not built yet: the two reused buffers are sized for unsharded units"),
-    **_pairs(["ring", "ulysses"], "sp", "not built yet: Megatron SP and context parallelism would both shard "
-             "the sequence"),
     **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
              "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
              "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
-    **_pairs("moe", ["sp", "ring", "ulysses"], "not built yet: expert capacity and the load-balancing statistics "
-             "are per whole sequence (a running count in token order, means over it), and a rank holding a sequence "
-             "shard would need its peers' counts and sums first"),
     **_pairs("ep", ["per_param", "reuse"], "not built yet: the per-parameter engines shard every parameter over "
              "one data-parallel dimension, while expert weights differ between expert-parallel ranks (the flat "
              "style shards them over the ranks holding the same experts)"),
@@ -232,7 +227,7 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
 
 def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
     """--cp / --cp-attention: a sequence the ring's zigzag chunks (or Ulysses' contiguous chunks) divide, and
-    for Ulysses heads the degree divides (after tensor parallelism has split them)."""
+    for Ulysses query heads the degree divides and KV heads it divides or repeats to (per tensor-parallel rank)."""
     dims = parallel.dims
     if dims.cp == 1:
         return

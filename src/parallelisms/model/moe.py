@@ -10,7 +10,9 @@ loss: E x sum_i f_i P_i with f_i the share of the sequence's assignments routed 
 mean router probability), and the capacity limit is per sequence as well (at most
 ceil(capacity_factor x seq x k / E) assignments of one sequence per expert, kept in token order;
 capacity_factor 0 keeps every assignment). ``experts`` is the module that runs the sorted tokens, so
-expert parallelism swaps it for one that all-to-alls them to the ranks owning the experts.
+expert parallelism swaps it for one that all-to-alls them to the ranks owning the experts. ``sequence`` says
+where the layer's input sits in its sequences (:class:`WholeSequences` here); parallelisms that shard the
+sequence swap in a layout that gathers what routing needs (:mod:`parallelisms.parallel.moe_sequence`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ class GroupedExperts(nn.Module):
         return grouped_swiglu(x, counts, self.w_gate, self.w_up, self.w_down)
 
 
+class WholeSequences:
+    """The plain layout: the layer's input [batch, seq, dim] holds whole sequences, in position order."""
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens this rank routes and runs through the experts."""
+        return x
+
+    def whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router logits [batch, seq, E] of whole sequences in position order (capacity and the aux loss)."""
+        return logits
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows along dim 1 of a whole-sequence tensor that belong to the tokens of :meth:`enter`."""
+        return t
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output, laid out as its input was."""
+        return y
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float):
         super().__init__()
@@ -65,11 +87,13 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, ffn_dim)
         self.aux_loss: torch.Tensor | None = None   # the last forward's load-balancing loss
         self.tokens_per_expert: torch.Tensor | None = None
+        self.sequence = WholeSequences()
 
     def route(self, x: torch.Tensor):
-        """Top-k experts, their weights, which assignments fit the per-sequence capacity, and the aux loss."""
-        batch, seq, _ = x.shape
-        logits = upcast(self.router(x))                                   # [B, S, E]
+        """Top-k experts, their weights, which assignments fit the per-sequence capacity (for the tokens of
+        ``x``), and the aux loss (of whole sequences)."""
+        logits = self.sequence.whole(upcast(self.router(x)))             # [B, S, E] of whole sequences
+        batch, seq, _ = logits.shape
         top_logits, top_experts = logits.topk(self.top_k, dim=-1)         # [B, S, k]
         weights = torch.softmax(top_logits, dim=-1)
         one_hot = F.one_hot(top_experts, self.n_experts).flatten(1, 2)   # [B, S*k, E] in token order
@@ -82,9 +106,11 @@ class MoE(nn.Module):
         share = one_hot.to(logits.dtype).sum(1) / (seq * self.top_k)              # f_i: share of the sequence's assignments
         mean_prob = torch.softmax(logits, dim=-1).mean(1)                 # P_i per sequence
         aux = (self.n_experts * (share * mean_prob).sum(-1)).mean()
-        return top_experts, weights, keep, aux
+        own = self.sequence.own
+        return own(top_experts), own(weights), own(keep), aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.sequence.enter(x)
         batch, seq, dim = x.shape
         top_experts, weights, keep, self.aux_loss = self.route(x)
         tokens = x.reshape(batch * seq, dim)
@@ -97,4 +123,4 @@ class MoE(nn.Module):
         out = self.experts(tokens[source], counts)                         # rows sorted by expert
         scale = weights.flatten()[kept[order]].to(out.dtype)
         combined = torch.zeros_like(tokens).index_add(0, source, out * scale[:, None])
-        return combined.view(batch, seq, dim)
+        return self.sequence.leave(combined.view(batch, seq, dim))

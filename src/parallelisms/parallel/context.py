@@ -12,11 +12,16 @@ amount of unmasked work.
 
 Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns [sequence/N, all heads] into
 [all of the sequence, heads/N]; each rank attends over the full sequence for its heads; a second
-all-to-all restores sequence sharding. Its degree is limited by the number of (KV) heads.
+all-to-all restores sequence sharding. Its degree is limited by the number of query heads; with fewer
+key/value heads than ranks (grouped-query attention, or the KV heads tensor parallelism leaves a rank) each
+KV head is repeated N/KV times before the all-to-all, so rank j receives the head its query heads share
+(as DeepSpeed-Ulysses does for GQA): N/KV times the K/V bytes, and the repeat's backward sums the copies.
 
 Apply with ``apply_context_parallel(model, comm, style, seq_len)``; the runner slices each sequence to
 the positions it returns (:func:`shard_sequence`) and passes them to the model for rotary embeddings.
 Gradients of the (replicated) weights are then averaged over dp x cp, since cp ranks see different tokens.
+Mixture-of-experts layers gather their router logits over cp to route whole sequences
+(:mod:`parallelisms.parallel.moe_sequence`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, all_to_all
 from parallelisms.errors import require
+from parallelisms.parallel.moe_sequence import shard_moe_sequences
 
 
 def shard_sequence(seq_len: int, rank: int, size: int, zigzag: bool) -> torch.Tensor:
@@ -160,6 +166,9 @@ class UlyssesAttentionCore(nn.Module):
         return recv.movedim(0, 1).flatten(1, 2)
 
     def forward(self, q, k, v):
+        n = self.comm.size
+        if k.shape[1] < n:  # fewer KV heads than ranks: a copy for every rank (see the module docstring)
+            k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
         out = self.inner(self._to_heads(q), self._to_heads(k), self._to_heads(v))
         return self._to_sequence(out)
 
@@ -172,16 +181,19 @@ def check_context_parallel(style: str, cp: int, n_heads: int, n_kv_heads: int, s
                                           f"zigzag chunks, but seq_len {seq_len} is not divisible by {2 * cp}")
     else:
         require(seq_len % cp == 0, f"seq_len {seq_len} must be divisible by cp {cp}")
-        require(n_kv_heads % cp == 0 and n_heads % cp == 0,
-                f"Ulysses cp {cp} gives each rank heads/cp heads, but n_heads {n_heads} and n_kv_heads {n_kv_heads} "
-                f"are not both divisible by {cp}; use --cp-attention ring or cp in "
-                f"{[d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0 and n_heads % d == 0]}")
+        fits = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and (n_kv_heads % d == 0 or d % n_kv_heads == 0)]
+        require(cp in fits, f"Ulysses cp {cp} gives each rank heads/cp query heads and needs n_kv_heads a multiple or "
+                            f"a divisor of cp, but n_heads {n_heads} and n_kv_heads {n_kv_heads} do not fit {cp} "
+                            f"(per tensor-parallel rank); use --cp-attention ring or cp in {fits}")
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: int) -> torch.Tensor:
-    """Swap every attention core for a context-parallel one; returns the positions of this rank's tokens
-    (zigzag chunks for the ring, a contiguous chunk for Ulysses), which the runner slices and passes on."""
-    positions = shard_sequence(seq_len, comm.rank, comm.size, zigzag=style == "ring")
+    """Swap every attention core for a context-parallel one and give MoE layers the sequence layout; returns
+    the positions of this rank's tokens (zigzag chunks for the ring, a contiguous chunk for Ulysses), which
+    the runner slices and passes on."""
+    held = [shard_sequence(seq_len, r, comm.size, zigzag=style == "ring") for r in range(comm.size)]
+    positions = held[comm.rank]
+    shard_moe_sequences(model, cp=comm, positions=positions, order=torch.argsort(torch.cat(held)))
     for layer in model.layers.values():
         attention = layer.attention
         if style == "ring":

@@ -9,6 +9,7 @@ from torch import nn
 
 from parallelisms.comm import Comm
 from parallelisms.model.moe import MoE
+from parallelisms.parallel.moe_sequence import shard_moe_sequences
 from parallelisms.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelFeedForward, Region,
                                           SequenceParallelRMSNorm)
 from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
@@ -25,7 +26,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
     same mean loss as the plain one; without, its logits are this rank's vocabulary shard. A mixture of
     experts stays whole on every tensor-parallel rank (experts replicated over tp, as Megatron-Core does when
     the expert tensor-parallel size is 1): the residual stream it reads is replicated, so each rank routes the
-    same tokens, and expert parallelism splits the experts over its own group.
+    same tokens, and expert parallelism splits the experts over its own group. Under SP the layer gathers the
+    sequence over tp around itself (:mod:`parallelisms.parallel.moe_sequence`).
     """
     cfg = model.cfg
     region = Region(comm, sequence_parallel, overlap)
@@ -38,6 +40,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
         if sequence_parallel:
             layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
             layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
+    if sequence_parallel:
+        shard_moe_sequences(model, tp=comm)
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, region, padded_vocab)
     if model.output is not None:
