@@ -168,7 +168,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
                                     forward_fn=stashing.forward, on_optimizer=stashing.update)
         return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
     pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
-                                on_stage_done=grad_sync.stage_done)
+                                on_stage_done=grad_sync.stage_done,
+                                dtype=torch.bfloat16 if parallel.mixed_precision == "bf16" else None)
     return Trainer(grad_sync, pipeline, comms, train, make_optimizer(grad_sync.parameters(), train))
 
 

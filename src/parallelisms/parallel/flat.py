@@ -153,6 +153,7 @@ class FlatUnit:
             del owner._parameters[attr]
         self.gathered = True
         self.pending_gather = None
+        self.main_grad = None  # held through the step in mixed precision: the fp32 sum of the microbatches' grads
 
     def qualified_names(self, model: nn.Module) -> list[str]:
         """The parameters' names in ``model`` (the plain model's ``named_parameters`` names)."""
@@ -289,15 +290,26 @@ class ShardedEngine:
             self._queue_final_callback()
             if not self.hold:
                 self._reshard(unit)
+            elif unit.full.dtype != unit.master_dtype:
+                self._accumulate_main_grad(unit)
             if self.syncing:
                 self._launch_reduce(unit)
         return hook
 
+    @torch.no_grad()
+    def _accumulate_main_grad(self, unit: FlatUnit) -> None:
+        """Mixed precision held through the step: each microbatch's low-precision gradient is added into an
+        fp32 ``main_grad`` (Megatron's main_grad), so microbatches accumulate in fp32 as the reference does."""
+        if unit.full.grad is not None:
+            grad, unit.full.grad = unit.full.grad, None
+            unit.main_grad = grad.to(unit.master_dtype) if unit.main_grad is None else unit.main_grad.add_(grad)
+
     # -- gradients: reduce-scatter to owners ---------------------------------------------------------------------
-    def _launch_reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter ``unit``'s gradient (fp32, pre-divided by the data-parallel size), one in flight:
-        the previous unit's reduction completes first, while this gradient already exists (counted)."""
-        grad = unit.full.grad
+    def _launch_reduce(self, unit: FlatUnit, grad: torch.Tensor | None = None) -> None:
+        """Reduce-scatter ``unit``'s gradient (``grad``, else ``full.grad``; in fp32, pre-divided by the
+        data-parallel size), one in flight: the previous unit's reduction completes first, while this gradient
+        already exists (counted)."""
+        grad = unit.full.grad if grad is None else grad
         if self.plan.shard_grads:
             self._track("grads", _nbytes(grad))
         self._finish_reduce()
@@ -353,7 +365,12 @@ class ShardedEngine:
             if unit.pending_gather is not None:
                 self._wait_unshard(unit)
             self._reshard(unit)
-            self._launch_reduce(unit)
+            if unit.full.dtype != unit.master_dtype:  # deferred weight gradients may have landed since the hook
+                self._accumulate_main_grad(unit)
+                grad, unit.main_grad = unit.main_grad, None
+                self._launch_reduce(unit, grad)
+            else:
+                self._launch_reduce(unit)
 
     # -- user API ------------------------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -369,8 +386,7 @@ class ShardedEngine:
         memory through the next forward; backward allocates them again (ZeRO-1 and NO_SHARD: the full
         gradient, persistent from then until the step)."""
         for unit in self.units:
-            unit.shard.grad = None
-            unit.full.grad = None
+            unit.shard.grad = unit.full.grad = unit.main_grad = None
 
     @torch.no_grad()
     def after_step(self) -> None:

@@ -106,7 +106,7 @@ _TAG = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "B"}
 class Executor:
     """Runs rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index -> module).
 
-    Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
+    ``dtype``: of the activations exchanged. Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
     ``on_optimizer(action)`` runs an OPT action, ``on_stage_done(stage)`` follows the stage's last
     weight-gradient work of the step (data-parallel gradient sync starts there). Messages hold 1/seq_shards
     of the sequence where the stages' residual stream is sequence-sharded (tensor parallelism's SP).
@@ -114,11 +114,12 @@ class Executor:
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  timeline: Timeline, store: WeightGradStore | None = None,
-                 forward_fn=None, on_optimizer=None, on_stage_done=None):
+                 forward_fn=None, on_optimizer=None, on_stage_done=None, dtype: torch.dtype | None = None):
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
         self.seq_shards = next(iter(stages.values())).seq_shards
-        # the activations' dtype: the model's (its rotary tables'; a sharding engine may own the parameters)
-        self.dtype = next(iter(stages.values())).rope_cos.dtype
+        # the activations' dtype: ``dtype`` (mixed precision's compute dtype), else the model's (its rotary
+        # tables'; a sharding engine may own the parameters)
+        self.dtype = dtype or next(iter(stages.values())).rope_cos.dtype
         self.actions = schedule.ranks[rank]
         self.store = store or WeightGradStore()
         self.forward_fn = forward_fn or (lambda a, module, x, y, **kwargs: module(x, y, **kwargs))
