@@ -1,5 +1,9 @@
 """Shared by the multi-process tests: launch an entry once per world size, on first use; train the layouts of
-one world size; check a run against single-process training."""
+one world size; check a run against single-process training; run the single-process references on one thread."""
+
+import contextlib
+
+import torch
 
 from parallelisms.launch import launch
 from parallelisms.train import train_rank
@@ -36,3 +40,15 @@ def assert_reproduces(report: dict, model, train, splits: int) -> None:
     if train.grad_clip:
         unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=splits)
         assert compare(report, unclipped)["max_param_rel_diff"] > 1e-3
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Single-process references on one thread: the models are tiny, and two threads on two cores busy
+    with other tests were ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,7 +1,8 @@
 """Pipeline parallelism composed with tensor parallelism (Megatron-LM's PP x TP): pp 2 x tp 2 (1F1B), with
 sequence parallelism (1F1B, and interleaved with clipping that bites), and pp 2 x tp 2 x dp 2 (GPipe, SP)
 reproduce single-process training; under SP the stages send 1/tp of the bytes, as the perf model predicts;
-schedules and layouts that do not compose are one line before launch.
+layouts that do not compose are one line before launch (the split, DualPipe and PipeDream schedules
+with tp: test_pipeline_tp_split.py).
 
 One launch per world size runs every scenario in sequence (process start-up dominates on two cores).
 """
@@ -68,14 +69,6 @@ def test_sequence_parallel_sends_one_tp_th_of_the_bytes():
     for name, measured in (("pp2_tp2_1f1b", plain), ("pp2_tp2_sp_1f1b", sharded)):
         predicted = {(c.kind, c.dim): c.bytes_per_rank for c in comm_per_step(MODEL, _layout(name), TRAIN)}
         assert predicted[("send", "pp")] == measured
-
-
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe", "dualpipev", "pipedream"])
-def test_schedules_without_tensor_parallel_layers_are_rejected(schedule):
-    parallel = ParallelConfig(ParallelDims(pp=2, tp=2), schedule=schedule, microbatches=4)
-    with pytest.raises(ConfigError, match="tensor-parallel layers do not defer their weight gradients") as err:
-        validate_layout(MODEL, TRAIN, parallel)
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("dims, options, match", [

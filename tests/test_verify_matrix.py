@@ -28,7 +28,6 @@ dominates on two cores); two families run in launches of their own (see OWN_LAUN
 in pytest, one per scenario.
 """
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -45,7 +44,7 @@ from parallelisms.parallel.pipeline.schedules import SCHEDULES
 from parallelisms.train import RunSpec
 from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, Run, compare, reference_train
 
-from _launching import launch_once_per_world, train_each
+from _launching import launch_once_per_world, one_thread, train_each
 
 TINY = preset("tiny")
 MOE = preset("tiny-moe")
@@ -223,23 +222,11 @@ def _splits(parallel: ParallelConfig, train: TrainConfig) -> int:
     return parallel.dims.dp * micro
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Single-process references on one thread: the models are tiny, and two threads on two cores busy
-    with other tests were ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @functools.cache
 def _reference(model: ModelConfig, train: TrainConfig, splits: int, pipedream_pp: int = 0) -> Run:
     """Single-process training on ``splits`` slices, or PipeDream's delayed-update reference over
     ``pipedream_pp`` stages and ``splits`` microbatches."""
-    with _one_thread():
+    with one_thread():
         if pipedream_pp:
             return Run(*pipedream_reference(model, train, pipedream_pp, splits))
         return reference_train(model, train, splits=splits)
@@ -312,7 +299,7 @@ def _doubled_gradients(monkeypatch) -> Run:
         for p in model.parameters():
             p.register_hook(lambda g: 2 * g)
         return model
-    with monkeypatch.context() as patch, _one_thread():
+    with monkeypatch.context() as patch, one_thread():
         patch.setattr(verify, "build_model", build_doubling)
         return reference_train(TINY, CLIP, splits=2)
 

@@ -28,7 +28,6 @@ FLAGS = {
 }
 
 _FSDP = [f"fsdp-{s}" for s in STRATEGIES]
-_SPLIT_OR_COPIES = ["zb-h1", "zb-h2", "zb-v", "dualpipe", "dualpipev", "pipedream"]
 
 
 def _pairs(left, right, reason: str) -> dict:
@@ -49,8 +48,6 @@ UNSUPPORTED: dict[frozenset, str] = {
              "while context-parallel ranks hold different tokens whose gradients would first have to be summed"),
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
              "its forward call, so a block recomputed in backward would read the live, already updated weights"),
-    **_pairs("tp", _SPLIT_OR_COPIES, "not built yet: tensor-parallel layers do not defer their weight gradients "
-             "to the W-store, DualPipe's copies and PipeDream's per-stage clipping do not see tp"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
     **_pairs(["per_param", "reuse"], "bf16", "not built yet: the per-parameter engines keep one dtype"),
     **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "

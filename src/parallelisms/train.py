@@ -162,7 +162,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
                        make_optimizer(grad_sync.parameters(), train))
     if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
-        stashing = WeightStashing(stages, train)
+        stashing = WeightStashing(stages, train, comms)
         pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
                                     before_step=stashing.start_window, positions=positions,
                                     forward_fn=stashing.forward, on_optimizer=stashing.update)

@@ -115,25 +115,30 @@ def norm_of_groups(groups: dict, comms: Comms) -> torch.Tensor:
     return total.sqrt()
 
 
-def global_grad_norm(params, comms: Comms, grads=None) -> torch.Tensor:
+def global_grad_norm(params, comms: Comms, grads=None, within: tuple[str, ...] | None = None) -> torch.Tensor:
     """The L2 norm of the full model's gradient. Parameters sharded over dimensions D contribute their local
-    squared norm summed over D; replicated ones count once. ``grads`` overrides ``p.grad`` (sharded grads)."""
+    squared norm summed over D; replicated ones count once. ``grads`` overrides ``p.grad`` (sharded grads).
+    ``within`` names the only mesh dimensions summed over: the norm of the part of the model those ranks
+    hold together (PipeDream's per-stage norm sums over ``("tp",)`` only, not over the other stages)."""
     params = list(params)
     grads = [p.grad for p in params] if grads is None else list(grads)
     groups: dict[tuple[str, ...], torch.Tensor] = {}
     for p, g in zip(params, grads):
         if g is not None:
-            add_squared_norm(groups, sharded_over(p), g)
+            dims = sharded_over(p)
+            add_squared_norm(groups, dims if within is None else tuple(d for d in dims if d in within), g)
     return norm_of_groups(groups, comms)
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, comms: Comms, grads=None, norm=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, comms: Comms, grads=None, norm=None,
+                    within: tuple[str, ...] | None = None) -> torch.Tensor:
     """Scale gradients so the global norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``);
-    ``norm``, when given, is that global norm computed by the caller."""
+    ``norm``, when given, is that global norm computed by the caller; ``within`` as for
+    :func:`global_grad_norm`."""
     params = list(params)
     grads = [p.grad for p in params] if grads is None else list(grads)
-    norm = global_grad_norm(params, comms, grads) if norm is None else norm
+    norm = global_grad_norm(params, comms, grads, within) if norm is None else norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         if g is not None:

@@ -14,6 +14,10 @@ sequence shard, get their gradients all-reduced over TP by an identity-forward /
 
 ``overlap=True`` launches the input-gradient reduction asynchronously and computes the weight gradients
 while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding").
+Under a split-backward pipeline schedule (Zero Bubble, Qi et al. 2024) the region holds the pipeline's
+weight-gradient ``store``: while it defers, both layers leave (weight, output gradient, input) there instead
+of computing the weight gradients (the column region's input is the re-gathered one under SP), and only the
+input gradient and its communication run in backward.
 The vocabulary-parallel embedding and cross-entropy are in :mod:`parallelisms.parallel.vocab`.
 """
 
@@ -31,10 +35,19 @@ from parallelisms.parallel.common import mark_sharded
 
 class Region:
     """How a tensor-parallel layer talks to its group: ``comm`` (the TP Comm), ``sequence_parallel`` (the
-    activations outside the TP region are sharded along dim 1, the sequence) and ``overlap``."""
+    activations outside the TP region are sharded along dim 1, the sequence) and ``overlap``; ``store``, the
+    pipeline's ``WeightGradStore`` under a split schedule (set by ``split_linears``), else None."""
 
     def __init__(self, comm: Comm, sequence_parallel: bool = False, overlap: bool = False):
         self.comm, self.sequence_parallel, self.overlap = comm, sequence_parallel, overlap
+        self.store = None
+
+    def weight_grad(self, weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
+        """``weight``'s gradient from its output gradient and input, or None when it is left in the store."""
+        if self.store is not None and self.store.can_defer(weight):
+            self.store.put(weight, grad, inp)
+            return None
+        return torch.mm(_mm2d(grad).t(), _mm2d(inp))
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_gather(x, dim=1) if self.sequence_parallel else x
@@ -81,7 +94,7 @@ class _ColumnParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, region: Region, *weights):
-        ctx.region = region
+        ctx.region, ctx.weights = region, weights  # the weights themselves, for a deferred gradient's .grad
         ctx.save_for_backward(x, *weights)   # x as given: the sequence shard under SP
         full = region.gather_seq(x)
         return tuple(F.linear(full, w) for w in weights)
@@ -97,7 +110,7 @@ class _ColumnParallel(torch.autograd.Function):
             grad_x.addmm_(_mm2d(g), w)
         x2d = _mm2d(gathering.wait())
         pending = region.reduce_input_grad(grad_x.view(full_shape), async_op=region.overlap)
-        grad_ws = [torch.mm(_mm2d(g).t(), x2d) for g in grads]   # computed while the reduction runs
+        grad_ws = [region.weight_grad(w, g, x2d) for g, w in zip(grads, ctx.weights)]  # while it runs
         return (pending.wait(), None, *grad_ws)
 
 
@@ -108,7 +121,7 @@ class _RowParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, region: Region):
-        ctx.region = region
+        ctx.region, ctx.weight = region, weight  # the weight itself, for a deferred gradient's .grad
         ctx.save_for_backward(x, weight)
         y = F.linear(x, weight)
         if region.sequence_parallel:
@@ -119,9 +132,8 @@ class _RowParallel(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = ctx.region.gather_seq(grad.contiguous())
-        g2d = _mm2d(grad)
-        grad_x = torch.mm(g2d, weight).view(*grad.shape[:-1], weight.shape[-1])
-        return grad_x, torch.mm(g2d.t(), _mm2d(x)), None
+        grad_x = torch.mm(_mm2d(grad), weight).view(*grad.shape[:-1], weight.shape[-1])
+        return grad_x, ctx.region.weight_grad(ctx.weight, grad, x), None
 
 
 def column_parallel(x: torch.Tensor, region: Region, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

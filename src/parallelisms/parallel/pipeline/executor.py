@@ -12,8 +12,10 @@ Each peer's next message is also posted ahead of its RECV, so the transfer overl
 Backward split (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024): under a split schedule every
 linear layer of a stage is swapped for one whose backward returns the input gradient at once and, while
 the ``I`` action runs, leaves (weight, output gradient, input) in a :class:`WeightGradStore`; the ``W``
-action of that (stage, microbatch) computes the weight gradients from it later, in the bubbles. Norm and
-embedding weights (a vector add) are computed in ``I``. Activations are dropped right after the
+action of that (stage, microbatch) computes the weight gradients from it later, in the bubbles. The
+tensor-parallel layers defer the same way (their regions are handed the store; the input gradient and its
+communication stay in ``I``). Norm and embedding weights (a vector add), and weights computed in forward
+(gathered replicated KV heads), are computed in ``I``. Activations are dropped right after the
 backward that consumes them; the loss of a microbatch is scaled by 1/M so the gradient is the mean's.
 """
 
@@ -27,6 +29,7 @@ from torch import nn
 
 from parallelisms.comm import Comm, Timeline
 from parallelisms.parallel.pipeline.schedules import COMM, Action, Kind, Schedule
+from parallelisms.parallel.tensor import Region
 
 
 class WeightGradStore:
@@ -45,18 +48,43 @@ class WeightGradStore:
         finally:
             self.key = None
 
-    def put(self, weight: nn.Parameter, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    def can_defer(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight``'s gradient goes to the store now: inside :meth:`deferring`, for a weight whose
+        gradient lands on a leaf (:func:`_grad_home`). A weight computed in forward is not: its gradient
+        must flow on through autograd, so it is computed at once."""
+        return self.key is not None and _grad_home(weight) is not None
+
+    def put(self, weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
         self.pending[self.key].append((weight, grad_out.detach(), inp.detach()))
 
     @torch.no_grad()
     def flush(self, key: tuple[int, int]) -> None:
-        """The weight gradients deferred under ``key``, accumulated into ``.grad``."""
+        """The weight gradients deferred under ``key``, accumulated where autograd would have put them: the
+        weight's ``.grad``, or for a view of a leaf buffer (a flat sharding unit's weight) the view's region
+        of the buffer's ``.grad``."""
         for weight, grad_out, inp in self.pending.pop(key, []):
             grad = grad_out.flatten(0, -2).t().mm(inp.flatten(0, -2))
-            if weight.grad is None:
-                weight.grad = grad
-            else:
-                weight.grad.add_(grad)
+            home = _grad_home(weight)
+            if home is weight:
+                if weight.grad is None:
+                    weight.grad = grad
+                else:
+                    weight.grad.add_(grad)
+                continue
+            if home.grad is None:
+                home.grad = torch.zeros_like(home)
+            assert home.grad.stride() == home.stride(), "the buffer's gradient has the buffer's layout"
+            offset = home.grad.storage_offset() + weight.storage_offset() - home.storage_offset()
+            home.grad.as_strided(weight.shape, weight.stride(), offset).add_(grad)
+
+
+def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
+    """The leaf whose ``.grad`` autograd accumulates ``weight``'s gradient into: the weight itself, or the
+    leaf it is a view of; None for a weight computed from others."""
+    if weight.is_leaf:
+        return weight if weight.requires_grad else None
+    base = weight._base
+    return base if base is not None and base.is_leaf and base.requires_grad else None
 
 
 class _SplitLinearFn(torch.autograd.Function):
@@ -72,7 +100,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.store.key is not None:
+        if ctx.store.can_defer(ctx.param):
             ctx.store.put(ctx.param, grad_out, x)
             return grad_in, None, None
         return grad_in, grad_out.flatten(0, -2).t().mm(x.flatten(0, -2)), None
@@ -92,8 +120,11 @@ class SplitLinear(nn.Module):
 
 
 def split_linears(module: nn.Module, store: WeightGradStore) -> None:
-    """Swap every ``nn.Linear`` inside ``module`` for a :class:`SplitLinear` (parameter names unchanged)."""
+    """Swap every ``nn.Linear`` inside ``module`` for a :class:`SplitLinear` (parameter names unchanged),
+    and hand ``store`` to the tensor-parallel regions (their layers defer through ``region.store``)."""
     for parent in list(module.modules()):
+        if isinstance(getattr(parent, "region", None), Region):
+            parent.region.store = store
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, SplitLinear(child, store))

@@ -3,7 +3,9 @@ weight stashing; and the single-process reference that reproduces its delayed up
 
 Semantics made exact. Every stage keeps its own optimizer and steps it right after each microbatch's
 backward (the schedule's OPTIMIZER action) with that microbatch's gradient (the gradient of its mean
-loss; global-norm clipping is per stage, since stages update at different times). The forward of a
+loss; global-norm clipping is per stage, since stages update at different times; under tensor
+parallelism the stage's norm sums its sharded weights' squares over the stage's tp group, whose ranks run
+the same schedule, and counts replicated ones once). The forward of a
 microbatch uses the stage's current weights (version v = updates applied so far) and its backward must
 use the same weights, although the stage has been updated since: the forward runs on a stashed copy of
 version v (``torch.func.functional_call`` with fresh leaves over the stash), whose gradients feed the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, TrainConfig
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
@@ -26,16 +29,17 @@ from parallelisms.parallel.pipeline.partition import equal_bounds
 from parallelisms.parallel.pipeline.schedules import Action
 from parallelisms.parallel.pipeline.stage import stage_of_parameter
 from parallelisms.optim import make_optimizer
+from parallelisms.parallel.common import clip_grad_norm_
 
 
 class WeightStashing:
     """PipeDream's per-stage updates inside the schedule, with weight stashing: the executor's forward
     (:meth:`forward`) runs a stage on the stashed version its microbatch must see, and its OPTIMIZER action
-    (:meth:`update`) clips by the stage's own norm and steps the stage's own optimizer. Call
+    (:meth:`update`) clips by the stage's own norm (summed over tp) and steps the stage's own optimizer. Call
     :meth:`start_window` before each step's schedule (the window ends in a drain)."""
 
-    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig):
-        self.cfg = cfg
+    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig, comms: Comms):
+        self.cfg, self.comms = cfg, comms
         self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
         self.optimizers = {s: make_optimizer(list(named.values()), cfg) for s, named in self.named.items()}
         self.start_window()
@@ -62,8 +66,8 @@ class WeightStashing:
         params = list(self.named[a.stage].values())
         for name, p in self.named[a.stage].items():
             p.grad = leaves[name].grad
-        if self.cfg.grad_clip > 0:  # local to the stage: no communication inside the asynchronous schedule
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if self.cfg.grad_clip > 0:  # the stage's own norm: communication within its tp group only
+            clip_grad_norm_(params, self.cfg.grad_clip, self.comms, within=("tp",))
         self.optimizers[a.stage].step()
         for p in params:
             p.grad = None

@@ -4,7 +4,7 @@ A stage is the model itself (:meth:`Transformer.stage`): stage 0 holds the token
 the final norm, the output head and the loss, every stage a contiguous range of blocks under the plain
 model's parameter names (``layers.5.attention.wq.weight``), so the full model is reassembled by name across
 pipeline ranks. Stages share the plain model's modules (no copy) unless asked for a copy (DualPipe's second
-direction). Whatever was applied to the model before the cut (tensor, sequence, context parallelism,
+direction), whose parameters keep the originals' sharding marks (tensor, expert parallelism). Whatever was applied to the model before the cut (tensor, sequence, context parallelism,
 recomputation) is what each stage runs.
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from parallelisms.comm import Comm
 from parallelisms.model.transformer import Transformer
+from parallelisms.parallel.common import SHARD_ATTR
 
 
 def build_stages(model: Transformer, bounds: list[int], wanted: list[tuple[int, int]]) -> dict[int, Transformer]:
@@ -25,8 +26,18 @@ def build_stages(model: Transformer, bounds: list[int], wanted: list[tuple[int, 
     stages = {}
     for path, s in wanted:
         stage = model.stage(range(bounds[s], bounds[s + 1]), s == 0, s == num_stages - 1)
-        stages[s] = copy.deepcopy(stage) if path else stage
+        stages[s] = _copy_with_marks(stage) if path else stage
     return stages
+
+
+def _copy_with_marks(stage: Transformer) -> Transformer:
+    """A deep copy of ``stage`` whose parameters carry the originals' :func:`mark_sharded` marks (a copied
+    ``nn.Parameter`` drops its Python attributes)."""
+    copied = copy.deepcopy(stage)
+    for original, param in zip(stage.parameters(), copied.parameters()):
+        if hasattr(original, SHARD_ATTR):
+            setattr(param, SHARD_ATTR, getattr(original, SHARD_ATTR))
+    return copied
 
 
 def stage_of_parameter(name: str, bounds: list[int]) -> int:
