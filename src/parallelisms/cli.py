@@ -189,8 +189,8 @@ def reference_for(model, train, parallel):
     if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
         return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp))
-    if parallel.mixed_precision == "bf16":  # the same arithmetic in one process: bf16 grads of each dp shard
-        return reference_train_bf16(model, train, splits=parallel.dims.dp)
+    if parallel.mixed_precision == "bf16":  # the same arithmetic in one process: bf16 grads of each batch slice
+        return reference_train_bf16(model, train, splits=_batch_slices(parallel, train))
     return reference_train(model, train, splits=_batch_slices(parallel, train))
 
 
@@ -206,7 +206,7 @@ def _rounding_note(explained: dict) -> str:
 
 def cmd_verify(args) -> int:
     from parallelisms.train import RunSpec
-    from parallelisms.verify import check_reference, compare
+    from parallelisms.verify import check_reference, compare, compare_mixed_precision, reference_train
 
     model, train, parallel = build_configs(args)
     tolerance = _tolerance(args, train)
@@ -215,7 +215,10 @@ def cmd_verify(args) -> int:
     report = run_layout(RunSpec(model, train, parallel, collect_state=True))
     if report is None:
         return 0
-    result = compare(report, reference, tolerance)
+    if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
+        result = compare_mixed_precision(report, reference, reference_train(model, train), tolerance)
+    else:
+        result = compare(report, reference, tolerance)
     if not result["ok"] and train.dtype == "float32" and parallel.mixed_precision == "fp32" and not result["nonfinite"]:
         # fp32 parameters beyond the tolerance: is it rounding? float64 training says (verify.ROUNDING_FACTOR)
         result = compare(report, reference, tolerance, exact=reference_for(model, train.replace(dtype="float64"),
@@ -229,7 +232,9 @@ def cmd_verify(args) -> int:
           f"{result['max_param_rel_diff']:.2e} ({result['worst_param']}), tolerance {result['tolerance']:.0e}: "
           f"{'ok' if result['ok'] else 'MISMATCH'}"
           + (f"; first non-finite value: {result['nonfinite']}" if result["nonfinite"] else "")
-          + _rounding_note(result.get("rounding_explained", {})))
+          + _rounding_note(result.get("rounding_explained", {}))
+          + (f"; bf16 envelope: {result['envelope']:.2f}x single-process bf16's own distance from fp32 "
+             f"(allowed {result['envelope_limit']:g}x)" if "envelope" in result else ""))
     if args.json:
         print(json.dumps(result))
     return 0 if result["ok"] else 1

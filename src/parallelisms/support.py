@@ -42,8 +42,6 @@ UNSUPPORTED: dict[frozenset, str] = {
              "units through the step (--fsdp-style flat); the per-parameter engines regather per forward"),
     **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3"] + _FSDP, "PipeDream updates weights per "
              "microbatch, so there is no step at which replicas could average (or shard) their gradients"),
-    **_pairs("dualpipe", "ep", "open: with both directions' copies of a stage on each rank, the expert "
-             "all-to-alls abort in gloo (DualPipeV, the one-copy V schedule, runs)"),
     **_pairs("pipedream", ["ring", "ulysses"], "PipeDream updates each stage per microbatch without communication, "
              "while context-parallel ranks hold different tokens whose gradients would first have to be summed"),
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
