@@ -42,7 +42,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
 from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, Run, compare, reference_train
+from parallelisms.verify import (BF16_ENVELOPE, TOLERANCE, TOLERANCE_FLOAT64, Run, compare,
+                                 compare_mixed_precision, reference_train, reference_train_bf16)
 
 from _launching import launch_once_per_world, one_thread, train_each
 
@@ -155,6 +156,42 @@ SCENARIOS.update({
     "pp2_dp2_tp2_ep2_moe_interleaved": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(
         ParallelDims(pp=2, dp_replicate=2, tp=2, ep=2), schedule="interleaved", chunks=2, microbatches=2)),
 })
+# sharded data parallelism under pipelines (each stage's flat engine held through the step) with every kind of
+# schedule, and ZeRO/FSDP with expert parallelism (expert units sharded over the ranks holding the same experts)
+SCENARIOS.update({
+    "pp2_dp2_zero2_gpipe": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2), zero=2,
+                                                             schedule="gpipe", microbatches=4)),
+    "pp2_dp2_zero3_zbh1_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_shard=2), zero=3,
+                                                                schedule="zb-h1", microbatches=4)),
+    "pp2_dp2_full_shard_dualpipe_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_shard=2),
+                                                                         fsdp="full_shard", schedule="dualpipe",
+                                                                         microbatches=4)),
+    "pp2_dp2_shard_grad_op_dualpipev": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2),
+                                                                         fsdp="shard_grad_op", schedule="dualpipev",
+                                                                         microbatches=4)),
+    "pp2_dp2_no_shard_zbv": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2), fsdp="no_shard",
+                                                              schedule="zb-v", microbatches=4)),
+    "moe_dp4_ep2_zero3_clip": (MOE, CLIP, ParallelConfig(ParallelDims(dp_shard=4, ep=2), zero=3)),
+    "moe_dp2_ep2_shard_grad_op": (CAPPED_MOE, PLAIN, ParallelConfig(ParallelDims(dp_shard=2, ep=2),
+                                                                    fsdp="shard_grad_op")),
+    "pp2_dp2_ep2_moe_zero1_dualpipe": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2, ep=2),
+                                                                            zero=1, schedule="dualpipe",
+                                                                            microbatches=4)),
+    # the issue's N-D layouts on eight ranks
+    "pp2_dp2_tp2_zero1": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2, tp=2), zero=1,
+                                                           microbatches=2)),
+    "pp2_dp2_tp2_full_shard_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_shard=2, tp=2),
+                                                                    fsdp="full_shard", microbatches=2)),
+    "pp2_dp2_tp2_ep2_moe_zero3": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2, tp=2, ep=2),
+                                                                       zero=3, microbatches=2)),
+    "pp2_hybrid_shard_zbv": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, dp_shard=2),
+                                                              fsdp="hybrid_shard", schedule="zb-v", microbatches=2)),
+    # mixed precision (fp32 training; verify's bf16 check, see test_bf16_layouts_within_the_envelope)
+    "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(dtype="float32"), ParallelConfig(
+        ParallelDims(dp_shard=2, tp=2), zero=3, sequence_parallel=True, mixed_precision="bf16")),
+    "bf16_pp2_dp2_full_shard": (PIPE, PIPE_PLAIN.replace(dtype="float32"), ParallelConfig(
+        ParallelDims(pp=2, dp_shard=2), fsdp="full_shard", microbatches=4, mixed_precision="bf16")),
+})
 # Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
 # pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over
 # different mesh dimensions (a rank may hold no piece of a group: both aborted until the empty groups took
@@ -173,6 +210,15 @@ OWN_LAUNCH = {
                                                                            microbatches=2)),
     },
     "ep8": {"moe_dp8_ep8": (MOE, PLAIN, ParallelConfig(ParallelDims(dp_replicate=8, ep=8)))},
+    # sixteen ranks: torchtitan's 4-D layout, and every dimension at once (dp, tp, sp, cp, ep, pp, recompute, bf16)
+    "four_d": {
+        "pp2_dp2_cp2_tp2_sp_full_shard": (PIPE, PIPE_PLAIN, ParallelConfig(
+            ParallelDims(pp=2, dp_shard=2, cp=2, tp=2), fsdp="full_shard", sequence_parallel=True,
+            microbatches=2)),
+        "bf16_everything": (PIPE_MOE, PIPE_CLIP.replace(dtype="float32"), ParallelConfig(
+            ParallelDims(pp=2, dp_shard=2, cp=2, tp=2, ep=2), zero=1, sequence_parallel=True, microbatches=2,
+            recompute="selective", mixed_precision="bf16")),
+    },
 }
 GROUP = dict.fromkeys(SCENARIOS, "main")
 for _group, _scenarios in OWN_LAUNCH.items():
@@ -248,7 +294,7 @@ def _reference_for(name: str, train: TrainConfig | None = None) -> Run:
 ORDER = sorted(SCENARIOS, key=lambda name: (GROUP[name] != "main", GROUP[name], _world(name)))
 
 
-@pytest.mark.parametrize("name", ORDER)
+@pytest.mark.parametrize("name", [n for n in ORDER if SCENARIOS[n][2].mixed_precision == "fp32"])
 def test_float64_matches_single_process(name):
     model, train, parallel = SCENARIOS[name]
     reference = _reference_for(name)
@@ -339,3 +385,32 @@ def test_nonfinite_run_fails_naming_where(changes, where):
     assert compare(reference, reference, TOLERANCE_FLOAT64)["ok"]
     result = compare(_toy_run(**changes), reference, tolerance=1.0)  # even under a tolerance that lets anything pass
     assert not result["ok"] and result["nonfinite"] == where, result
+
+
+@pytest.mark.parametrize("name", [n for n in ORDER if SCENARIOS[n][2].mixed_precision == "bf16"])
+def test_bf16_layouts_within_the_envelope(name):
+    """bf16 layouts against single-process bf16 training on the same slices, within verify's envelope around
+    fp32 training (tensor parallelism's bf16 partial sums have no single-process twin); the pipeline alone
+    accumulates its microbatches in fp32 main grads and is the exact twin."""
+    model, train, parallel = SCENARIOS[name]
+    with one_thread():
+        bf16 = reference_train_bf16(model, train, splits=_splits(parallel, train))
+        fp32 = reference_train(model, train)
+    result = compare_mixed_precision(_report(name), bf16, fp32)
+    assert result["ok"], (name, result)
+    if parallel.dims.tp == 1:
+        assert "envelope" not in result, (name, result)  # the same arithmetic: within the fp32 contract
+
+
+def test_bf16_envelope_catches_a_tensor_moved_by_a_share_of_its_update():
+    """The envelope is not a loosened tolerance: one tensor off by a tenth of its first-step update fails."""
+    model, train, parallel = SCENARIOS["bf16_pp2_dp2_full_shard"]
+    with one_thread():
+        bf16 = reference_train_bf16(model, train, splits=_splits(parallel, train))
+        fp32 = reference_train(model, train)
+        start = reference_train(model, train.replace(steps=0))
+    name = "layers.1.attention.wq.weight"
+    state = dict(bf16.state)
+    state[name] = state[name] + 0.1 * (state[name] - start.state[name])
+    result = compare_mixed_precision(Run(bf16.losses, state, bf16.grad_norms), bf16, fp32)
+    assert not result["ok"] and result["envelope"] > 2 * BF16_ENVELOPE, result
