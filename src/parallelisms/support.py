@@ -39,8 +39,6 @@ def _pairs(left, right, reason: str) -> dict:
 # Every pair of features that cannot run together, with the reason; any pair not listed works (each tested
 # or verified; see README's feature table). Validation reads this table before any per-value check.
 UNSUPPORTED: dict[frozenset, str] = {
-    **_pairs("pp", ["per_param", "reuse"], "not built yet: under a pipeline the flat engine holds each stage's "
-             "units through the step (--fsdp-style flat); the per-parameter engines regather per forward"),
     **_pairs("pp", "bf16", "not built yet: pipeline stages train in fp32 (their flat buffers hold one dtype)"),
     **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3"] + _FSDP, "PipeDream updates weights per "
              "microbatch, so there is no step at which replicas could average (or shard) their gradients"),
@@ -59,12 +57,8 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
              "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
              "what autograd saved"),
-    **_pairs("reuse", "tp", "not built yet: the two reused buffers are sized for unsharded units"),
     **_pairs(["ring", "ulysses"], "sp", "not built yet: Megatron SP and context parallelism would both shard "
              "the sequence"),
-    **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
-             "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
-             "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
     **_pairs("moe", ["sp", "ring", "ulysses"], "not built yet: expert capacity and the load-balancing statistics "
              "are per whole sequence (a running count in token order, means over it), and a rank holding a sequence "
              "shard would need its peers' counts and sums first"),
