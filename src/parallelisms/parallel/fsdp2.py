@@ -246,7 +246,7 @@ class PerParamSharding:
 
     # -- forward hooks -----------------------------------------------------------------------------------
     def _root_pre_forward(self, *_):
-        if self.hold:  # held units stay gathered and current until reduce_held
+        if self.hold:  # held units stay gathered and current until reduce_held: saved weights are their own
             return
         for unit in self.units:  # parameters may have changed since the last gather (optimizer step)
             if unit.pending is not None:
@@ -269,8 +269,9 @@ class PerParamSharding:
         unit.saves_weights, unit.accumulated = False, 0
         unit.leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in full]
         self._swap_in(unit, unit.leaves)
-        if self.hold:  # gradients are reduced by reduce_held, not per microbatch
-            self._before_accumulate(unit, None)
+        if self.hold:  # reduced by reduce_held, not per microbatch: no hooks; the gradient buffers are set now
+            unit.grads_prepared = True
+            self._prepare_grads(unit)
             return
         for leaf in unit.leaves:
             if leaf.requires_grad:
@@ -308,7 +309,7 @@ class PerParamSharding:
         return unit.full_storage.as_strided(size, stride, offset)
 
     # -- gradients ---------------------------------------------------------------------------------------
-    def _before_accumulate(self, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def _before_accumulate(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         if not unit.grads_prepared:
             unit.grads_prepared = True
             self._prepare_grads(unit)
