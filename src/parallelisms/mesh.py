@@ -68,13 +68,17 @@ class ParallelDims:
 
     def build_meshes(self, device_type: str = "cpu") -> dict:
         """The 5-D ``DeviceMesh`` in ``MESH_ORDER`` (key ``"world"``), its 1-D sub-meshes by name, and the
-        flattened ``dp`` (dp_replicate x dp_shard) and ``dp_cp`` (dp x cp) dimensions."""
+        flattened ``dp`` (dp_replicate x dp_shard) and ``dp_cp`` (dp x cp) dimensions, and with context
+        parallelism ``dp_shard_cp`` (dp_shard x cp: context-parallel ranks hold different tokens of the same
+        model, so the sharded engines shard over them too; a hybrid layout replicates over dp_replicate)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, tuple(self.shape().values()), mesh_dim_names=MESH_ORDER)
         meshes = {name: world[name] for name in MESH_ORDER}
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if self.cp > 1:  # sharded data parallelism shards over dp_shard x cp (torchtitan's FSDP mesh)
+            meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         if self.ep > 1:  # ep: the innermost ep ranks of dp x cp; ep_replicate: the ranks holding the same experts
             dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp_for_ep")
             experts = dp_cp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("ep_replicate", "ep"))

@@ -38,8 +38,6 @@ def _pairs(left, right, reason: str) -> dict:
 # Every pair of features that cannot run together, with the reason; any pair not listed works (each tested
 # or verified; see README's feature table). Validation reads this table before any per-value check.
 UNSUPPORTED: dict[frozenset, str] = {
-    **_pairs("pp", ["per_param", "reuse"], "not built yet: under a pipeline the flat engine holds each stage's "
-             "units through the step (--fsdp-style flat); the per-parameter engines regather per forward"),
     **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3"] + _FSDP, "PipeDream updates weights per "
              "microbatch, so there is no step at which replicas could average (or shard) their gradients"),
     **_pairs("pipedream", ["ring", "ulysses"], "PipeDream updates each stage per microbatch without communication, "
@@ -51,10 +49,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
              "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
              "what autograd saved"),
-    **_pairs("reuse", "tp", "not built yet: the two reused buffers are sized for unsharded units"),
-    **_pairs(["ring", "ulysses"], ["fsdp-hybrid_shard", "fsdp-hybrid_shard_zero2", "per_param", "reuse"],
-             "not built yet: these shard over dp_shard alone, while context-parallel ranks also hold different "
-             "tokens (the flat 1-D strategies and ZeRO shard over dp x cp)"),
     **_pairs("ep", ["per_param", "reuse"], "not built yet: the per-parameter engines shard every parameter over "
              "one data-parallel dimension, while expert weights differ between expert-parallel ranks (the flat "
              "style shards them over the ranks holding the same experts)"),

@@ -175,26 +175,37 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
                comms: Comms) -> GradSync:
-    """How gradients reach the optimizer: the pipeline's stage buffers, or a flat engine per stage (--zero,
-    --fsdp), the flat engine (ZeRO, FSDP flat), per-parameter FSDP or buffer reuse, DDP over every rank that saw other tokens
-    (dp x cp; expert weights over their replicas), or plain local gradients."""
+    """How gradients reach the optimizer: a sharding engine per pipeline stage held through the step (--zero,
+    --fsdp), the pipeline's stage buffers, a sharding engine (ZeRO, FSDP flat, per-parameter FSDP or buffer
+    reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
+    local gradients."""
     dims = parallel.dims
-    if dims.pp > 1 and (parallel.zero or parallel.fsdp):  # each stage its own flat engine, held through the step
-        return StageSharding({s: sharded_grad_sync(stage, parallel, train, comms, hold_through_step=True)
+    if dims.pp > 1 and (parallel.zero or parallel.fsdp):
+        return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
                               for s, stage in stages.items()}, copies, comms)
     if dims.pp > 1:  # context-parallel ranks hold different tokens too
         return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
-    if parallel.fsdp and parallel.fsdp_style == "reuse":
-        return ReuseSharding(model, comms, "dp_shard")
-    if parallel.fsdp and parallel.fsdp_style == "per_param":
-        return PerParamSharding(model, comms, "dp_shard", reshard_after_forward=parallel.fsdp != "shard_grad_op")
     if parallel.zero or parallel.fsdp:
-        return sharded_grad_sync(model, parallel, train, comms)
+        return _sharding_engine(model, parallel, train, comms)
     if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None
         return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
                             find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
     return LocalGradients(model, comms)
+
+
+def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+                     hold_through_step: bool = False):
+    """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage held through the step):
+    flat, per-parameter (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and
+    with context parallelism over dp_shard x cp (those ranks hold different tokens of the same model)."""
+    dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
+    if parallel.fsdp and parallel.fsdp_style == "reuse":
+        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step)
+    if parallel.fsdp and parallel.fsdp_style == "per_param":
+        return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
+                                hold_through_step=hold_through_step)
+    return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
 
 
 def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:

@@ -46,7 +46,7 @@ from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward,
                                           norm_dims, norm_of_groups, norm_pieces, sharded_over,
                                           squared_norms_of_pieces)
 from parallelisms.parallel.grad_sync import syncing_off
-from parallelisms.parallel.memory import memory_report
+from parallelisms.parallel.memory import engines_memory
 
 
 @dataclass(frozen=True)
@@ -425,8 +425,12 @@ class ShardedEngine:
         return state
 
     def memory(self, optimizers) -> dict:
-        """:func:`engines_memory` of this engine."""
+        """:func:`parallelisms.parallel.memory.engines_memory` of this engine."""
         return engines_memory([self], optimizers)
+
+    def counts(self) -> dict[str, int]:
+        """The all-gathers that explain the gathered-parameter peak (prefetched ones hold two units at once)."""
+        return {f"{kind}_gathers": count for kind, count in self.gathers.items()}
 
     def held_bytes(self) -> dict[str, int]:
         """Persistent bytes held by the engine: compute-dtype parameters, gradients, fp32 master copies."""
@@ -444,16 +448,3 @@ class ShardedEngine:
         for handle in self._hooks:
             handle.remove()
 
-
-def engines_memory(engines: list[ShardedEngine], optimizers) -> dict:
-    """:func:`memory_report` of the engines' buffers (summed; the gathered peaks too, an upper bound when
-    the engines' peaks do not coincide), with the all-gather counts that explain the gathered-parameter peak
-    (prefetched ones hold two units at once)."""
-    held = [engine.held_bytes() for engine in engines]
-    total = {key: sum(h[key] for h in held) for key in held[0]}
-    report = memory_report(total["params"], total["grads"], optimizers, total["master"],
-                           {"gathered_params_peak": total["gathered_params_peak"],
-                            "grad_buffers_peak": total["grad_buffers_peak"]})
-    for kind in ("prefetched", "on_demand"):
-        report[f"{kind}_gathers"] = sum(engine.gathers[kind] for engine in engines)
-    return report

@@ -22,6 +22,14 @@ gradient, the gradients are copied in rank-major order (copy-in), divided by N a
 asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views), one reduce-scatter in
 flight as in FSDP2; the end of backward waits for the last. :mod:`parallelisms.parallel.yafsdp` reuses
 this engine with a flat layout and two preallocated buffer pairs.
+
+``hold_through_step`` (a pipeline stage, whose schedule interleaves many microbatches' forwards and
+backwards; torchtitan runs FSDP2 under PP this way): a unit is gathered at its first forward of the step
+and its full leaves stay the same objects through every microbatch, so their ``.grad`` accumulates the
+whole step (autograd's, and the deferred weight gradients a split backward's W action adds to the leaf the
+split linear captured); nothing is reduced in the autograd hooks. :meth:`PerParamSharding.reduce_held`,
+called after the stage's last backward work of the step, reduce-scatters every unit (one in flight) and
+frees it; :meth:`PerParamSharding.finish` waits for the last.
 """
 
 from __future__ import annotations
@@ -32,10 +40,10 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
-from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, global_grad_norm,
-                                          mark_sharded)
+from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
+                                          norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
 from parallelisms.parallel.flat import module_units
-from parallelisms.parallel.memory import memory_report
+from parallelisms.parallel.memory import engines_memory
 
 
 class BufferStats:
@@ -57,12 +65,15 @@ class BufferStats:
         self.peak_bytes[kind] = max(self.peak_bytes[kind], self.live_bytes[kind])
         return buf
 
+    def observe(self, kind: str, extra_bytes: int) -> None:
+        """Count ``extra_bytes`` held beside the live buffers in the peak (autograd's full gradients)."""
+        self.peak_bytes[kind] = max(self.peak_bytes[kind], self.live_bytes[kind] + extra_bytes)
+
     def release(self, kind: str, buf: torch.Tensor | None) -> None:
         if buf is not None and buf.untyped_storage().nbytes():
             self.live[kind] -= 1
             self.live_bytes[kind] -= buf.untyped_storage().nbytes()
             buf.untyped_storage().resize_(0)
-
 
 
 class Unit:
@@ -86,6 +97,8 @@ class Unit:
         self.grads_prepared = False
         self.flat_param: nn.Parameter | None = None   # the optimizer's flat shard (buffer-reuse layout)
         self.late_prefetch = False                    # backward prefetch at after_last_child_backward
+        self.norm_keys: set = set()                   # the gradient norm's groups (mesh dimensions)
+        self.norm_pieces: list = []                   # runs of ``grad`` by group (:func:`norm_pieces`)
 
 
 def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -100,11 +113,14 @@ class PerParamSharding:
     ``GradSync`` whose optimizer parameters are the model's own (sharded) parameters.
 
     ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). Use ``zero_grad``
-    before each step; gradients are averaged over the ranks when backward returns.
+    before each step; gradients are averaged over the ranks when backward returns, or, with
+    ``hold_through_step``, after :meth:`reduce_held` and :meth:`finish` (see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", reshard_after_forward: bool = True):
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", reshard_after_forward: bool = True,
+                 hold_through_step: bool = False):
         self.model, self.comms, self.reshard_after_forward = model, comms, reshard_after_forward
+        self.hold = hold_through_step
         self.comm = comms[dim]
         self.stats = BufferStats()
         self.units = [Unit(i, modules) for i, (_, modules) in enumerate(module_units(model))]
@@ -118,6 +134,9 @@ class PerParamSharding:
         with torch.no_grad():
             for unit in self.units:
                 self._shard(unit)
+                params = [p for _, _, p in unit.entries]  # their data are this rank's pieces, back to back
+                unit.norm_keys = {norm_dims(p) for p in params}
+                unit.norm_pieces = norm_pieces(params, 0, unit.shard.numel(), ())
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
                        model.register_forward_hook(self._root_post_forward)]
         for unit in self.units:
@@ -227,6 +246,8 @@ class PerParamSharding:
 
     # -- forward hooks -----------------------------------------------------------------------------------
     def _root_pre_forward(self, *_):
+        if self.hold:  # held units stay gathered and current until reduce_held: saved weights are their own
+            return
         for unit in self.units:  # parameters may have changed since the last gather (optimizer step)
             if unit.pending is not None:
                 self._ensure_full(unit)
@@ -235,24 +256,36 @@ class PerParamSharding:
         self._saved_hooks.__enter__()
 
     def _root_post_forward(self, *_):
-        self._saved_hooks.__exit__(None, None, None)
-        self._saved_hooks = None
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
 
     def _pre_forward(self, unit: Unit) -> None:
+        if self.hold and unit.leaves is not None:  # a later microbatch: the same leaves, their .grad accumulates
+            self._swap_in(unit, unit.leaves)
+            return
         full = self._ensure_full(unit)
         self._prefetch(unit.index + 1, backward=False)
         unit.saves_weights, unit.accumulated = False, 0
         unit.leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in full]
-        for (module, name, _), leaf in zip(unit.entries, unit.leaves):
-            module._parameters[name] = leaf
+        self._swap_in(unit, unit.leaves)
+        if self.hold:  # reduced by reduce_held, not per microbatch: no hooks; the gradient buffers are set now
+            unit.grads_prepared = True
+            self._prepare_grads(unit)
+            return
+        for leaf in unit.leaves:
             if leaf.requires_grad:
                 leaf.register_hook(lambda grad, u=unit: self._before_accumulate(u, grad))
                 leaf.register_post_accumulate_grad_hook(lambda _, u=unit: self._after_accumulate(u))
 
+    @staticmethod
+    def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> None:
+        for (module, name, _), tensor in zip(unit.entries, tensors):
+            module._parameters[name] = tensor
+
     def _post_forward(self, unit: Unit) -> None:
-        for module, name, param in unit.entries:
-            module._parameters[name] = param
-        if self.reshard_after_forward and unit.index != len(self.units) - 1:
+        self._swap_in(unit, [param for _, _, param in unit.entries])
+        if self.reshard_after_forward and not self.hold and unit.index != len(self.units) - 1:
             self._release(unit)
 
     # -- saved tensors: references instead of full weights -----------------------------------------------
@@ -305,8 +338,8 @@ class PerParamSharding:
             self._complete(self._pending_grads.pop(0))
         pending = self.comm.reduce_scatter(send, out=out, async_op=True, scratch=True)
         self._pending_grads.append((unit, pending, out, send))
-        unit.grads_prepared, unit.leaves = False, None
-        self._release(unit)
+        unit.grads_prepared, unit.leaves, unit.accumulated = False, None, 0
+        self._release(unit, stale=self.hold)  # held: the optimizer step comes before the next gather
 
     @torch.no_grad()
     def _complete(self, entry) -> None:
@@ -327,6 +360,18 @@ class PerParamSharding:
         self._pending_grads = []
         for unit in self.units:
             unit.accumulated, unit.leaves = 0, None
+
+    def reduce_held(self) -> None:
+        """``hold_through_step``: the stage's last backward work of the step is done; reduce-scatter every
+        unit's accumulated full gradients (last unit first, one in flight) and free its full parameters."""
+        held = [unit for unit in self.units if unit.leaves is not None]
+        self.stats.observe("grad", sum(self._held_grad_bytes(unit) for unit in held))
+        for unit in reversed(held):
+            self._reduce_scatter(unit)
+
+    def _held_grad_bytes(self, unit: Unit) -> int:
+        """Bytes of the unit's full gradients that autograd allocated (outside the engine's buffers)."""
+        return sum(leaf.grad.numel() * leaf.grad.element_size() for leaf in unit.leaves if leaf.grad is not None)
 
     # -- user API ----------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -351,10 +396,22 @@ class PerParamSharding:
         return nullcontext()
 
     def finish(self) -> None:
-        """Nothing: the end-of-backward callback waits for the last reduce-scatter."""
+        """Wait for the reduce-scatters still in flight: those :meth:`reduce_held` launched (otherwise the
+        end-of-backward callback already has)."""
+        for entry in self._pending_grads:
+            self._complete(entry)
+        self._pending_grads = []
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(self.parameters(), self.comms)
+        return norm_of_groups(self.squared_grad_norms(), self.comms)
+
+    def squared_grad_norms(self) -> dict:
+        """The gradient shards' squared norms grouped by the mesh dimensions their parameters are sharded
+        over (this engine's, tensor parallelism's, the pipeline's): runs of each unit's flat gradient, so the
+        buffer-reuse layout's flat shards, which mix tensor-parallel and replicated weights, are split right."""
+        return squared_norms_of_pieces({dims for unit in self.units for dims in unit.norm_keys},
+                                       ((unit.grad, unit.norm_pieces) for unit in self.units),
+                                       self.units[0].shard.dtype)
 
     def after_step(self) -> None:
         """Nothing: the next forward gathers the updated shards."""
@@ -376,12 +433,19 @@ class PerParamSharding:
     def memory(self, optimizers) -> dict:
         """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the
         engine's temporary buffers (the reused ones count as persistent) and the buffer counts."""
+        return engines_memory([self], optimizers)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Persistent bytes (shards; no separate master copy) and the transient peaks, for
+        :func:`parallelisms.parallel.memory.engines_memory`."""
         held, stats = self.persistent_bytes(), self.stats
         transient = ({"reused_buffers": held["buffers"]} if "buffers" in held else
                      {"gathered_params_peak": stats.peak_bytes["weight"], "grad_buffers_peak": stats.peak_bytes["grad"]})
-        report = memory_report(held["params"], held["grads"], optimizers, transient=transient)
-        report["buffer_allocations"], report["live_buffers"] = dict(stats.allocations), dict(stats.live)
-        return report
+        return {"params": held["params"], "grads": held["grads"], "master": 0, **transient}
+
+    def counts(self) -> dict:
+        """Buffers allocated so far and still live, by kind (weight, grad)."""
+        return {"buffer_allocations": dict(self.stats.allocations), "live_buffers": dict(self.stats.live)}
 
     def persistent_bytes(self) -> dict[str, int]:
         """Bytes this rank keeps: parameter shards, gradient shards (held from backward to the optimizer

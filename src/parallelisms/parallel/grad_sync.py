@@ -24,7 +24,7 @@ from parallelisms.parallel.memory import memory_report, tensor_bytes
 class GradSync(Protocol):
     """Implemented by :class:`LocalGradients`, ``DataParallel``, ``ShardedEngine`` (ZeRO-1/2/3, FSDP1
     strategies), ``PerParamSharding`` (FSDP2), ``ReuseSharding`` (YaFSDP) and the pipeline's
-    ``StageGradients`` / ``StageShards``."""
+    ``StageGradients`` / ``StageSharding`` (a held engine of any of the sharded kinds per stage)."""
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates (full parameters, flat shards or per-parameter shards)."""

@@ -5,6 +5,8 @@ parameters, gradients and optimizer state (Adam's two moments, plus fp32 master 
 precision). Stage 1 divides optimizer state by N, stage 2 also gradients, stage 3 also parameters.
 Here bytes per element are explicit, so the same formulas cover fp32 training (4-byte parameters and
 gradients, no separate master) and bf16 (2-byte parameters and gradients, 4-byte master copies).
+:func:`engines_memory` reports the sharding engines (flat, per-parameter, buffer reuse), one or one per
+pipeline stage.
 """
 
 from __future__ import annotations
@@ -74,4 +76,23 @@ def memory_report(params_bytes: int, grads_bytes: int, optimizers, master_bytes:
     report.update(transient)
     report["peak_model_states"] = report["persistent"] + sum(transient.values())
     report["process_peak"] = process_peak_bytes()
+    return report
+
+
+def engines_memory(engines, optimizers) -> dict:
+    """:func:`memory_report` of sharding engines (one, or one per pipeline stage of this rank): each engine's
+    ``held_bytes()`` (persistent ``params``, ``grads``, ``master`` and its transient peaks) summed, the peaks
+    too (an upper bound when they do not coincide), and each engine's ``counts()`` (all-gathers, buffers:
+    numbers or dicts of numbers) summed."""
+    held = [engine.held_bytes() for engine in engines]
+    total = {key: sum(h[key] for h in held) for key in held[0]}
+    params, grads, master = (total.pop(key) for key in ("params", "grads", "master"))
+    report = memory_report(params, grads, optimizers, master, total)
+    for engine in engines:
+        for key, value in engine.counts().items():
+            previous = report.get(key)
+            if isinstance(value, dict):
+                report[key] = {k: (previous or {}).get(k, 0) + v for k, v in value.items()}
+            else:
+                report[key] = (previous or 0) + value
     return report

@@ -16,6 +16,14 @@ In backward, before a unit's first gradient accumulates, gradient buffer ``index
 pointed at its slice, so autograd's accumulation adds into the communication buffer itself. A buffer
 still holding a unit (the last ones of forward) is not gathered again in backward. Everything else (the
 hooks, saved-tensor references, prefetch, waits) is the engine of :mod:`parallelisms.parallel.fsdp2`.
+
+Buffers are sized for the largest unit's local parameters, so under tensor parallelism they hold the
+tensor-parallel shards (the gradient norm splits a flat shard into its tensor-parallel and replicated
+runs). A pipeline stage (``hold_through_step``) keeps every unit gathered from its first forward to the
+end of its last backward, so there each unit has a buffer pair of its own, allocated at the first step and
+reused by every later one; its gradient buffer is zeroed and handed to the leaves at the first forward of
+the step, so autograd's accumulation and the deferred weight gradients of a split backward (which add to
+the leaf's ``.grad``) both land in the buffer the step's one reduce-scatter sends.
 """
 
 from __future__ import annotations
@@ -29,13 +37,15 @@ from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
 
 
 class ReuseSharding(PerParamSharding):
-    """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD)."""
+    """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD); one
+    pair per unit when held through the step (a pipeline stage)."""
 
-    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard"):
-        self.weight_buffers: list[torch.Tensor | None] = [None, None]
-        self.grad_buffers: list[torch.Tensor | None] = [None, None]
-        self.owners: list[Unit | None] = [None, None]
-        super().__init__(model, comms, dim, reshard_after_forward=True)
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", hold_through_step: bool = False):
+        super().__init__(model, comms, dim, reshard_after_forward=True, hold_through_step=hold_through_step)
+        slots = len(self.units) if hold_through_step else 2
+        self.weight_buffers: list[torch.Tensor | None] = [None] * slots
+        self.grad_buffers: list[torch.Tensor | None] = [None] * slots
+        self.owners: list[Unit | None] = [None] * slots
         self.buffer_numel = max(u.shard.numel() for u in self.units) * self.comm.size
 
     # -- layout --------------------------------------------------------------------------------------------
@@ -64,14 +74,18 @@ class ReuseSharding(PerParamSharding):
         super()._attach_grads(unit)
         unit.flat_param.grad = unit.grad
 
+    def _slot(self, unit: Unit) -> int:
+        return unit.index % len(self.owners)
+
     def _buffer(self, buffers: list, kind: str, unit: Unit) -> torch.Tensor:
-        slot = unit.index % 2
-        if buffers[slot] is None:
-            buffers[slot] = self.stats.allocate(kind, self.buffer_numel, unit.shard)
+        slot = self._slot(unit)
+        if buffers[slot] is None:  # a unit's own buffer is sized for it, a shared one for the largest unit
+            numel = unit.shard.numel() * self.comm.size if self.hold else self.buffer_numel
+            buffers[slot] = self.stats.allocate(kind, numel, unit.shard)
         return buffers[slot][:unit.shard.numel() * self.comm.size]
 
     def _gather_destination(self, unit: Unit) -> torch.Tensor:
-        slot = unit.index % 2
+        slot = self._slot(unit)
         previous = self.owners[slot]
         if previous is not None and previous is not unit:
             previous.full = previous.full_storage = None
@@ -87,15 +101,15 @@ class ReuseSharding(PerParamSharding):
         return out
 
     def _materialize(self, unit: Unit) -> None:
-        unit.full_storage = self.weight_buffers[unit.index % 2]
+        unit.full_storage = self.weight_buffers[self._slot(unit)]
         unit.full, unit.gathered = self._unflatten(unit, unit.gathered), None
 
     def _release(self, unit: Unit, stale: bool = False) -> None:
         """The buffer keeps the unit until another unit takes it over, unless its shards changed."""
         if stale:
             unit.full = unit.full_storage = None
-            if self.owners[unit.index % 2] is unit:
-                self.owners[unit.index % 2] = None
+            if self.owners[self._slot(unit)] is unit:
+                self.owners[self._slot(unit)] = None
 
     # -- gradients -------------------------------------------------------------------------------------
     def _prepare_grads(self, unit: Unit) -> None:

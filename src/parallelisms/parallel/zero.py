@@ -39,13 +39,15 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
                       hold_through_step: bool = False) -> ShardedEngine:
     """The flat engine for ``--zero K`` or ``--fsdp STRATEGY`` (flat style) over ``model`` (or one pipeline
     stage, ``hold_through_step``). With context parallelism the ranks of dp x cp hold different tokens of the
-    same model, so they shard (or replicate) over ``dp_cp``, as Megatron's distributed optimizer does."""
+    same model, so they shard (or replicate) over ``dp_cp``, as Megatron's distributed optimizer does; the
+    hybrid strategies shard over ``dp_shard_cp`` (dp_shard x cp, torchtitan's FSDP mesh) and replicate over
+    ``dp_replicate``."""
     # bf16 compute over fp32 master weights, or the parameters' own dtype (fp32; float64 under verify --dtype)
     dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else next(model.parameters()).dtype
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp, dtype)
     plan = dataclasses.replace(plan, hold_through_step=hold_through_step)
     if parallel.dims.cp > 1:
-        widen = {"dp": "dp_cp"}
+        widen = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
         plan = dataclasses.replace(plan, shard_dim=widen.get(plan.shard_dim, plan.shard_dim),
                                    replicate_dim=widen.get(plan.replicate_dim, plan.replicate_dim))
     # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block

@@ -1,6 +1,8 @@
-"""Sharded data parallelism under pipeline parallelism: ZeRO-1/2/3 and the flat FSDP strategies for the stages
-of this rank, each stage one flat engine (:class:`parallelisms.parallel.flat.ShardedEngine`, the same engine
-plain training uses) held through the step.
+"""Sharded data parallelism under pipeline parallelism: ZeRO-1/2/3 and the FSDP strategies for the stages of
+this rank, each stage one sharding engine held through the step: the flat engine
+(:class:`parallelisms.parallel.flat.ShardedEngine`), the per-parameter one (FSDP2,
+:class:`parallelisms.parallel.fsdp2.PerParamSharding`) or buffer reuse (YaFSDP,
+:class:`parallelisms.parallel.yafsdp.ReuseSharding`), the same engines plain training uses.
 
 A schedule runs the forwards and backwards of many microbatches interleaved, so each stage's engine gathers a
 unit at its first forward of the step and keeps it (ZeRO-3 / FULL_SHARD hold the stage's full parameters
@@ -13,8 +15,12 @@ all-gathers and M reduce-scatters for M microbatches; the price is that a stage'
 gradients are live through the step, which the pipeline already bounds to 1/pp of the model (Megatron's
 distributed optimizer is the ZeRO-1 case).
 
+An engine here provides ``parameters``, ``zero_grad``, ``reduce_held``, ``finish``, ``squared_grad_norms``,
+``after_step``, ``full_state_dict``, and ``held_bytes``/``counts`` for
+:func:`parallelisms.parallel.memory.engines_memory`.
+
 DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` and ``pp-1-s``: both copies hold the same
-flat layout, so after the reductions the two exchange their reduced gradient shards and add them, and
+layout, so after the reductions the two exchange their reduced gradient shards and add them, and
 their optimizers, fed the same gradient, keep the copies identical. The global norm leaves the second
 copies out.
 """
@@ -26,15 +32,18 @@ from torch import nn
 
 from parallelisms.comm import Comms
 from parallelisms.parallel.common import norm_of_groups
-from parallelisms.parallel.flat import ShardedEngine, engines_memory
+from parallelisms.parallel.flat import ShardedEngine
+from parallelisms.parallel.fsdp2 import PerParamSharding
+from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.pipeline.stage import add_mirror_copies
 
 
 class StageSharding:
-    """The pipeline's ``GradSync`` for sharded data parallelism: one held :class:`ShardedEngine` per stage of
-    this rank (``engines``: stage index -> engine), DualPipe's second ``copies`` among them."""
+    """The pipeline's ``GradSync`` for sharded data parallelism: one held engine per stage of this rank
+    (``engines``: stage index -> flat, per-parameter or buffer-reuse engine), DualPipe's second ``copies``
+    among them."""
 
-    def __init__(self, engines: dict[int, ShardedEngine], copies: set[int], comms: Comms):
+    def __init__(self, engines: dict[int, ShardedEngine | PerParamSharding], copies: set[int], comms: Comms):
         self.engines, self.copies, self.comms = engines, copies, comms
         assert all(engine.hold for engine in engines.values()), "stages reduce once per step: hold_through_step"
 
