@@ -103,11 +103,9 @@ def test_optimizer_state_is_one_dp_th_per_rank():
 
 
 @pytest.mark.parametrize("dims, extra, match", [
-    (PP_DP, {"zero": 2}, "--zero 2 with --pp: not built yet: pipeline stages shard optimizer state only"),
-    (PP_DP, {"zero": 1, "schedule": "dualpipe"}, "--zero 1 with --schedule dualpipe: DualPipe keeps two copies"),
     (ParallelDims(pp=2), {"zero": 1, "schedule": "pipedream"}, "--zero 1 with --schedule pipedream"),
-    (PP_DP, {"zero": 1, "mixed_precision": "bf16"}, "--pp with --mixed-precision bf16: not built yet"),
-    (PP_DP, {"fsdp": "full_shard"}, "--fsdp full_shard with --pp"),
+    (PP_DP, {"fsdp": "full_shard", "schedule": "pipedream"}, "--fsdp full_shard with --schedule pipedream: PipeDream "
+                                                             "updates weights per microbatch"),
 ])
 def test_rejected_layouts_are_one_line(dims, extra, match):
     with pytest.raises(ConfigError, match=match) as info:
