@@ -184,8 +184,8 @@ SCENARIOS.update({
                                                                     fsdp="full_shard", microbatches=2)),
     "pp2_dp2_tp2_ep2_moe_zero3": (PIPE_MOE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_shard=2, tp=2, ep=2),
                                                                        zero=3, microbatches=2)),
-    "pp2_hybrid_shard_zbv": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, dp_shard=2),
-                                                              fsdp="hybrid_shard", schedule="zb-v", microbatches=2)),
+    "pp2_hybrid_shard_zbv": (PIPE, PIPE_PLAIN.replace(global_batch=16), ParallelConfig(
+        ParallelDims(pp=2, dp_replicate=2, dp_shard=2), fsdp="hybrid_shard", schedule="zb-v", microbatches=4)),
     # mixed precision (fp32 training; verify's bf16 check, see test_bf16_layouts_within_the_envelope)
     "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(dtype="float32"), ParallelConfig(
         ParallelDims(dp_shard=2, tp=2), zero=3, sequence_parallel=True, mixed_precision="bf16")),
