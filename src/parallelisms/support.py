@@ -38,13 +38,21 @@ def _pairs(left, right, reason: str) -> dict:
 # Every pair of features that cannot run together, with the reason; any pair not listed works (each tested
 # or verified; see README's feature table). Validation reads this table before any per-value check.
 UNSUPPORTED: dict[frozenset, str] = {
-    **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3"] + _FSDP, "PipeDream updates weights per "
+    **_pairs(["zero1", "zero2", "zero3"], _FSDP + ["per_param", "reuse"], "two ways to shard the same data-parallel "
+             "state: pick one (--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)"),
+    **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3", "per_param", "reuse"] + _FSDP, "PipeDream updates weights per "
              "microbatch, so there is no step at which replicas could average (or shard) their gradients"),
+    **_pairs("pipedream", "ep", "expert parallelism borrows data-parallel (or context-parallel) ranks, which "
+             "PipeDream's per-microbatch updates cannot have"),
+    **_pairs("pipedream", "bf16", "mixed precision's fp32 master weights live in the sharding engines, and PipeDream "
+             "runs none (no data parallelism)"),
     **_pairs("pipedream", ["ring", "ulysses"], "PipeDream updates each stage per microbatch without communication, "
              "while context-parallel ranks hold different tokens whose gradients would first have to be summed"),
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
              "its forward call, so a block recomputed in backward would read the live, already updated weights"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
+    **_pairs("ddp", "bf16", "bf16 compute over fp32 master weights lives in the sharding engines (plain DDP trains "
+             "in fp32); --zero 1 keeps DDP's traffic and shards the master weights and optimizer state"),
     **_pairs(["per_param", "reuse"], "bf16", "not built yet: the per-parameter engines keep one dtype"),
     **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
              "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
