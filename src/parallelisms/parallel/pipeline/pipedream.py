@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from parallelisms.comm import Comms
+from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.config import ModelConfig, TrainConfig
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
@@ -84,6 +84,7 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
     for name, p in model.named_parameters():
         groups[stage_of_parameter(name, bounds)][name] = p
     optimizers = {s: make_optimizer(list(g.values()), train_cfg) for s, g in groups.items()}
+    one_rank = Comms({}, CommLedger(), Timeline(0))
     history = {s: [{n: p.detach().clone() for n, p in g.items()}] for s, g in groups.items()}  # by version
     loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
     losses = []
@@ -98,8 +99,8 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
             for s, g in groups.items():
                 for n, p in g.items():
                     p.grad = leaves[n].grad
-                if train_cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(list(g.values()), train_cfg.grad_clip)
+                if train_cfg.grad_clip > 0:  # the stage clip's own arithmetic, on one rank: bit for bit
+                    clip_grad_norm_(list(g.values()), train_cfg.grad_clip, one_rank)
                 optimizers[s].step()
                 history[s].append({n: p.detach().clone() for n, p in g.items()})
         losses.append((torch.stack(window).sum() / m).item())
