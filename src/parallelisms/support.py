@@ -45,13 +45,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
              "its forward call, so a block recomputed in backward would read the live, already updated weights"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
-    **_pairs(["per_param", "reuse"], "bf16", "not built yet: the per-parameter engines keep one dtype"),
-    **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
-             "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
-             "what autograd saved"),
-    **_pairs("ep", ["per_param", "reuse"], "not built yet: the per-parameter engines shard every parameter over "
-             "one data-parallel dimension, while expert weights differ between expert-parallel ranks (the flat "
-             "style shards them over the ranks holding the same experts)"),
 }
 
 
