@@ -157,7 +157,7 @@ def test_expert_parallel_with_a_rank_whose_expert_gets_no_token():
     (["train", "--ep", "2"], "needs a mixture-of-experts model"),
     (["train", "--preset", "tiny-moe", "--dp", "2", "--ep", "3"], "ep 3 must divide the data-parallel"),
     (["train", "--preset", "tiny-moe", "--dp", "6", "--ep", "3", "--global-batch", "12"], "--ep 3 must divide n_experts 8"),
-    (["train", "--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--fsdp", "full_shard", "--fsdp-style", "per_param"], "--fsdp-style per_param with --ep: not built yet"),
+    (["train", "--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--schedule", "pipedream", "--zero", "1"], "--zero 1 with --schedule pipedream"),
 ])
 def test_bad_expert_parallel_input(capsys, argv, fragment):
     assert main(argv) == 2

@@ -49,7 +49,7 @@ def test_verify_with_recompute(capsys, mode):
 
 
 @pytest.mark.parametrize("style, recompute", [("flat", "full"), ("flat", "selective"), ("per_param", "selective"),
-                                              ("reuse", "selective")])
+                                              ("reuse", "selective"), ("per_param", "full"), ("reuse", "full")])
 def test_every_fsdp_style_recomputes_when_asked(style, recompute, monkeypatch):
     """parallelize applies recomputation before the gradient sync whatever the sync is, so the recomputed
     attention core runs again in backward (the per-parameter and reuse styles used to return before
@@ -74,10 +74,7 @@ def test_every_fsdp_style_recomputes_when_asked(style, recompute, monkeypatch):
     assert attention_calls(recompute) == 2 * preset("tiny").n_layers
 
 
-def test_full_recompute_where_weights_are_swapped_per_call_is_rejected_before_launch(capsys):
-    for style in ("per_param", "reuse"):
-        assert main(["verify", "--dp", "2", "--fsdp", "full_shard", "--fsdp-style", style, "--recompute", "full"]) == 2
-        assert "re-gather only" in capsys.readouterr().err
+def test_full_recompute_where_weight_versions_are_swapped_per_call_is_rejected_before_launch(capsys):
     assert main(["verify", "--pp", "2", "--schedule", "pipedream", "--recompute", "full", "--global-batch", "8"]) == 2
     assert "weight stashing" in capsys.readouterr().err
 

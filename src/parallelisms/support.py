@@ -53,13 +53,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
     **_pairs("ddp", "bf16", "bf16 compute over fp32 master weights lives in the sharding engines (plain DDP trains "
              "in fp32); --zero 1 keeps DDP's traffic and shards the master weights and optimizer state"),
-    **_pairs(["per_param", "reuse"], "bf16", "not built yet: the per-parameter engines keep one dtype"),
-    **_pairs(["per_param", "reuse"], "recompute-full", "these engines swap a unit's full weights in around its "
-             "forward call, which the block's recomputation in backward does not pass through, and re-gather only "
-             "what autograd saved"),
-    **_pairs("ep", ["per_param", "reuse"], "not built yet: the per-parameter engines shard every parameter over "
-             "one data-parallel dimension, while expert weights differ between expert-parallel ranks (the flat "
-             "style shards them over the ranks holding the same experts)"),
 }
 
 

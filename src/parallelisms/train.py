@@ -200,11 +200,12 @@ def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainCo
     flat, per-parameter (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and
     with context parallelism over dp_shard x cp (those ranks hold different tokens of the same model)."""
     dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
+    compute = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
     if parallel.fsdp and parallel.fsdp_style == "reuse":
-        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step)
+        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step, compute_dtype=compute)
     if parallel.fsdp and parallel.fsdp_style == "per_param":
         return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
-                                hold_through_step=hold_through_step)
+                                hold_through_step=hold_through_step, compute_dtype=compute)
     return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
 
 

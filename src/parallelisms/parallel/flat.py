@@ -100,6 +100,21 @@ def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[s
     return merged
 
 
+def split_expert_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple]:
+    """``units`` as (name, modules, owned, experts): a unit holding expert weights (marked sharded over ``ep``:
+    they differ between expert-parallel ranks) becomes two, its other weights (``owned`` picks them) and its
+    expert weights (``experts`` True), which the engines shard over the ranks holding the same experts,
+    ``ep_replicate``, instead of the data-parallel dimension."""
+    out = []
+    for name, modules in units:
+        if any("ep" in sharded_over(p) for m in modules for p in m.parameters()):
+            out.append((name, modules, lambda p: "ep" not in sharded_over(p), False))
+            out.append((f"{name}.experts", modules, lambda p: "ep" in sharded_over(p), True))
+        else:
+            out.append((name, modules, lambda p: True, False))
+    return out
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -185,19 +200,10 @@ class ShardedEngine:
         shard_comm = comms[plan.shard_dim] if plan.shard_dim else alone
         replicate_comm = comms[plan.replicate_dim] if plan.replicate_dim else alone
         self.dp_size = shard_comm.size * replicate_comm.size
-        # expert weights (sharded over ``ep``) differ between expert-parallel ranks: their units shard (or, without
-        # sharding, replicate) over the ranks holding the same experts, ``ep_replicate``
+        # expert weights shard (or, without sharding, replicate) over the ranks holding the same experts
         expert_comms = (comms["ep_replicate"], alone) if plan.shard_dim else (alone, comms["ep_replicate"])
-        self.units = []
-        for name, modules in units:
-            experts = [p for m in modules for p in m.parameters() if "ep" in sharded_over(p)]
-            if not experts:
-                self.units.append(FlatUnit(name, modules, plan, shard_comm, replicate_comm))
-                continue
-            self.units.append(FlatUnit(name, modules, plan, shard_comm, replicate_comm,
-                                       lambda p: "ep" not in sharded_over(p)))
-            self.units.append(FlatUnit(f"{name}.experts", modules, plan, *expert_comms,
-                                       lambda p: "ep" in sharded_over(p)))
+        self.units = [FlatUnit(name, modules, plan, *(expert_comms if experts else (shard_comm, replicate_comm)),
+                               owned) for name, modules, owned, experts in split_expert_units(units)]
         self.names = [unit.qualified_names(model) for unit in self.units]
         self.hold = plan.hold_through_step
         self.syncing = not self.hold      # held units are reduced by reduce_held only

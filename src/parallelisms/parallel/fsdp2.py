@@ -30,20 +30,38 @@ whole step (autograd's, and the deferred weight gradients a split backward's W a
 split linear captured); nothing is reduced in the autograd hooks. :meth:`PerParamSharding.reduce_held`,
 called after the stage's last backward work of the step, reduce-scatters every unit (one in flight) and
 frees it; :meth:`PerParamSharding.finish` waits for the last.
+
+Mixed precision (``compute_dtype=bf16``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``): the shards stay fp32 (the optimizer's master weights), each is cast to bf16 before its
+all-gather, so the full weights and the compute are bf16; every microbatch's bf16 gradient is added, right
+after autograd accumulates it into the leaf, into an fp32 main grad of the unit (Megatron's ``main_grad``;
+here the rank-major reduce-scatter input itself, reuse's gradient buffer), which is divided by the
+data-parallel size and reduce-scattered in fp32 into the fp32 gradient shards, held through the step or not.
+
+Full recomputation (:mod:`parallelisms.parallel.recompute`) reruns a block's class forward in backward,
+past the hooks above; each unit registers a recompute context on its block that swaps its full weights in
+around that rerun (held: the forward's leaves; otherwise re-gathered, as fresh leaves: the gradients still
+land on the forward's leaves, whose graph non-reentrant checkpointing keeps).
+
+Expert weights (sharded over ``ep``, :mod:`parallelisms.parallel.expert`) differ between expert-parallel
+ranks: a block holding them is two units, its dense weights sharded over ``dim`` and its experts over the ranks
+holding the same experts, ``ep_replicate`` (as the flat engine's ``split_expert_units``); both divide their
+gradients by the data-parallel size.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
-from parallelisms.comm import Comms
+from parallelisms.comm import Comm, Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
                                           norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
-from parallelisms.parallel.flat import module_units
+from parallelisms.parallel.flat import module_units, split_expert_units
 from parallelisms.parallel.memory import engines_memory
+from parallelisms.parallel.recompute import register_recompute_context
 
 
 class BufferStats:
@@ -57,8 +75,8 @@ class BufferStats:
         self.live_bytes = {"weight": 0, "grad": 0}
         self.peak_bytes = {"weight": 0, "grad": 0}
 
-    def allocate(self, kind: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+    def allocate(self, kind: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=dtype or like.dtype, device=like.device)
         self.allocations[kind] += 1
         self.live[kind] += 1
         self.live_bytes[kind] += buf.untyped_storage().nbytes()
@@ -80,14 +98,16 @@ class Unit:
     """A group of modules communicated together: its (module, attribute, parameter) entries, their shards,
     and the gathered state of the current step."""
 
-    def __init__(self, index: int, modules: list[nn.Module]):
-        self.index, self.modules = index, modules
-        self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters() if p.requires_grad]
+    def __init__(self, index: int, modules: list[nn.Module], comm: Comm, owned=lambda param: True):
+        self.index, self.modules, self.comm = index, modules, comm  # ``comm``: the dimension it is sharded over
+        self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters()
+                        if p.requires_grad and owned(p)]
         self.shapes = [p.shape for _, _, p in self.entries]
         self.shard: torch.Tensor | None = None       # flat local shard (params' .data are views)
         self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views);
                                                       # None from zero_grad until the first reduce-scatter
         self.pending = None                           # in-flight all-gather
+        self.gather_source = None                     # what it reads (the shard cast to the compute dtype)
         self.gathered: torch.Tensor | None = None     # the all-gather destination
         self.full: list[torch.Tensor] | None = None   # full parameters (views into one storage)
         self.full_storage: torch.Tensor | None = None
@@ -95,6 +115,7 @@ class Unit:
         self.accumulated = 0
         self.saves_weights = False                    # some saved tensor of its forward is a weight
         self.grads_prepared = False
+        self.main_grad: torch.Tensor | None = None    # mixed precision: the fp32 sum of the step's gradients
         self.flat_param: nn.Parameter | None = None   # the optimizer's flat shard (buffer-reuse layout)
         self.late_prefetch = False                    # backward prefetch at after_last_child_backward
         self.norm_keys: set = set()                   # the gradient norm's groups (mesh dimensions)
@@ -109,21 +130,28 @@ def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
 
 
 class PerParamSharding:
-    """FSDP2-style sharding of ``model`` over mesh dimension ``dim`` of ``comms`` (data-parallel); a
-    ``GradSync`` whose optimizer parameters are the model's own (sharded) parameters.
+    """FSDP2-style sharding of ``model`` over mesh dimension ``dim`` of ``comms`` (data-parallel; expert
+    weights over ``ep_replicate``); a ``GradSync`` whose optimizer parameters are the model's own (sharded)
+    parameters.
 
-    ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). Use ``zero_grad``
-    before each step; gradients are averaged over the ranks when backward returns, or, with
-    ``hold_through_step``, after :meth:`reduce_held` and :meth:`finish` (see the module docstring).
+    ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). ``compute_dtype``
+    (bf16) gathers and computes in it over shards in the parameters' dtype (mixed precision, see the module
+    docstring). Use ``zero_grad`` before each step; gradients are averaged over the ranks when backward
+    returns, or, with ``hold_through_step``, after :meth:`reduce_held` and :meth:`finish`.
     """
 
     def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", reshard_after_forward: bool = True,
-                 hold_through_step: bool = False):
+                 hold_through_step: bool = False, compute_dtype: torch.dtype | None = None):
         self.model, self.comms, self.reshard_after_forward = model, comms, reshard_after_forward
         self.hold = hold_through_step
         self.comm = comms[dim]
+        self.dp_size = self.comm.size  # every gradient is averaged over all data-parallel ranks, experts' too
+        param_dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+        self.compute_dtype = compute_dtype or param_dtype
+        self.mixed = self.compute_dtype != param_dtype
         self.stats = BufferStats()
-        self.units = [Unit(i, modules) for i, (_, modules) in enumerate(module_units(model))]
+        self.units = [Unit(i, modules, comms["ep_replicate"] if experts else self.comm, owned)
+                      for i, (_, modules, owned, experts) in enumerate(split_expert_units(module_units(model)))]
         covered = {id(p) for u in self.units for _, _, p in u.entries}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
@@ -147,36 +175,38 @@ class PerParamSharding:
             if late is not None:
                 self._hooks.append(late)
                 unit.late_prefetch = True
+            self._hooks.append(register_recompute_context(unit.modules[0], lambda u=unit: self._recomputing(u)))
         self.zero_grad()
 
     # -- layout (overridden by the flat, buffer-reusing layout) ------------------------------------------
-    def _rows(self, shape: torch.Size) -> tuple[int, int]:
+    @staticmethod
+    def _rows(unit: Unit, shape: torch.Size) -> tuple[int, int]:
         """Rows per rank (dim-0 chunk, padded) and elements per row of a parameter of ``shape``."""
-        return -(-shape[0] // self.comm.size), shape[1:].numel()
+        return -(-shape[0] // unit.comm.size), shape[1:].numel()
 
     def _shard(self, unit: Unit) -> None:
         """Replace each parameter's data by its dim-0 rows, a view into one flat shard per unit."""
         if any(len(shape) == 0 for shape in unit.shapes):
             raise ValueError("per-parameter sharding needs parameters with at least one dimension")
-        sizes = [rows * width for rows, width in map(self._rows, unit.shapes)]
+        sizes = [rows * width for rows, width in (self._rows(unit, shape) for shape in unit.shapes)]
         unit.shard = torch.zeros(sum(sizes), dtype=unit.entries[0][2].dtype, device=unit.entries[0][2].device)
-        offset, rank = 0, self.comm.rank
+        offset, rank = 0, unit.comm.rank
         for (_, _, p), shape, size in zip(unit.entries, unit.shapes, sizes):
             mine = p.detach().reshape(-1)[rank * size:(rank + 1) * size]
             view = unit.shard[offset:offset + size]
             view[:mine.numel()].copy_(mine)
             p.data = view.view(-1, *shape[1:])
-            mark_sharded(p, self.comm.name, 0, shape[0])
+            mark_sharded(p, unit.comm.name, 0, shape[0])
             offset += size
 
     def _gather_destination(self, unit: Unit) -> torch.Tensor:
-        return self.stats.allocate("weight", unit.shard.numel() * self.comm.size, unit.shard)
+        return self.stats.allocate("weight", unit.shard.numel() * unit.comm.size, unit.shard, self.compute_dtype)
 
     def _unflatten(self, unit: Unit, gathered: torch.Tensor, full: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Copy-out: rank-major gathered rows into ``full``, param-major; the full parameters as views."""
         if full is None:
             full = torch.empty(sum(s.numel() for s in unit.shapes), dtype=gathered.dtype, device=gathered.device)
-        ranks = gathered.view(self.comm.size, -1)
+        ranks = gathered.view(unit.comm.size, -1)
         out, offset = [], 0
         for shard_offset, shape, (_, _, p) in zip(_offsets(unit), unit.shapes, unit.entries):
             dst = full[offset:offset + shape.numel()]
@@ -187,7 +217,7 @@ class PerParamSharding:
 
     def _materialize(self, unit: Unit) -> None:
         """Gathered shards -> ``unit.full`` (views into ``unit.full_storage``); frees the gather buffer."""
-        unit.full_storage = self.stats.allocate("weight", sum(s.numel() for s in unit.shapes), unit.shard)
+        unit.full_storage = self.stats.allocate("weight", sum(s.numel() for s in unit.shapes), unit.gathered)
         unit.full = self._unflatten(unit, unit.gathered, unit.full_storage)
         self.stats.release("weight", unit.gathered)
         unit.gathered = None
@@ -202,9 +232,15 @@ class PerParamSharding:
         """Before the unit's first gradient accumulates (the flat layout points grads into its buffer)."""
 
     def _grad_send_buffer(self, unit: Unit) -> torch.Tensor:
-        """Copy-in: the unit's full gradients laid out rank-major for the reduce-scatter."""
-        send = self.stats.allocate("grad", unit.shard.numel() * self.comm.size, unit.shard)
-        ranks = send.view(self.comm.size, -1)
+        """Copy-in: the unit's full gradients laid out rank-major for the reduce-scatter (mixed precision:
+        the fp32 main grad, which is laid out so)."""
+        if self.mixed:
+            self._flush_main_grad(unit)  # deferred weight gradients added to a leaf since its hook
+            send = self._main_grad(unit)
+            unit.main_grad = None
+            return send
+        send = self.stats.allocate("grad", unit.shard.numel() * unit.comm.size, unit.shard)
+        ranks = send.view(unit.comm.size, -1)
         for shard_offset, leaf, (_, _, p) in zip(_offsets(unit), unit.leaves, unit.entries):
             dst = ranks[:, shard_offset:shard_offset + p.numel()]
             if leaf.grad is None:
@@ -213,6 +249,31 @@ class PerParamSharding:
                 _copy_rows(dst, leaf.grad.reshape(-1), into_ranks=True)
             leaf.grad = None
         return send
+
+    # -- mixed precision: fp32 main grads (Megatron's main_grad) -----------------------------------------
+    def _main_grad(self, unit: Unit) -> torch.Tensor:
+        """The unit's fp32 gradient sum, allocated zeroed at first use: here the rank-major send buffer."""
+        if unit.main_grad is None:
+            unit.main_grad = self.stats.allocate("grad", unit.shard.numel() * unit.comm.size, unit.shard).zero_()
+        return unit.main_grad
+
+    def _add_to_main_grad(self, unit: Unit, index: int, grad: torch.Tensor) -> None:
+        """Add leaf ``index``'s compute-dtype gradient into its rows of the main grad, in fp32."""
+        shard_offset, numel = _offsets(unit)[index], unit.entries[index][2].numel()
+        ranks = self._main_grad(unit).view(unit.comm.size, -1)[:, shard_offset:shard_offset + numel]
+        _copy_rows(ranks, grad.reshape(-1), into_ranks=True, add=True)
+
+    @torch.no_grad()
+    def _to_main_grad(self, unit: Unit, index: int, leaf: torch.Tensor) -> None:
+        """Right after autograd accumulated a microbatch's gradient into ``leaf`` (compute dtype), move it
+        into the fp32 main grad, so that microbatches sum in fp32 as single-process mixed precision does."""
+        if leaf.grad is not None:
+            self._add_to_main_grad(unit, index, leaf.grad)
+            leaf.grad = None
+
+    def _flush_main_grad(self, unit: Unit) -> None:
+        for index, leaf in enumerate(unit.leaves):
+            self._to_main_grad(unit, index, leaf)
 
     def _grad_sent(self, send: torch.Tensor) -> None:
         """The reduce-scatter reading ``send`` completed."""
@@ -223,17 +284,20 @@ class PerParamSharding:
 
     # -- gathering ---------------------------------------------------------------------------------------
     def _issue_gather(self, unit: Unit) -> None:
+        """All-gather the shard in the compute dtype (mixed precision casts it first, as FSDP2's
+        MixedPrecisionPolicy(param_dtype=bf16) does)."""
         unit.gathered = self._gather_destination(unit)
-        if self.comm.size == 1:  # a one-rank Comm returns its input instead of filling ``out``
-            unit.gathered.copy_(unit.shard)
-        unit.pending = self.comm.all_gather(unit.shard, out=unit.gathered, async_op=True)
+        unit.gather_source = unit.shard.to(self.compute_dtype)
+        if unit.comm.size == 1:  # a one-rank Comm returns its input instead of filling ``out``
+            unit.gathered.copy_(unit.gather_source)
+        unit.pending = unit.comm.all_gather(unit.gather_source, out=unit.gathered, async_op=True)
 
     def _ensure_full(self, unit: Unit) -> list[torch.Tensor]:
         if unit.full is None:
             if unit.pending is None:
                 self._issue_gather(unit)
             unit.pending.wait()
-            unit.pending = None
+            unit.pending = unit.gather_source = None
             with torch.no_grad():
                 self._materialize(unit)
         return unit.full
@@ -269,12 +333,15 @@ class PerParamSharding:
         unit.saves_weights, unit.accumulated = False, 0
         unit.leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in full]
         self._swap_in(unit, unit.leaves)
-        if self.hold:  # reduced by reduce_held, not per microbatch: no hooks; the gradient buffers are set now
+        if self.hold:  # reduced by reduce_held, not per microbatch; the gradient buffers are set now
             unit.grads_prepared = True
             self._prepare_grads(unit)
-            return
-        for leaf in unit.leaves:
-            if leaf.requires_grad:
+        for index, leaf in enumerate(unit.leaves):
+            if not leaf.requires_grad:
+                continue
+            if self.mixed:  # first of the post-accumulate hooks: the main grad holds it before a reduction
+                leaf.register_post_accumulate_grad_hook(lambda leaf, u=unit, i=index: self._to_main_grad(u, i, leaf))
+            if not self.hold:
                 leaf.register_hook(lambda grad, u=unit: self._before_accumulate(u, grad))
                 leaf.register_post_accumulate_grad_hook(lambda _, u=unit: self._after_accumulate(u))
 
@@ -287,6 +354,32 @@ class PerParamSharding:
         self._swap_in(unit, [param for _, _, param in unit.entries])
         if self.reshard_after_forward and not self.hold and unit.index != len(self.units) - 1:
             self._release(unit)
+
+    # -- full recomputation: the unit's weights swapped in again around the recomputed forward ----------
+    def _recomputing(self, unit: Unit):
+        """Called in the unit's checkpointed forward (:func:`register_recompute_context`): the recomputation
+        in backward will need its weights, so backward prefetches them; the context to enter around it."""
+        unit.saves_weights = True
+        return self._swapped_in_for_recompute(unit)
+
+    @contextmanager
+    def _swapped_in_for_recompute(self, unit: Unit):
+        """Held: the forward's own leaves (deferred weight gradients go to the leaf a split linear captured).
+        Otherwise the unit re-gathered (the shards did not change within the step: the same values) as fresh
+        leaves; the gradients still land on the forward's leaves, whose graph non-reentrant checkpointing
+        keeps, and only the saved tensors come from the recomputation."""
+        if self.hold:
+            tensors = unit.leaves
+        else:
+            full = self._ensure_full(unit)
+            if not unit.late_prefetch:
+                self._prefetch(unit.index - 1, backward=True)
+            tensors = [t.detach().requires_grad_(leaf.requires_grad) for t, leaf in zip(full, unit.leaves)]
+        self._swap_in(unit, tensors)
+        try:
+            yield
+        finally:
+            self._swap_in(unit, [param for _, _, param in unit.entries])
 
     # -- saved tensors: references instead of full weights -----------------------------------------------
     def _pack(self, tensor: torch.Tensor):
@@ -326,17 +419,17 @@ class PerParamSharding:
     def _reduce_scatter(self, unit: Unit) -> None:
         """Average the unit's gradients into its shard: asynchronous, waited at the end of backward."""
         with torch.no_grad():
-            send = self._grad_send_buffer(unit).div_(self.comm.size)
+            send = self._grad_send_buffer(unit).div_(self.dp_size)
         if unit.grad is None:  # the first microbatch writes the shard gradient directly
             unit.grad = out = torch.empty_like(unit.shard)
             self._attach_grads(unit)
         else:
             out = torch.empty_like(unit.grad)
-        if self.comm.size == 1:
+        if unit.comm.size == 1:
             out.copy_(send)
         if self._pending_grads:  # one reduce-scatter in flight (as FSDP2): bounds the send buffers to two
             self._complete(self._pending_grads.pop(0))
-        pending = self.comm.reduce_scatter(send, out=out, async_op=True, scratch=True)
+        pending = unit.comm.reduce_scatter(send, out=out, async_op=True, scratch=True)
         self._pending_grads.append((unit, pending, out, send))
         unit.grads_prepared, unit.leaves, unit.accumulated = False, None, 0
         self._release(unit, stale=self.hold)  # held: the optimizer step comes before the next gather
@@ -420,14 +513,14 @@ class PerParamSharding:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full parameters by the plain model's names (every rank takes part): gathered over the
         sharding dimension by units, then over the other dimensions a parameter is marked sharded on
-        (tensor parallelism's)."""
-        by_id = {}
+        (tensor parallelism's, expert parallelism's)."""
+        by_id, comm_of = {}, {}
         for unit in self.units:
-            gathered = self.comm.all_gather(unit.shard)
+            gathered = unit.comm.all_gather(unit.shard)
             for (_, _, p), tensor in zip(unit.entries, self._unflatten(unit, gathered)):
-                by_id[id(p)] = tensor
+                by_id[id(p)], comm_of[id(p)] = tensor, unit.comm.name
         return {name: gather_full(by_id[id(p)], self.comms,
-                                  [m for m in getattr(p, SHARD_ATTR, ()) if m[0] != self.comm.name]).cpu().clone()
+                                  [m for m in getattr(p, SHARD_ATTR, ()) if m[0] != comm_of[id(p)]]).cpu().clone()
                 for name, p in self.model.named_parameters()}
 
     def memory(self, optimizers) -> dict:
@@ -467,12 +560,17 @@ def _offsets(unit: Unit) -> list[int]:
     return offsets
 
 
-def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool) -> None:
+def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool, add: bool = False) -> None:
     """Move between a [N, chunk] rank-major block and a flat tensor holding its first ``flat.numel()``
-    elements in order (the rest of the block is padding, zeroed when writing into the block)."""
+    elements in order (the rest of the block is padding, zeroed when writing into the block; ``add``: added
+    into the block instead, whose padding stays as it is)."""
     chunk = ranks.shape[1]
     whole, rest = divmod(flat.numel(), chunk)
-    if into_ranks:
+    if into_ranks and add:
+        ranks[:whole].add_(flat[:whole * chunk].view(whole, chunk))
+        if rest:
+            ranks[whole, :rest].add_(flat[whole * chunk:])
+    elif into_ranks:
         ranks[:whole].copy_(flat[:whole * chunk].view(whole, chunk))
         if whole < ranks.shape[0]:
             ranks[whole, :rest].copy_(flat[whole * chunk:])

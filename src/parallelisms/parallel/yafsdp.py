@@ -24,6 +24,12 @@ end of its last backward, so there each unit has a buffer pair of its own, alloc
 reused by every later one; its gradient buffer is zeroed and handed to the leaves at the first forward of
 the step, so autograd's accumulation and the deferred weight gradients of a split backward (which add to
 the leaf's ``.grad``) both land in the buffer the step's one reduce-scatter sends.
+
+Mixed precision: the weight buffers are bf16 and the gradient buffers fp32, so a gradient buffer is the unit's
+main grad (Megatron's): each leaf's bf16 gradient is added into its slice right after autograd accumulates it,
+and the buffer is divided and reduce-scattered in fp32. With expert parallelism a block's expert weights are a
+unit of their own that runs alongside the block's dense unit, so expert units alternate over a second pair of
+buffers (sized for them).
 """
 
 from __future__ import annotations
@@ -37,23 +43,31 @@ from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
 
 
 class ReuseSharding(PerParamSharding):
-    """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD); one
-    pair per unit when held through the step (a pipeline stage)."""
+    """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD; two more
+    for expert units); one pair per unit when held through the step (a pipeline stage)."""
 
-    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", hold_through_step: bool = False):
-        super().__init__(model, comms, dim, reshard_after_forward=True, hold_through_step=hold_through_step)
-        slots = len(self.units) if hold_through_step else 2
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", hold_through_step: bool = False,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__(model, comms, dim, reshard_after_forward=True, hold_through_step=hold_through_step,
+                         compute_dtype=compute_dtype)
+        # slot of each unit: its own when held; else dense units alternate over a pair of buffers and expert
+        # units (which run alongside their block's dense unit, over ``ep_replicate``) over a pair of their own
+        experts = [unit.comm is not self.comm for unit in self.units]
+        self.slot_of = (list(range(len(self.units))) if hold_through_step else
+                        [2 * e + sum(experts[j] == e for j in range(i)) % 2 for i, e in enumerate(experts)])
+        slots = max(self.slot_of) + 1
         self.weight_buffers: list[torch.Tensor | None] = [None] * slots
         self.grad_buffers: list[torch.Tensor | None] = [None] * slots
         self.owners: list[Unit | None] = [None] * slots
-        self.buffer_numel = max(u.shard.numel() for u in self.units) * self.comm.size
+        self.slot_numel = [max((u.shard.numel() * u.comm.size for u in self.units if self.slot_of[u.index] == slot),
+                               default=0) for slot in range(slots)]  # a shared slot: sized for its largest unit
 
     # -- layout --------------------------------------------------------------------------------------------
     def _shard(self, unit: Unit) -> None:
         """Concatenate, pad to N equal chunks, keep chunk ``rank``; each parameter views its piece of it."""
         total = sum(s.numel() for s in unit.shapes)
-        chunk = -(-total // self.comm.size)
-        start = self.comm.rank * chunk
+        chunk = -(-total // unit.comm.size)
+        start = unit.comm.rank * chunk
         like = unit.entries[0][2]
         unit.shard = torch.zeros(chunk, dtype=like.dtype, device=like.device)
         offset = 0
@@ -62,9 +76,9 @@ class ReuseSharding(PerParamSharding):
             piece = unit.shard[lo - start:max(hi, lo) - start]
             piece.copy_(p.detach().reshape(-1)[lo - offset:max(hi, lo) - offset])
             p.data = piece
-            mark_sharded(p, self.comm.name, None)
+            mark_sharded(p, unit.comm.name, None)
             offset += shape.numel()
-        unit.flat_param = mark_sharded(nn.Parameter(unit.shard), self.comm.name, None)
+        unit.flat_param = mark_sharded(nn.Parameter(unit.shard), unit.comm.name, None)
 
     def parameters(self) -> list[nn.Parameter]:
         """One flat shard per unit (sharing storage with the model's parameters)."""
@@ -75,14 +89,16 @@ class ReuseSharding(PerParamSharding):
         unit.flat_param.grad = unit.grad
 
     def _slot(self, unit: Unit) -> int:
-        return unit.index % len(self.owners)
+        return self.slot_of[unit.index]
 
     def _buffer(self, buffers: list, kind: str, unit: Unit) -> torch.Tensor:
+        """Weight buffers in the compute dtype, gradient buffers in the shards' (fp32 under mixed precision:
+        the buffer is then the unit's main grad, which the reduce-scatter sends)."""
         slot = self._slot(unit)
-        if buffers[slot] is None:  # a unit's own buffer is sized for it, a shared one for the largest unit
-            numel = unit.shard.numel() * self.comm.size if self.hold else self.buffer_numel
-            buffers[slot] = self.stats.allocate(kind, numel, unit.shard)
-        return buffers[slot][:unit.shard.numel() * self.comm.size]
+        if buffers[slot] is None:
+            buffers[slot] = self.stats.allocate(kind, self.slot_numel[slot], unit.shard,
+                                                self.compute_dtype if kind == "weight" else None)
+        return buffers[slot][:unit.shard.numel() * unit.comm.size]
 
     def _gather_destination(self, unit: Unit) -> torch.Tensor:
         slot = self._slot(unit)
@@ -113,21 +129,40 @@ class ReuseSharding(PerParamSharding):
 
     # -- gradients -------------------------------------------------------------------------------------
     def _prepare_grads(self, unit: Unit) -> None:
-        """Reclaim and zero this unit's gradient buffer; point every full leaf's ``.grad`` into it."""
+        """Reclaim and zero this unit's gradient buffer; point every full leaf's ``.grad`` into it (mixed
+        precision: the buffer is the fp32 main grad, which each leaf's gradient is added into by its hook)."""
         buffer = self._buffer(self.grad_buffers, "grad", unit)
         for entry in list(self._pending_grads):  # the reduce-scatter still reading this buffer
             if entry[3].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
                 self._pending_grads.remove(entry)
                 self._complete(entry)
         buffer.zero_()
-        offset = 0
-        for leaf in unit.leaves:
-            leaf.grad = buffer[offset:offset + leaf.numel()].view_as(leaf)
-            offset += leaf.numel()
+        if self.mixed:
+            unit.main_grad = buffer
+            return
+        for leaf, piece in zip(unit.leaves, self._pieces(unit, buffer)):
+            leaf.grad = piece
+
+    def _pieces(self, unit: Unit, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """``buffer`` (the unit's layout: its parameters back to back) as one view per parameter."""
+        return [piece.view(shape) for piece, shape in
+                zip(buffer[:sum(s.numel() for s in unit.shapes)].split([s.numel() for s in unit.shapes]), unit.shapes)]
+
+    def _main_grad(self, unit: Unit) -> torch.Tensor:
+        if not unit.grads_prepared:  # the first gradient of the unit (non-held: after its forward)
+            unit.grads_prepared = True
+            self._prepare_grads(unit)
+        return unit.main_grad
+
+    def _add_to_main_grad(self, unit: Unit, index: int, grad: torch.Tensor) -> None:
+        self._pieces(unit, self._main_grad(unit))[index].add_(grad)
 
     def _grad_send_buffer(self, unit: Unit) -> torch.Tensor:
         if not unit.grads_prepared:  # no gradient reached this unit: send zeros
             self._prepare_grads(unit)
+        if self.mixed:
+            self._flush_main_grad(unit)
+            unit.main_grad = None
         for leaf in unit.leaves:
             leaf.grad = None
         return self._buffer(self.grad_buffers, "grad", unit)
