@@ -39,12 +39,10 @@ def layout_with(names) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
                 opts.update(schedule=name, chunks=2 if name == "interleaved" else 1)
         elif name.startswith("recompute-"):
             opts["recompute"] = name[len("recompute-"):]
-        elif name == "bf16":  # mixed precision lives in the sharding engines: ZeRO-1 unless another shards
+        elif name == "bf16":
             opts["mixed_precision"] = "bf16"
         elif name == "float64":
             train = train.replace(dtype="float64")
-    if opts.get("mixed_precision") == "bf16" and not (opts.get("zero") or opts.get("fsdp")) and "ddp" not in names:
-        opts["zero"], dims["dp_shard"] = 1, max(2, dims.get("dp_shard", 1))
     if dims.get("ep") and dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) * dims.get("cp", 1) < 2:
         dims["dp_shard" if (opts.get("zero") or opts.get("fsdp")) else "dp_replicate"] = 2
     return model, train, ParallelConfig(ParallelDims(**dims), **opts)

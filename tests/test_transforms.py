@@ -66,8 +66,9 @@ def _applied(feature: str, trainer, modules) -> bool:
     """Whether ``trainer`` (what parallelize returned) carries out ``feature``."""
     sync, engines = trainer.grad_sync, _engines(trainer.grad_sync)
     layers = [m for m in modules if hasattr(m, "attention") and hasattr(m, "feed_forward")]
-    if feature == "ddp":
-        return isinstance(sync, (DataParallel, StageGradients))
+    if feature == "ddp":  # mixed precision runs DDP as the flat engine's NO_SHARD plan (replicated over dp)
+        return isinstance(sync, (DataParallel, StageGradients)) or all(
+            isinstance(e, ShardedEngine) and e.plan.shard_dim is None and e.plan.replicate_dim for e in engines)
     if feature.startswith("zero") or feature.startswith("fsdp-"):
         if not all(isinstance(e, (ShardedEngine, PerParamSharding)) for e in engines):
             return False

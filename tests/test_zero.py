@@ -178,7 +178,7 @@ def test_ledger_bytes_match_data_parallel(run):
     (["--dp", "2", "--fsdp", "fully_sharded"], "choose one of full_shard, shard_grad_op"),
     (["--dp", "2", "--zero", "3", "--fsdp", "full_shard"], "pick one"),
     (["--dp-replicate", "2", "--dp-shard", "2", "--fsdp", "full_shard"], "needs --fsdp hybrid_shard"),
-    (["--dp", "2", "--mixed-precision", "bf16"], "needs --zero or --fsdp"),
+    (["--dp", "2", "--mixed-precision", "fp16"], "unknown --mixed-precision 'fp16'"),
 ])
 def test_bad_input_is_one_line_before_launch(capsys, argv, needle):
     assert main(["verify", *argv]) == 2

@@ -51,8 +51,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
              "its forward call, so a block recomputed in backward would read the live, already updated weights"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
-    **_pairs("ddp", "bf16", "bf16 compute over fp32 master weights lives in the sharding engines (plain DDP trains "
-             "in fp32); --zero 1 keeps DDP's traffic and shards the master weights and optimizer state"),
 }
 
 
@@ -162,8 +160,6 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
     require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "
                                  f"(--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)")
-    require(parallel.mixed_precision == "fp32" or zero or fsdp,
-            "--mixed-precision bf16 needs --zero or --fsdp (plain DDP trains in fp32); add --zero 1")
     require(not zero or dims.dp * dims.cp > 1,
             f"--zero {zero} shards over data-parallel ranks but the data-parallel degree is {dims.dp}; use --dp 2 or more")
     require(not zero or not two_d,

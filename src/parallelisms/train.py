@@ -180,12 +180,15 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
     reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
     local gradients."""
     dims = parallel.dims
-    if dims.pp > 1 and (parallel.zero or parallel.fsdp):
+    # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
+    # fp32 master weights and gradients, all-reduced
+    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
+    if dims.pp > 1 and sharded:
         return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
                               for s, stage in stages.items()}, copies, comms)
     if dims.pp > 1:  # context-parallel ranks hold different tokens too
         return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
-    if parallel.zero or parallel.fsdp:
+    if sharded:
         return _sharding_engine(model, parallel, train, comms)
     if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None

@@ -44,7 +44,8 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     ``dp_replicate``."""
     # bf16 compute over fp32 master weights, or the parameters' own dtype (fp32; float64 under verify --dtype)
     dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else next(model.parameters()).dtype
-    plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp, dtype)
+    # neither: mixed precision over plain data parallelism, the NO_SHARD plan (DDP with fp32 master weights)
+    plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp or "no_shard", dtype)
     plan = dataclasses.replace(plan, hold_through_step=hold_through_step)
     if parallel.dims.cp > 1:
         widen = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
