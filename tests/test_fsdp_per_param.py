@@ -108,7 +108,7 @@ def test_full_shard_gathers_blocks_again_in_backward(run):
 @pytest.mark.parametrize("changes, message", [
     ({"fsdp": "no_shard", "fsdp_style": "per_param"}, "runs --fsdp full_shard or shard_grad_op"),
     ({"fsdp": "shard_grad_op", "fsdp_style": "reuse"}, "runs --fsdp full_shard"),
-    ({"zero": 3, "fsdp_style": "per_param"}, "--fsdp-style per_param applies to --fsdp"),
+    ({"zero": 3, "fsdp_style": "per_param"}, "--zero 3 with --fsdp-style per_param: two ways to shard"),
     ({"fsdp": "full_shard", "fsdp_style": "dtensor"}, "unknown --fsdp-style"),
 ])
 def test_bad_style_is_one_line_error(changes, message):
