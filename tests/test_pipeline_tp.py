@@ -1,6 +1,6 @@
 """Pipeline parallelism composed with tensor parallelism (Megatron-LM's PP x TP): pp 2 x tp 2 (1F1B), with
-sequence parallelism (1F1B, and interleaved with clipping that bites), and pp 2 x tp 2 x dp 2 (GPipe, SP)
-reproduce single-process training; under SP the stages send 1/tp of the bytes, as the perf model predicts;
+sequence parallelism (1F1B, and interleaved with clipping that bites) reproduce single-process training (pp x
+tp x dp: the float64 matrix); under SP the stages send 1/tp of the bytes, as the perf model predicts;
 layouts that do not compose are one line before launch (the split, DualPipe and PipeDream schedules
 with tp: test_pipeline_tp_split.py).
 
@@ -30,7 +30,6 @@ SCENARIOS = {
     "pp2_tp2_1f1b": (ParallelDims(pp=2, tp=2), False, "1f1b", TRAIN),
     "pp2_tp2_sp_1f1b": (ParallelDims(pp=2, tp=2), True, "1f1b", TRAIN),
     "pp2_tp2_sp_interleaved_clip": (ParallelDims(pp=2, tp=2), True, "interleaved", CLIPPED),
-    "pp2_tp2_dp2_sp_gpipe": (ParallelDims(pp=2, tp=2, dp_replicate=2), True, "gpipe", TRAIN),
 }
 
 

@@ -1,6 +1,6 @@
 """ZeRO-1 under pipeline parallelism (Megatron-LM's distributed optimizer): pp 2 x dp 2 with 1F1B, interleaved
-with clipping that bites and ZB-H1 (split backward), and pp 2 x tp 2 x dp 2 with SP and clipping, reproduce
-single-process training; the data-parallel traffic equals plain pipeline DP's all-reduce (reduce-scatter +
+with clipping that bites and ZB-H1 (split backward) reproduce single-process training (pp 2 x tp 2 x dp 2 with
+SP: the float64 matrix); the data-parallel traffic equals plain pipeline DP's all-reduce (reduce-scatter +
 all-gather), optimizer state per rank is 1/dp of the plain runner's; layouts that do not compose are one
 line before launch.
 
@@ -31,7 +31,6 @@ SCENARIOS = {
     "pp2_dp2_1f1b_plain": (ParallelDims(pp=2, dp_replicate=2), 0, False, "1f1b", TRAIN),  # ledger/memory baseline
     "pp2_dp2_interleaved_clip": (PP_DP, 1, False, "interleaved", CLIPPED),
     "pp2_dp2_zbh1": (PP_DP, 1, False, "zb-h1", TRAIN),
-    "pp2_tp2_dp2_sp_1f1b_clip": (ParallelDims(pp=2, tp=2, dp_shard=2), 1, True, "1f1b", CLIPPED),
 }
 
 
