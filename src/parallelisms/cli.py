@@ -63,7 +63,7 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, zb-h2, zb-v, dualpipe, dualpipev "
                                       "or pipedream")
     g.add_argument("--microbatches", type=COUNT, help="microbatches per step (default 2 x pp)")
-    g.add_argument("--chunks", type=COUNT, help="virtual stages per rank (interleaved; default 2)")
+    g.add_argument("--chunks", type=COUNT, help="virtual stages per rank (interleaved: 2 or more)")
     g.add_argument("--pp-balance", help="cut stages by equal layer counts (layers, default) or by per-layer "
                                         "forward+backward time measured on rank 0 (measured)")
 
@@ -198,7 +198,7 @@ def _diverged(losses: list[float], train: TrainConfig) -> int:
         return 0
     print(f"error: training diverged: the loss became {losses[step]} at step {step + 1} of {len(losses)}"
           + (f" (last finite loss {losses[step - 1]:.4f})" if step else "")
-          + f"; lower --lr (got {train.lr:g}) or clip gradients with --grad-clip", file=sys.stderr)
+          + f"; lower --lr (got {train.lr:g})", file=sys.stderr)
     return 1
 
 

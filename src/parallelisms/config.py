@@ -118,11 +118,11 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     except OSError as exc:
         raise ConfigError(f"--config {str(path)!r} cannot be read ({exc.strerror}); pass a readable file") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON ({exc.__class__.__name__}: "
+        raise ConfigError(f"--config {str(path)!r} is not valid JSON ({exc.__class__.__name__}: "
                           f"{str(exc).splitlines()[0]})") from None
-    require(isinstance(raw, dict), f"config file {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+    require(isinstance(raw, dict), f"--config {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
     missing = [hf for _, (hf, needed) in _HF_FIELDS.items() if needed and hf not in raw]
-    require(not missing, f"config file {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
+    require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
     values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}
     values.setdefault("n_kv_heads", values["n_heads"])
     for name, value in values.items():
@@ -165,16 +165,16 @@ class TrainConfig:
     dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
-        require(isinstance(self.steps, int) and self.steps >= 1, f"steps must be at least 1, got {self.steps}")
-        require(self.global_batch >= 1, f"global batch must be at least 1, got {self.global_batch}")
-        require(self.grad_accum >= 1, f"grad accumulation must be at least 1, got {self.grad_accum}")
-        require(self.seq_len >= 2, f"sequence length must be at least 2, got {self.seq_len}")
+        require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
+        require(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
+        require(self.grad_accum >= 1, f"--grad-accum must be at least 1, got {self.grad_accum}")
+        require(self.seq_len >= 2, f"--seq-len must be at least 2, got {self.seq_len}")
         require(self.seq_len <= model.max_seq_len,
-                f"sequence length {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+                f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; use at most that")
         per_step = dp * self.grad_accum
         require(self.global_batch % per_step == 0,
-                f"global batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "
-                f"try a global batch of {per_step * max(1, self.global_batch // per_step)}")
+                f"--global-batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "
+                f"try --global-batch {per_step * max(1, self.global_batch // per_step)}")
         require_finite("--lr (learning rate)", self.lr, above=0)
         require_finite("--grad-clip", self.grad_clip, at_least=0)
         require_finite("--bucket-mb", self.bucket_mb, above=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallelisms.errors import require
+from parallelisms.errors import ConfigError, require
 from parallelisms.flags import DEGREE, check_installed, check_writable, integer, json_line, number
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 from .simulate import Times, plot, simulate
@@ -34,17 +34,18 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
-        require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got {args.plot!r}")
-        check_installed("--plot", "matplotlib")
-        check_writable("--plot", args.plot)
     try:
+        if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
+            require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got "
+                                                                  f"{args.plot!r}")
+            check_installed("--plot", "matplotlib")
+            check_writable("--plot", args.plot)
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
         validate(schedule)
         sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
         if args.plot:
             plot(sim, args.plot)
-    except (ScheduleError, OSError) as e:
+    except (ScheduleError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = sim.to_dict()
