@@ -250,7 +250,8 @@ def test_cli_human_summary_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize("argv,msg", [
     (["--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "even pp"),
     (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--chunks", "2"], "divisible"),
-    (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--tf", "-1"], "argument --tf: must be a finite number in [0, "),
+    (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--tf", "-1"],
+     "argument --tf: must be a finite number in [0, "),
     (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--plot", "x.pdf"], ".png or .svg"),
 ])
 def test_cli_bad_input(argv, msg, capsys):

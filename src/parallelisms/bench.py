@@ -31,8 +31,9 @@ def bench(name: str):
 
 # Options only some benchmarks read, with their defaults (None until given: given to another benchmark, they would
 # be silently ignored)
-ONLY_FOR = {"schedule": (("pipeline", "pipeline-balance"), "1f1b"), "microbatches": (("pipeline", "pipeline-balance"), 0),
-            "sp": (("tp",), False), "target": (("tp",), "block")}
+PIPELINES = ("pipeline", "pipeline-balance")
+ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp": (("tp",), False),
+            "target": (("tp",), "block")}
 
 
 def add_bench_parser(sub) -> None:

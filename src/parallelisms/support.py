@@ -205,7 +205,8 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
             lambda: f"--tp {tp} must divide n_heads {model.n_heads}; try --tp in {divisors(model.n_heads)}")
     kv = model.n_kv_heads
     if tp <= kv:
-        require(kv % tp == 0, lambda: f"--tp {tp} must divide n_kv_heads {kv} (or be a multiple of it, replicating KV heads); "
+        require(kv % tp == 0, lambda: f"--tp {tp} must divide n_kv_heads {kv} (or be a multiple of it, replicating "
+                                      f"KV heads); "
                               f"try --tp in {[d for d in divisors(model.n_heads) if kv % d == 0 or d % kv == 0]}")
     else:
         require(tp % kv == 0 and (kv * model.head_dim) % tp == 0,

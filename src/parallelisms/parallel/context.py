@@ -181,11 +181,13 @@ def check_context_parallel(style: str, cp: int, n_heads: int, n_kv_heads: int, s
                                           f"zigzag chunks, but --seq-len {seq_len} is not divisible by {2 * cp}")
     else:
         require(seq_len % cp == 0, f"--seq-len {seq_len} must be divisible by --cp {cp}")
+
         def fits(d: int) -> bool:
             return n_heads % d == 0 and (n_kv_heads % d == 0 or d % n_kv_heads == 0)
-        require(fits(cp), lambda: f"Ulysses --cp {cp} gives each rank heads/cp query heads and needs n_kv_heads a multiple or "
-                            f"a divisor of cp, but n_heads {n_heads} and n_kv_heads {n_kv_heads} do not fit {cp} "
-                            f"(per tensor-parallel rank); use --cp-attention ring or --cp in {list(filter(fits, divisors(n_heads)))}")
+        require(fits(cp), lambda: f"Ulysses --cp {cp} gives each rank heads/cp query heads and needs n_kv_heads a "
+                                  f"multiple or a divisor of cp, but n_heads {n_heads} and n_kv_heads {n_kv_heads} "
+                                  f"do not fit {cp} (per tensor-parallel rank); use --cp-attention ring or --cp in "
+                                  f"{list(filter(fits, divisors(n_heads)))}")
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: int) -> torch.Tensor:

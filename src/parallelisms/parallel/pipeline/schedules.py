@@ -396,7 +396,8 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
     size = pp * microbatches * ((chunks or 2) if name == "interleaved" else 1)
     if size > MAX_SCHEDULE_SIZE:  # building, validating and simulating take time and memory in proportion
         raise ScheduleError(f"pp {pp} x microbatches {microbatches} x chunks = {size:,} exceeds the cap of "
-                            f"{MAX_SCHEDULE_SIZE:,} on a schedule's size; use a smaller --pp, --microbatches or --chunks")
+                            f"{MAX_SCHEDULE_SIZE:,} on a schedule's size; use a smaller --pp, --microbatches or "
+                            f"--chunks")
     if name == "dualpipe" and (pp % 2 or microbatches % 2):
         raise ScheduleError("dualpipe needs an even pp and an even microbatch count, "
                             f"got pp={pp}, microbatches={microbatches}")
