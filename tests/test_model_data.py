@@ -82,7 +82,7 @@ def test_hf_config_loading(tmp_path):
     (json.dumps({"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 5, "intermediate_size": 8,
                  "vocab_size": 10}), "divisible by n_heads"),
     (json.dumps({"hidden_size": "wide", "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 8,
-                 "vocab_size": 10}), "must be a number"),
+                 "vocab_size": 10}), "hidden_size must be an integer"),
 ])
 def test_malformed_hf_config(tmp_path, content, fragment):
     path = tmp_path / "config.json"
@@ -94,7 +94,7 @@ def test_malformed_hf_config(tmp_path, content, fragment):
 def test_every_preset_is_valid():
     for name in PRESETS:
         preset(name).validate()
-    with pytest.raises(ConfigError, match="unknown preset"):
+    with pytest.raises(ConfigError, match="unknown --preset"):
         preset("huge")
 
 

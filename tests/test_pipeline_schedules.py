@@ -1,13 +1,12 @@
 """Pipeline schedules as data: validity, the validator's rejections, closed-form bubbles,
 the Zero Bubble paper's Table 5, peak activations, the simulate CLI and the plot."""
 
-import argparse
 import dataclasses
 import json
 
 import pytest
 
-from parallelisms.parallel.pipeline.cli import add_simulate_parser, run_simulate
+from parallelisms.cli import main
 from parallelisms.parallel.pipeline.schedules import (
     SCHEDULES, Action, Kind, ScheduleError, build_schedule)
 from parallelisms.parallel.pipeline.simulate import Times, plot, simulate
@@ -226,9 +225,7 @@ def test_peak_activations(pp):
 # --- CLI and plot -------------------------------------------------------------------------------
 
 def _cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="parallelisms")
-    add_simulate_parser(parser.add_subparsers(dest="command"))
-    rc = run_simulate(parser.parse_args(["simulate", *argv]))
+    rc = main(["simulate", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -253,7 +250,8 @@ def test_cli_human_summary_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize("argv,msg", [
     (["--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "even pp"),
     (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--chunks", "2"], "divisible"),
-    (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--tf", "-1"], "non-negative"),
+    (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--tf", "-1"],
+     "argument --tf: must be a finite number in [0, "),
     (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--plot", "x.pdf"], ".png or .svg"),
 ])
 def test_cli_bad_input(argv, msg, capsys):

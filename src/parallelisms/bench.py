@@ -29,29 +29,43 @@ def bench(name: str):
     return register
 
 
+# Options only some benchmarks read, with their defaults (None until given: given to another benchmark, they would
+# be silently ignored)
+PIPELINES = ("pipeline", "pipeline-balance")
+ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp": (("tp",), False),
+            "target": (("tp",), "block")}
+
+
 def add_bench_parser(sub) -> None:
+    from parallelisms.flags import DEGREE, integer, number
+
+    count = integer(1, 10**9)
     p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
     p.add_argument("name", help="what to benchmark: " + ", ".join(BENCHES) if BENCHES else "benchmark name")
     p.add_argument("--preset", default="small")
-    p.add_argument("--world", type=int, default=2, help="ranks")
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round and implementation")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--schedule", default="1f1b", help="pipeline: the schedule (gpipe, 1f1b, interleaved, zb-v, dualpipev)")
-    p.add_argument("--microbatches", type=int, default=0, help="pipeline: microbatches per step (default 2 x world)")
-    p.add_argument("--sp", action="store_true", help="tp: with Megatron sequence parallelism")
-    p.add_argument("--target", choices=("block", "mlp"), default="block", help="tp: what the headline ratio times")
+    p.add_argument("--world", type=DEGREE, default=2, help="ranks")
+    p.add_argument("--global-batch", type=count, default=8)
+    p.add_argument("--seq-len", type=integer(2, 10**9), default=128)
+    p.add_argument("--steps", type=count, default=5, help="timed steps per round and implementation")
+    p.add_argument("--rounds", type=count, default=3, help="alternating rounds")
+    p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0)
+    p.add_argument("--schedule", help="pipeline: the schedule (gpipe, 1f1b (default), interleaved, zb-v, dualpipev)")
+    p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
+    p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
+    p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
     p.add_argument("--json", action="store_true")
 
 
 def run_bench(args) -> dict:
     if args.name not in BENCHES:
         raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {', '.join(BENCHES)}")
-    for name in ("world", "global_batch", "seq_len", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name, (benches, default) in ONLY_FOR.items():
+        value = getattr(args, name)
+        if value is not None and args.name not in benches:
+            given = f"--{name}" if value is True else f"--{name} {value}"
+            raise ConfigError(f"{given} applies to bench {' and '.join(benches)} only, not {args.name}; "
+                              f"drop --{name}")
+        setattr(args, name, default if value is None else value)
     result = BENCHES[args.name](args)
     print(f"bench {args.name}: ours {result['ours_s'] * 1e3:.1f} ms, {result['peer']} {result['peer_s'] * 1e3:.1f} ms "
           f"per step, ratio {result['ratio']:.3f}" + "".join(f", {k} {v:.3f}" for k, v in result.items()

@@ -7,17 +7,22 @@ fails is reported by number (exit code 1).
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 
 from parallelisms.support import validate_layout
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
-from parallelisms.errors import ConfigError
+from parallelisms.errors import ConfigError, require
+from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
+COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
+# Options that mean something only with a degree above 1 (default None: given or not is known); given without
+# it they would be silently ignored. Their defaults are ParallelConfig's.
+NEEDS_DEGREE = {"schedule": "pp", "microbatches": "pp", "chunks": "pp", "pp_balance": "pp", "cp_attention": "cp"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,47 +38,51 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("layout (world size = pp x dp x cp x tp)")
-    g.add_argument("--dp", type=int, default=dp_default,
-                   help="data-parallel degree (replicas for DDP; the shard group for --zero/--fsdp)")
-    g.add_argument("--dp-replicate", type=int, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
-    g.add_argument("--dp-shard", type=int, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
+    g.add_argument("--dp", type=DEGREE, help=f"data-parallel degree (replicas for DDP; the shard group for "
+                                              f"--zero/--fsdp; default {dp_default})")
+    p.set_defaults(dp_default=dp_default)
+    g.add_argument("--dp-replicate", type=DEGREE, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
+    g.add_argument("--dp-shard", type=DEGREE, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
     for name, text in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
-        g.add_argument(f"--{name}", type=int, default=1, help=f"{text}-parallel degree")
+        g.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{text}-parallel degree")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="treat parameters with no gradient as zero instead of raising")
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
     g.add_argument("--tp-overlap", action="store_true", help="overlap the input-gradient all-reduce with dW")
     g = p.add_argument_group("sharded data parallelism")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage 1, 2 or 3")
+    g.add_argument("--zero", type=integer(0, 3), default=0, help="ZeRO stage 1, 2 or 3")
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
-    g.add_argument("--cp-attention", default="ring", help="ring (ring attention) or ulysses (all-to-all over heads)")
+    g.add_argument("--cp-attention", help="ring (default: ring attention) or ulysses (all-to-all over heads)")
     g = p.add_argument_group("pipeline parallelism")
-    g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe, "
-                                                       "dualpipev or pipedream")
-    g.add_argument("--microbatches", type=int, default=0, help="microbatches per step (default 2 x pp)")
-    g.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved)")
-    g.add_argument("--pp-balance", default="layers", help="cut stages by equal layer counts (layers) or by "
-                                                          "per-layer forward+backward time measured on rank 0 (measured)")
+    g.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, zb-h2, zb-v, dualpipe, dualpipev "
+                                      "or pipedream")
+    g.add_argument("--microbatches", type=COUNT, help="microbatches per step (default 2 x pp)")
+    g.add_argument("--chunks", type=COUNT, help="virtual stages per rank (interleaved: 2 or more)")
+    g.add_argument("--pp-balance", help="cut stages by equal layer counts (layers, default) or by per-layer "
+                                        "forward+backward time measured on rank 0 (measured)")
 
 
 def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("training")
     d = TrainConfig()
-    g.add_argument("--steps", type=int, default=steps)
-    g.add_argument("--global-batch", type=int, default=DEFAULT_TRAIN["global_batch"], help="sequences per step")
-    g.add_argument("--seq-len", type=int, default=DEFAULT_TRAIN["seq_len"])
-    g.add_argument("--grad-accum", type=int, default=1, help="microbatches per rank per step")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip (0: off)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket cap")
-    g.add_argument("--timeout", type=float, default=d.timeout_s, help="collective timeout, seconds")
+    g.add_argument("--steps", type=COUNT, default=steps)
+    g.add_argument("--global-batch", type=COUNT, default=DEFAULT_TRAIN["global_batch"], help="sequences per step")
+    g.add_argument("--seq-len", type=integer(2, 10**9), default=DEFAULT_TRAIN["seq_len"])
+    g.add_argument("--grad-accum", type=COUNT, default=1, help="microbatches per rank per step")
+    g.add_argument("--lr", type=number(0, above=True), default=d.lr)
+    g.add_argument("--grad-clip", type=number(0), default=d.grad_clip, help="global-norm clip (0: off)")
+    # the data loader seeds step s with seed x 1_000_003 + s, which torch's 64-bit seeds hold for any seed below 2^32
+    g.add_argument("--seed", type=integer(0, 2**32 - 1), default=d.seed)
+    g.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=d.bucket_mb,
+                   help="data-parallel gradient bucket cap")
+    g.add_argument("--timeout", type=number(0, 10**6, above=True), default=d.timeout_s,
+                   help="collective timeout, seconds")
     g.add_argument("--dtype", default=d.dtype, help="parameter dtype: float32, or float64 (rounding ~1e-16, so verify's "
                                                     "contract tightens to 1e-10)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -82,6 +91,7 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
 def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError)."""
     model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
+    options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
                         bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype)
@@ -89,20 +99,32 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              schedule=args.schedule, cp_attention=args.cp_attention, recompute=args.recompute,
-                              microbatches=args.microbatches, chunks=args.chunks, pp_balance=args.pp_balance)
+                              recompute=args.recompute, **options)
     parallel = validate_layout(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
 
 
+def _degree_options(args) -> dict:
+    """The NEEDS_DEGREE options the user gave, each refused without its degree above 1."""
+    given = {name: getattr(args, name) for name in NEEDS_DEGREE if getattr(args, name) is not None}
+    for name, value in given.items():
+        flag, degree = f"--{name.replace('_', '-')}", NEEDS_DEGREE[name]
+        require(getattr(args, degree) > 1, f"{flag} {value} applies only with --{degree} 2 or more, got --{degree} "
+                                           f"{getattr(args, degree)}; add --{degree} 2 or drop {flag}")
+    return given
+
+
 def _data_parallel_degrees(args) -> dict:
     """--dp is the replica count for DDP and the shard group for ZeRO/FSDP; --dp-replicate/--dp-shard set both."""
     if args.dp_replicate is not None or args.dp_shard is not None:
+        require(args.dp is None, f"--dp {args.dp} with --dp-replicate/--dp-shard: the data-parallel degree is "
+                                 f"dp_replicate x dp_shard; drop --dp")
         return {"dp_replicate": args.dp_replicate or 1, "dp_shard": args.dp_shard or 1}
+    dp = args.dp_default if args.dp is None else args.dp
     sharded = args.zero > 0 or args.fsdp is not None
-    return {"dp_shard": args.dp} if sharded else {"dp_replicate": args.dp}
+    return {"dp_shard": dp} if sharded else {"dp_replicate": dp}
 
 
 def _backend_for(world: int) -> str:
@@ -129,6 +151,8 @@ def cmd_train(args) -> int:
     from parallelisms.train import RunSpec
 
     model, train, parallel = build_configs(args)
+    if args.trace:
+        check_writable("--trace", args.trace)
     spec = RunSpec(model, train, parallel, progress=True)
     report = run_layout(spec, trace=True)
     if report is None:  # a non-zero rank under torchrun
@@ -163,8 +187,19 @@ def cmd_train(args) -> int:
               f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per stage, "
               f"{pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
     if args.json:
-        print(json.dumps(report))
-    return 0
+        print(json_line(report))
+    return _diverged(report["losses"], train)
+
+
+def _diverged(losses: list[float], train: TrainConfig) -> int:
+    """Exit code 1 and one line naming the step where the loss went non-finite; 0 when it stayed finite."""
+    step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if step is None:
+        return 0
+    print(f"error: training diverged: the loss became {losses[step]} at step {step + 1} of {len(losses)}"
+          + (f" (last finite loss {losses[step - 1]:.4f})" if step else "")
+          + f"; lower --lr (got {train.lr:g})", file=sys.stderr)
+    return 1
 
 
 def _batch_slices(parallel, train) -> int:
@@ -236,16 +271,14 @@ def cmd_verify(args) -> int:
           + (f"; bf16 envelope: {result['envelope']:.2f}x single-process bf16's own distance from fp32 "
              f"(allowed {result['envelope_limit']:g}x)" if "envelope" in result else ""))
     if args.json:
-        print(json.dumps(result))
+        print(json_line(result))
     return 0 if result["ok"] else 1
 
 
 def cmd_estimate(args) -> int:
-    from parallelisms.errors import require
     from parallelisms.perf.estimate import HARDWARE, estimate
 
     require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
-    require(0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}")
     model, train, parallel = build_configs(args)
     result = estimate(model, parallel, train, args.hardware, args.mfu)
     mem = result["memory_per_rank"]
@@ -259,7 +292,7 @@ def cmd_estimate(args) -> int:
     print(f"step: compute {result['compute_s']:.3f} s at MFU {args.mfu}, exposed comm {result['exposed_comm_s']:.3f} s, "
           f"bubble {result['pipeline_bubble']:.3f} -> {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s")
     if args.json:
-        print(json.dumps(result))
+        print(json_line(result))
     return 0
 
 
@@ -268,7 +301,7 @@ def cmd_bench(args) -> int:
 
     result = run_bench(args)
     if args.json:
-        print(json.dumps(result))
+        print(json_line(result))
     return 0
 
 
@@ -287,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     _add_train_args(p, steps=5)
-    p.add_argument("--tolerance", type=float, help="relative tolerance (default 1e-5)")
+    p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("estimate", help="predict memory, communication and step time of a layout")
@@ -295,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(p)
     _add_train_args(p, steps=1)
     p.add_argument("--hardware", default="h100", help="a100, h100, h200 or cpu (this machine, measured alpha-beta)")
-    p.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilisation assumed for compute")
+    p.add_argument("--mfu", type=number(0, 1, above=True), default=0.45,
+                   help="model FLOPs utilisation assumed for compute")
     p.set_defaults(func=cmd_estimate)
 
     from parallelisms.bench import add_bench_parser

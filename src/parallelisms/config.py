@@ -11,8 +11,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallelisms.errors import ConfigError, require
+from parallelisms.errors import ConfigError, divisors, require, require_finite
 from parallelisms.mesh import ParallelDims
+
+
+MAX_MODEL_INT = 2**31 - 1  # a model dimension beyond int32 is a typo, and keeps every size a finite float
 
 
 @dataclass(frozen=True)
@@ -41,20 +44,23 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, f"model {name} must be a positive integer, got {value!r}")
-        require(self.dim % self.n_heads == 0,
-                f"model dim {self.dim} must be divisible by n_heads {self.n_heads}; try n_heads in {divisors(self.dim)}")
+            require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_MODEL_INT,
+                    f"model {name} must be an integer from 1 to {MAX_MODEL_INT:,}, got {value!r}")
+        require(self.dim % self.n_heads == 0, lambda: f"model dim {self.dim} must be divisible by n_heads "
+                                                      f"{self.n_heads}; try n_heads in {divisors(self.dim)}")
         require(self.n_heads % self.n_kv_heads == 0,
-                f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}; "
-                f"try n_kv_heads in {divisors(self.n_heads)}")
+                lambda: f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}; "
+                        f"try n_kv_heads in {divisors(self.n_heads)}")
         require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} (dim/n_heads) must be even for rotary positions")
-        require(self.rope_theta > 0 and self.norm_eps > 0, "rope_theta and norm_eps must be positive")
+        for name in ("rope_theta", "norm_eps"):
+            require_finite(f"model {name}", getattr(self, name), above=0)
         if self.n_experts:
             require(isinstance(self.n_experts, int) and self.n_experts >= 2,
                     f"n_experts must be 0 (dense) or at least 2, got {self.n_experts}")
             require(1 <= self.top_k <= self.n_experts,
                     f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
-            require(self.capacity_factor >= 0, f"capacity_factor must be non-negative, got {self.capacity_factor}")
+            require_finite("capacity_factor", self.capacity_factor, at_least=0)
+            require_finite("aux_loss_coef", self.aux_loss_coef, at_least=0)
         return self
 
     def num_params(self) -> int:
@@ -63,11 +69,6 @@ class ModelConfig:
         attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
         mlp = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         return 2 * self.vocab_size * self.dim + self.n_layers * (attn + mlp + 2 * self.dim) + self.dim
-
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, ascending (for suggestions in error messages)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -88,7 +89,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    require(name in PRESETS, f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    require(name in PRESETS, f"unknown --preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
@@ -110,22 +111,37 @@ _HF_FIELDS = {  # our name: (Hugging Face name, required)
 def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a Llama-family Hugging Face ``config.json`` into a :class:`ModelConfig`."""
     path = Path(path)
-    require(path.is_file(), f"config file {str(path)!r} does not exist; pass a Hugging Face config.json")
+    require(not path.is_dir(), f"--config {str(path)!r} is a directory; pass the config.json file in it")
+    require(path.is_file(), f"--config {str(path)!r} does not exist; pass a Hugging Face config.json")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
-    require(isinstance(raw, dict), f"config file {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+        raw = json.loads(path.read_text(), parse_constant=_refuse_constant)
+    except OSError as exc:
+        raise ConfigError(f"--config {str(path)!r} cannot be read ({exc.strerror}); pass a readable file") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"--config {str(path)!r} is not valid JSON ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0]})") from None
+    require(isinstance(raw, dict), f"--config {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
     missing = [hf for _, (hf, needed) in _HF_FIELDS.items() if needed and hf not in raw]
-    require(not missing, f"config file {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
+    require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
     values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}
     values.setdefault("n_kv_heads", values["n_heads"])
     for name, value in values.items():
-        kind = float if name in ("rope_theta", "norm_eps") else int
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or value == int(value))
-        require(ok, f"config field {_HF_FIELDS[name][0]} must be a number, got {value!r}")
-        values[name] = kind(value)
+        field_name = _HF_FIELDS[name][0]
+        if name in ("rope_theta", "norm_eps"):
+            require_finite(f"config field {field_name}", value, above=0)
+            values[name] = float(value)
+        else:
+            low = 0 if name == "n_experts" else 1  # 0 experts: a dense model
+            whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                                and value.is_integer())
+            require(whole and low <= value <= MAX_MODEL_INT, f"config field {field_name} must be an integer from "
+                                                             f"{low} to {MAX_MODEL_INT:,}, got {value!r}")
+            values[name] = int(value)
     return ModelConfig(**values).validate()
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 DTYPES = ("float32", "float64")  # parameter dtypes a run can train in
@@ -149,20 +165,20 @@ class TrainConfig:
     dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
-        require(isinstance(self.steps, int) and self.steps >= 1, f"steps must be at least 1, got {self.steps}")
-        require(self.global_batch >= 1, f"global batch must be at least 1, got {self.global_batch}")
-        require(self.grad_accum >= 1, f"grad accumulation must be at least 1, got {self.grad_accum}")
-        require(self.seq_len >= 2, f"sequence length must be at least 2, got {self.seq_len}")
+        require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
+        require(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
+        require(self.grad_accum >= 1, f"--grad-accum must be at least 1, got {self.grad_accum}")
+        require(self.seq_len >= 2, f"--seq-len must be at least 2, got {self.seq_len}")
         require(self.seq_len <= model.max_seq_len,
-                f"sequence length {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+                f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; use at most that")
         per_step = dp * self.grad_accum
         require(self.global_batch % per_step == 0,
-                f"global batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "
-                f"try a global batch of {per_step * max(1, self.global_batch // per_step)}")
-        require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
-        require(self.grad_clip >= 0, f"grad clip must be non-negative, got {self.grad_clip}")
-        require(self.bucket_mb > 0, f"bucket size must be positive, got {self.bucket_mb} MB")
-        require(self.timeout_s > 0, f"timeout must be positive, got {self.timeout_s} s")
+                f"--global-batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "
+                f"try --global-batch {per_step * max(1, self.global_batch // per_step)}")
+        require_finite("--lr (learning rate)", self.lr, above=0)
+        require_finite("--grad-clip", self.grad_clip, at_least=0)
+        require_finite("--bucket-mb", self.bucket_mb, above=0)
+        require_finite("--timeout (seconds)", self.timeout_s, above=0)
         require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {' or '.join(DTYPES)}")
         return self
 

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
 
 class ConfigError(ValueError):
     """A bad input, reported as one line before any process starts: the constraint that failed, the values,
     and what would work."""
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
+def require(condition: bool, message) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds; a message that costs something to
+    build (suggestions) is passed as a function and built only on failure."""
     if not condition:
-        raise ConfigError(message)
+        raise ConfigError(message() if callable(message) else message)
+
+
+def divisors(n: int, up_to: int = 1024) -> list[int]:
+    """The divisors of ``n`` up to ``up_to``, ascending: suggestions for error messages, in time independent
+    of ``n``."""
+    return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
+
+
+def require_finite(name: str, value, above: float | None = None, at_least: float | None = None) -> None:
+    """One line unless ``value`` is a finite number above ``above`` (or at least ``at_least``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    bound = ""
+    if above is not None:
+        ok, bound = ok and value > above, f" above {above:g}"
+    if at_least is not None:
+        ok, bound = ok and value >= at_least, f" of at least {at_least:g}"
+    require(ok, f"{name} must be a finite number{bound}, got {value!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,9 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
+
+
+OVERSUBSCRIBED = 4  # ranks per CPU core beyond which a local launch warns (CPU ranks share the cores)
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,13 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
         return [_worker(entry, args, backend, timeout_s, threads)]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    cores = os.cpu_count() or 1
+    if backend != "nccl" and world_size > OVERSUBSCRIBED * cores:
+        print(f"warning: {world_size} ranks on {cores} CPU cores ({world_size / cores:.0f} per core): each rank is a "
+              f"process with its own model copy, so this will be slow and use much memory", file=sys.stderr)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads or max(1, cores // world_size)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.05, start_method="spawn")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parallelisms.errors import require
+from parallelisms.errors import divisors, require
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -32,9 +32,9 @@ class ParallelDims:
                     f"parallel degree {f.name} must be a positive integer, got {value!r}")
         ranks = self.dp_replicate * self.dp_shard * self.cp
         require(ranks % self.ep == 0,
-                f"ep {self.ep} must divide the data-parallel x context-parallel ranks "
+                lambda: f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                 f"({self.dp_replicate} x {self.dp_shard} x {self.cp} = {ranks}); "
-                f"try ep in {[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+                f"try --ep in {divisors(ranks)}")
 
     @property
     def world_size(self) -> int:

@@ -7,8 +7,8 @@ sequence constraints) and below the training loop and the CLI, which call :func:
 
 from __future__ import annotations
 
-from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, divisors
-from parallelisms.errors import ConfigError, require
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.errors import ConfigError, divisors, require
 from parallelisms.parallel.context import check_context_parallel
 from parallelisms.parallel.fsdp import HYBRID, STRATEGIES
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
@@ -191,18 +191,19 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
     if tp == 1:
         return
     require(model.n_heads % tp == 0,
-            f"--tp {tp} must divide n_heads {model.n_heads}; try --tp in {divisors(model.n_heads)}")
+            lambda: f"--tp {tp} must divide n_heads {model.n_heads}; try --tp in {divisors(model.n_heads)}")
     kv = model.n_kv_heads
     if tp <= kv:
-        require(kv % tp == 0, f"--tp {tp} must divide n_kv_heads {kv} (or be a multiple of it, replicating KV heads); "
+        require(kv % tp == 0, lambda: f"--tp {tp} must divide n_kv_heads {kv} (or be a multiple of it, replicating "
+                                      f"KV heads); "
                               f"try --tp in {[d for d in divisors(model.n_heads) if kv % d == 0 or d % kv == 0]}")
     else:
         require(tp % kv == 0 and (kv * model.head_dim) % tp == 0,
-                f"--tp {tp} exceeds n_kv_heads {kv}, so KV heads are replicated, which needs tp a multiple of "
+                lambda: f"--tp {tp} exceeds n_kv_heads {kv}, so KV heads are replicated, which needs tp a multiple of "
                 f"n_kv_heads and kv_heads x head_dim = {kv * model.head_dim} divisible by tp; "
                 f"try --tp in {[d for d in divisors(model.n_heads) if kv % d == 0 or d % kv == 0]}")
     require(model.ffn_dim % tp == 0,
-            f"--tp {tp} must divide the FFN width {model.ffn_dim}; try --tp in {divisors(model.ffn_dim)}")
+            lambda: f"--tp {tp} must divide the FFN width {model.ffn_dim}; try --tp in {divisors(model.ffn_dim)}")
     require(not parallel.sequence_parallel or train.seq_len % tp == 0,
             f"--sp shards the sequence over --tp {tp}, so seq_len {train.seq_len} must be divisible by it; "
             f"try --seq-len {max(tp, train.seq_len // tp * tp)}")
@@ -225,5 +226,5 @@ def _check_expert_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
         require(model.n_experts > 0, f"--ep {dims.ep} needs a mixture-of-experts model, but this one is dense; "
                                      f"use --preset tiny-moe or a config with num_local_experts")
         require(model.n_experts % dims.ep == 0,
-                f"--ep {dims.ep} must divide n_experts {model.n_experts}; "
+                lambda: f"--ep {dims.ep} must divide n_experts {model.n_experts}; "
                 f"try --ep in {[d for d in divisors(model.n_experts) if d > 1]}")

@@ -7,9 +7,10 @@ The main CLI calls :func:`add_simulate_parser` with its subparsers and dispatche
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from parallelisms.errors import ConfigError, require
+from parallelisms.flags import DEGREE, check_installed, check_writable, integer, json_line, number
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 from .simulate import Times, plot, simulate
 from .validate import validate
@@ -19,13 +20,14 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="simulate a pipeline schedule: bubble rate, makespan, memory",
                               description=__doc__.splitlines()[0])
     p.add_argument("--schedule", required=True, choices=SCHEDULES)
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (interleaved)")
-    p.add_argument("--tf", type=float, default=1.0, help="forward time of one stage per microbatch")
-    p.add_argument("--tb", type=float, default=1.0, help="input-gradient backward time")
-    p.add_argument("--tw", type=float, default=1.0, help="weight-gradient backward time")
-    p.add_argument("--tcomm", type=float, default=0.0, help="cost of each cross-rank dependency")
+    time = number(0, 1e9)  # finite sums: a makespan of a schedule at the size cap stays finite
+    p.add_argument("--pp", type=DEGREE, required=True, help="pipeline ranks")
+    p.add_argument("--microbatches", type=integer(1, 10**9), required=True)
+    p.add_argument("--chunks", type=integer(1, 10**9), default=None, help="virtual stages per rank (interleaved)")
+    p.add_argument("--tf", type=time, default=1.0, help="forward time of one stage per microbatch")
+    p.add_argument("--tb", type=time, default=1.0, help="input-gradient backward time")
+    p.add_argument("--tw", type=time, default=1.0, help="weight-gradient backward time")
+    p.add_argument("--tcomm", type=time, default=0.0, help="cost of each cross-rank dependency")
     p.add_argument("--plot", metavar="FILE.png|.svg", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
@@ -33,21 +35,22 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        if min(args.tf, args.tb, args.tw, args.tcomm) < 0:
-            raise ScheduleError("times must be non-negative")
-        if args.plot and not args.plot.lower().endswith((".png", ".svg")):
-            raise ScheduleError(f"--plot must name a .png or .svg file, got {args.plot!r}")
+        if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
+            require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got "
+                                                                  f"{args.plot!r}")
+            check_installed("--plot", "matplotlib")
+            check_writable("--plot", args.plot)
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
         validate(schedule)
         sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
         if args.plot:
             plot(sim, args.plot)
-    except (ScheduleError, OSError) as e:
+    except (ScheduleError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = sim.to_dict()
     if args.json:
-        print(json.dumps(result))
+        print(json_line(result))
     else:
         peaks = ", ".join(f"{p:g}" for p in result["peak_activations"])
         print(f"{schedule.name}: pp={schedule.pp} microbatches={schedule.microbatches} chunks={schedule.chunks}")

@@ -383,6 +383,9 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
 SCHEDULES = tuple(GENERATORS)
 
 
+MAX_SCHEDULE_SIZE = 2**16  # pp x microbatches x chunks: a few seconds to build, validate and simulate
+
+
 def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None) -> Schedule:
     """Build schedule ``name`` for ``pp`` ranks and ``microbatches``; ``chunks`` is the number of
     virtual stages per rank (interleaved only, default 2; zb-v and dualpipev are fixed at 2)."""
@@ -390,6 +393,11 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         raise ScheduleError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     if pp < 1:
         raise ScheduleError(f"pp must be >= 1, got {pp}")
+    size = pp * microbatches * ((chunks or 2) if name == "interleaved" else 1)
+    if size > MAX_SCHEDULE_SIZE:  # building, validating and simulating take time and memory in proportion
+        raise ScheduleError(f"pp {pp} x microbatches {microbatches} x chunks = {size:,} exceeds the cap of "
+                            f"{MAX_SCHEDULE_SIZE:,} on a schedule's size; use a smaller --pp, --microbatches or "
+                            f"--chunks")
     if name == "dualpipe" and (pp % 2 or microbatches % 2):
         raise ScheduleError("dualpipe needs an even pp and an even microbatch count, "
                             f"got pp={pp}, microbatches={microbatches}")

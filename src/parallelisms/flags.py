@@ -1,0 +1,99 @@
+"""Command-line values in and out: bounded flag parsers every verb shares, output paths checked before the
+work that fills them, and JSON that strict parsers accept.
+
+A parser raises ``argparse.ArgumentTypeError`` with the range that works and the value given; argparse
+prefixes the flag (``argument --lr: ...``) and the CLI prints the whole as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+from parallelisms.errors import require
+
+
+def shown(text: str, parsed: bool, limit: int = 40) -> str:
+    """``text`` as given, cut to ``limit`` characters (a value echoed in a message stays short); quoted unless
+    it ``parsed`` as a number."""
+    cut = text if len(text) <= limit else text[:limit - 3] + "..."
+    return cut if parsed else repr(cut)
+
+
+def integer(low: int, high: int):
+    """A flag parser for integers in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high:,}, got "
+                                             f"{shown(text, value is not None)}")
+        return value
+    return parse
+
+
+DEGREE = integer(1, 2**16)  # a parallel degree (--dp, --tp, --pp, ..., bench --world)
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def number(low: float, high: float = math.inf, above: bool = False):
+    """A flag parser for finite numbers in [low, high] (``above``: in (low, high])."""
+    if high == math.inf:
+        wanted = f"{'above' if above else 'at least'} {_num(low)}"
+    else:
+        wanted = f"in {'(' if above else '['}{_num(low)}, {_num(high)}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be a finite number {wanted}, got {shown(text, value == value)}")
+        return value
+    return parse
+
+
+def check_writable(flag: str, path: str) -> None:
+    """One line unless a file can be written at ``path`` (checked before the work whose result it holds)."""
+    target = Path(path)
+    parent = target.parent
+    require(not target.is_dir(), f"{flag} {path!r} is a directory; name a file in it")
+    require(parent.is_dir(), f"{flag} {path!r}: directory {str(parent)!r} does not exist; create it or choose another")
+    require(os.access(target if target.exists() else parent, os.W_OK), f"{flag} {path!r} is not writable here; "
+                                                                       f"choose a path you can write")
+
+
+def check_installed(flag: str, module: str) -> None:
+    """One line unless the optional ``module`` that ``flag`` needs can be imported."""
+    require(importlib.util.find_spec(module) is not None, f"{flag} needs {module}, which is not installed; "
+                                                          f"pip install {module}, or drop {flag}")
+
+
+def json_line(result: dict) -> str:
+    """``result`` as one JSON object strict parsers accept: each non-finite number becomes null and its key
+    is listed under ``nonfinite_fields``."""
+    nulled = []
+
+    def clean(value, key):
+        if isinstance(value, float) and not math.isfinite(value):
+            nulled.append(key)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return value
+    out = clean(result, "")
+    if nulled:
+        out["nonfinite_fields"] = nulled
+    return json.dumps(out, allow_nan=False)
