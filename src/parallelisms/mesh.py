@@ -83,5 +83,9 @@ class ParallelDims:
             dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp_for_ep")
             experts = dp_cp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("ep_replicate", "ep"))
             meshes["ep"], meshes["ep_replicate"] = experts["ep"], experts["ep_replicate"]
+            # the same expert groups again, for the backward all-to-alls: gloo runs one group's collectives in
+            # order, so a backward overlapped with a forward's dispatch (DualPipe's F&B) needs its own group
+            twin = dp_cp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("ep_replicate_bwd", "ep_bwd"))
+            meshes["ep_bwd"] = twin["ep_bwd"]
         meshes["world"] = world
         return meshes

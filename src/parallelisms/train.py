@@ -146,7 +146,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if dims.cp > 1:
         positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
     if dims.ep > 1:
-        apply_expert_parallel(model, comms["ep"])
+        apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()

@@ -117,8 +117,10 @@ class Comm:
             raise self.error(label, exc) from exc
         issued = None
         if timeline.enabled:
-            if not async_op:
-                timeline.add(label, "comm", start, timeline.now(), dim=self.name, bytes=sent)
+            if not async_op:  # a blocking collective: the rank waited all along (exposed unless other work ran)
+                end = timeline.now()
+                timeline.add(label, "comm", start, end, dim=self.name, bytes=sent)
+                timeline.add(f"wait {label}", "wait", start, end)
             elif not _on_completion(works[-1], lambda: timeline.add(label, "comm", start, timeline.now(),
                                                                        dim=self.name)):
                 issued = start
@@ -357,13 +359,17 @@ class _SplitAlong(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, output_splits, input_splits):
-        ctx.comm, ctx.output_splits, ctx.input_splits = comm, output_splits, input_splits
-        return comm.all_to_all(x, output_splits, input_splits)
+    def forward(ctx, x, comm, output_splits, input_splits, between=None, backward_comm=None):
+        ctx.comm, ctx.output_splits, ctx.input_splits = backward_comm or comm, output_splits, input_splits
+        if between is None:
+            return comm.all_to_all(x, output_splits, input_splits)
+        pending = comm.all_to_all(x, output_splits, input_splits, async_op=True)
+        between()  # other work while the all-to-all is in flight
+        return pending.wait()
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_to_all(grad, ctx.input_splits, ctx.output_splits), None, None, None
+        return ctx.comm.all_to_all(grad, ctx.input_splits, ctx.output_splits), None, None, None, None, None
 
 
 def copy_to_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -391,6 +397,13 @@ def split_along(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     return x if comm.size == 1 else _SplitAlong.apply(x, comm, dim)
 
 
-def all_to_all(x: torch.Tensor, comm: Comm, output_splits=None, input_splits=None) -> torch.Tensor:
-    """All-to-all over dim 0 forward; the reverse all-to-all backward (Ulysses, expert dispatch/combine)."""
-    return x if comm.size == 1 else _AllToAll.apply(x, comm, output_splits, input_splits)
+def all_to_all(x: torch.Tensor, comm: Comm, output_splits=None, input_splits=None, between=None,
+               backward_comm: Comm | None = None) -> torch.Tensor:
+    """All-to-all over dim 0 forward; the reverse all-to-all backward (Ulysses, expert dispatch/combine), over
+    ``backward_comm`` if given (the same ranks, another group). ``between()``, if given, runs while the forward
+    all-to-all is in flight (DualPipe's F&B overlap)."""
+    if comm.size == 1:
+        if between is not None:
+            between()
+        return x
+    return _AllToAll.apply(x, comm, output_splits, input_splits, between, backward_comm)

@@ -25,9 +25,10 @@ from parallelisms.parallel.common import mark_sharded
 class ExpertParallelExperts(nn.Module):
     """This rank's slice of a layer's experts, fed by all-to-all dispatch and drained by all-to-all combine."""
 
-    def __init__(self, full: GroupedExperts, comm: Comm):
+    def __init__(self, full: GroupedExperts, comm: Comm, backward_comm: Comm | None = None):
         super().__init__()
-        self.comm = comm
+        self.comm, self.backward_comm = comm, backward_comm
+        self.between = None  # work to run while the dispatch is in flight (set by DualPipe's F&B chunks)
         n_experts = full.w_gate.shape[0]
         self.local = n_experts // comm.size
         first = comm.rank * self.local
@@ -42,17 +43,19 @@ class ExpertParallelExperts(nn.Module):
         recv_counts = self.comm.all_to_all(send_counts.contiguous()).view(n, local)  # what each source sends me
         input_splits = send_counts.sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
-        received = all_to_all(x, self.comm, output_splits, input_splits)           # dispatch
+        received = all_to_all(x, self.comm, output_splits, input_splits, self.between, self.backward_comm)  # dispatch
         # arrival order is (source rank, local expert): regroup by local expert for the grouped GEMM
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv_counts.flatten())
         order = torch.argsort(expert_of, stable=True)
         out = grouped_swiglu(received[order], recv_counts.sum(0), self.w_gate, self.w_up, self.w_down)
         restored = torch.empty_like(out).index_copy(0, order, out)                   # back to arrival order
-        return all_to_all(restored, self.comm, input_splits, output_splits)         # combine
+        return all_to_all(restored, self.comm, input_splits, output_splits, backward_comm=self.backward_comm)  # combine
 
 
-def apply_expert_parallel(model: nn.Module, comm: Comm) -> None:
-    """Give every MoE layer's experts to their owners over ``comm`` (the ``ep`` mesh dimension)."""
+def apply_expert_parallel(model: nn.Module, comm: Comm, backward: Comm | None = None) -> None:
+    """Give every MoE layer's experts to their owners over ``comm`` (the ``ep`` mesh dimension); the backward
+    all-to-alls run over ``backward``'s group (the same ranks; recorded as ``ep``) when given."""
+    backward = Comm(comm.name, backward.group, comm.ledger, comm.timeline) if backward is not None else None
     for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
-            layer.feed_forward.experts = ExpertParallelExperts(layer.feed_forward.experts, comm)
+            layer.feed_forward.experts = ExpertParallelExperts(layer.feed_forward.experts, comm, backward)

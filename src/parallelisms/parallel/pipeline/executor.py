@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.comm import Comm, Timeline
-from parallelisms.parallel.pipeline.schedules import COMM, Action, Kind, Schedule
+from parallelisms.parallel.pipeline.schedules import COMM, Action, Kind, Schedule, fuse_overlapped
 from parallelisms.parallel.tensor import Region
 
 
@@ -146,6 +146,7 @@ class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  timeline: Timeline, store: WeightGradStore | None = None,
                  forward_fn=None, on_optimizer=None, on_stage_done=None, dtype: torch.dtype | None = None):
+        schedule = fuse_overlapped(schedule)  # DualPipe's F&B chunks adjacent (a no-op for other schedules)
         self.schedule, self.rank, self.stages, self.comm, self.timeline = schedule, rank, stages, comm, timeline
         self.seq_shards = next(iter(stages.values())).seq_shards
         # the activations' dtype: ``dtype`` (mixed precision's compute dtype), else the model's (its rotary
@@ -194,6 +195,9 @@ class Executor:
                     while j < len(self.actions) and self.actions[j].kind in COMM:
                         j += 1
                     self._communicate(self.actions[i:j])
+                elif self._overlapped(i):
+                    self._compute_pair(i)
+                    j = i + 2
                 else:
                     self._compute(self.actions[i], i)
                 i = j
@@ -247,6 +251,38 @@ class Executor:
                 self._post([self._next_message(peer)])
 
     # -- computation -----------------------------------------------------------------------------------
+    def _overlapped(self, i: int) -> bool:
+        """A DualPipe F&B chunk starts at ``i``: an overlapped forward right before a backward."""
+        a = self.actions[i]
+        return (a.kind is Kind.FORWARD and a.overlap and i + 1 < len(self.actions)
+                and self.actions[i + 1].kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT))
+
+    def _compute_pair(self, i: int) -> None:
+        """DualPipe's F&B chunk (DeepSeek-V3 report): the backward runs inside the forward, while the forward's
+        first expert dispatch all-to-all is in flight (``ExpertParallelExperts.between``), so that
+        communication hides behind the backward's computation; without expert parallelism, one after the
+        other. The forward's record excludes the backward's time."""
+        f, b = self.actions[i], self.actions[i + 1]
+        ran = []
+
+        def backward() -> None:
+            if not ran:
+                ran.append(Timeline.now())
+                self._compute(b, i + 1)
+                ran.append(Timeline.now())
+        experts = [m for m in self.stages[f.stage].modules() if hasattr(m, "between")]
+        for m in experts:
+            m.between = backward
+        try:
+            self._compute(f, i)
+        finally:
+            for m in experts:
+                m.between = None
+        if ran:  # the forward's record spans the backward: take its time out
+            kind, stage, mb, start, end = self.records.pop(-1)
+            self.records.append((kind, stage, mb, start, end - (ran[1] - ran[0])))
+        backward()
+
     def _compute(self, a: Action, index: int) -> None:
         start = Timeline.now()
         with self.timeline.span(f"{a.kind.value} s{a.stage} mb{a.mb}", "compute"):

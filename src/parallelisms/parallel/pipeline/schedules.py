@@ -29,6 +29,7 @@ computation and communication the executor may overlap; run sequentially, they a
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -365,6 +366,29 @@ def dualpipev(pp: int, m: int) -> Schedule:
         where = lambda phase, k, r=r: ((r if phase == 0 else 2 * pp - 1 - r), k)  # noqa: E731
         compute.append(_from_program(_dualpipe_program(pp, r, m), where))
     return lower("dualpipev", pp, m, compute, [_v_placement(pp)], chunks=2)
+
+
+def fuse_overlapped(schedule: Schedule) -> Schedule:
+    """DualPipe's F&B chunks made adjacent, for an executor that runs the backward inside the forward (while
+    the forward's expert all-to-all is in flight): each overlapped F moves to just before the backward that
+    follows it, the receives between them come first and the sends of that forward's output right after the
+    backward. :func:`.validate.validate` checks the result like any schedule (dependencies, no deadlock)."""
+    ranks = []
+    for acts in schedule.ranks:
+        out, i = [], 0
+        while i < len(acts):
+            a = acts[i]
+            j = next((k for k in range(i + 1, len(acts)) if acts[k].kind not in COMM), None)
+            if not (a.kind is Kind.FORWARD and a.overlap and j is not None
+                    and acts[j].kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)):
+                out.append(a)
+                i += 1
+                continue
+            own = [c for c in acts[i + 1:j] if c.kind is Kind.SEND_F and (c.stage, c.mb) == (a.stage, a.mb)]
+            out += [c for c in acts[i + 1:j] if c not in own] + [a, acts[j]] + own
+            i = j + 1
+        ranks.append(tuple(out))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
 
 
 # --- the one entry point -----------------------------------------------------------------------
