@@ -1,6 +1,7 @@
 """Shared by the multi-process tests: launch an entry once per world size, on first use; train the layouts of
 one world size; check a run against single-process training; run the single-process references on one thread."""
 
+import functools
 import contextlib
 
 import torch
@@ -19,6 +20,12 @@ def launch_once_per_world(entry, threads: int = 1):
             cache[world] = launch(entry, world, world, threads=threads)[0]
         return cache[world]
     return get
+
+
+def launch_reports(specs: dict):
+    """name -> rank 0's report of ``specs[name]``; the specs of each world size train in one launch, on first use."""
+    results = launch_once_per_world(functools.partial(train_each, specs=specs))
+    return lambda name: results(specs[name].parallel.dims.world_size)[name]
 
 
 def train_each(info, world: int, specs: dict) -> dict:

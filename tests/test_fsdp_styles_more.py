@@ -24,9 +24,9 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.support import validate_layout
 from parallelisms.train import RunSpec, parallelize
-from parallelisms.verify import (TOLERANCE, TOLERANCE_FLOAT64, compare, reference_train, reference_train_bf16)
+from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, batch_slices, compare, reference_train, reference_train_bf16
 
-from _launching import launch_once_per_world, one_thread, train_each
+from _launching import launch_reports, one_thread
 
 TINY, MOE = preset("tiny"), preset("tiny-moe")
 PIPE = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -58,32 +58,19 @@ SPECS = {name: RunSpec(model, train, validate_layout(model, train, parallel), co
          for name, (model, train, parallel) in SCENARIOS.items()}
 
 
-def _run(info, world):
-    return train_each(info, world, SPECS)
-
-
-results = launch_once_per_world(_run)
-
-
-def _report(name: str) -> dict:
-    return results(SPECS[name].parallel.dims.world_size)[name]
-
-
-def _splits(parallel: ParallelConfig) -> int:
-    """Batch slices of single-process training with this layout's summation order: dp ranks x microbatches."""
-    return parallel.dims.dp * (parallel.microbatches if parallel.dims.pp > 1 else 1)
+_report = launch_reports(SPECS)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if not n.endswith("bf16")])
 def test_reproduces_single_process_float64(name):
     model, train, parallel = SCENARIOS[name]
     with one_thread():
-        reference = reference_train(model, train, splits=_splits(parallel))
+        reference = reference_train(model, train, splits=batch_slices(parallel, train))
         result = compare(_report(name), reference, tolerance=TOLERANCE_FLOAT64)
         assert result["ok"], result
         if train.grad_clip:  # the clip scaled every step, and changed the training
             assert min(reference.grad_norms) > train.grad_clip
-            unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=_splits(parallel))
+            unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=batch_slices(parallel, train))
             assert compare(_report(name), unclipped)["max_param_rel_diff"] > 1e-3
 
 
@@ -91,8 +78,8 @@ def test_reproduces_single_process_float64(name):
 def test_bf16_is_single_process_bf16_arithmetic(name):
     model, train, parallel = SCENARIOS[name]
     with one_thread():
-        twin = compare(_report(name), reference_train_bf16(model, train, splits=_splits(parallel)), TOLERANCE)
-        fp32 = compare(_report(name), reference_train(model, train, splits=_splits(parallel)), TOLERANCE)
+        twin = compare(_report(name), reference_train_bf16(model, train, splits=batch_slices(parallel, train)), TOLERANCE)
+        fp32 = compare(_report(name), reference_train(model, train, splits=batch_slices(parallel, train)), TOLERANCE)
     assert twin["ok"], twin
     assert fp32["max_param_rel_diff"] > 100 * TOLERANCE, fp32  # bf16 rounding: weights and compute were bf16
 

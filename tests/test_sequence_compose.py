@@ -22,9 +22,9 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.support import validate_layout
 from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64, compare, reference_train
+from parallelisms.verify import TOLERANCE_FLOAT64, batch_slices, compare, reference_train
 
-from _launching import launch_once_per_world, train_each
+from _launching import launch_reports
 
 # tp 2 leaves each rank 2 query heads and 1 KV head: Ulysses cp 2 repeats the KV head
 DENSE = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -51,7 +51,7 @@ SCENARIOS = {
 }
 SPECS = {name: RunSpec(model, train, validate_layout(model, train, parallel), collect_state=True)
          for name, (model, train, parallel) in SCENARIOS.items()}
-REPORTS = launch_once_per_world(functools.partial(train_each, specs=SPECS))
+REPORT = launch_reports(SPECS)
 ORDER = sorted(SCENARIOS, key=lambda name: SPECS[name].parallel.dims.world_size)
 
 
@@ -60,19 +60,14 @@ def _reference(model: ModelConfig, train: TrainConfig, splits: int):
     return reference_train(model, train, splits=splits)
 
 
-def _splits(parallel: ParallelConfig) -> int:
-    """Data-parallel ranks x pipeline microbatches: the batch slices whose mean losses the layout averages."""
-    return parallel.dims.dp * ((parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else 1)
-
-
 @pytest.mark.parametrize("name", ORDER)
 def test_float64_matches_single_process(name):
     model, train, parallel = SCENARIOS[name]
-    report = REPORTS(parallel.dims.world_size)[name]
-    result = compare(report, _reference(model, train, _splits(parallel)), TOLERANCE_FLOAT64)
+    report = REPORT(name)
+    result = compare(report, _reference(model, train, batch_slices(parallel, train)), TOLERANCE_FLOAT64)
     assert result["ok"] and result["max_grad_norm_rel_diff"] is not None, (name, result)
     if train.grad_clip:  # clipping scaled the steps, and it changed the training
-        unclipped = compare(report, _reference(model, train.replace(grad_clip=0.0), _splits(parallel)))
+        unclipped = compare(report, _reference(model, train.replace(grad_clip=0.0), batch_slices(parallel, train)))
         assert unclipped["max_param_rel_diff"] > 1e-3, (name, unclipped)
 
 

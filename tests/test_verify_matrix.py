@@ -42,7 +42,7 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
 from parallelisms.train import RunSpec
-from parallelisms.verify import (BF16_ENVELOPE, TOLERANCE, TOLERANCE_FLOAT64, Run, compare,
+from parallelisms.verify import (BF16_ENVELOPE, TOLERANCE, TOLERANCE_FLOAT64, Run, batch_slices, compare,
                                  compare_mixed_precision, reference_train, reference_train_bf16)
 
 from _launching import launch_once_per_world, one_thread, train_each
@@ -260,14 +260,6 @@ def _report(name: str) -> dict:
     return LAUNCHES[GROUP[name]](_world(name))[name]
 
 
-def _splits(parallel: ParallelConfig, train: TrainConfig) -> int:
-    """The equal slices of the global batch whose mean losses the layout averages: data-parallel ranks x
-    pipeline microbatches, or x gradient-accumulation microbatches (context and tensor parallelism split
-    tokens and weights, not rows)."""
-    micro = (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
-    return parallel.dims.dp * micro
-
-
 @functools.cache
 def _reference(model: ModelConfig, train: TrainConfig, splits: int, pipedream_pp: int = 0) -> Run:
     """Single-process training on ``splits`` slices, or PipeDream's delayed-update reference over
@@ -287,7 +279,7 @@ def _reference_for(name: str, train: TrainConfig | None = None) -> Run:
     train = train or own
     if _pipedream(parallel):  # per-microbatch updates: its own reference
         return _reference(model, train, parallel.microbatches, parallel.dims.pp)
-    return _reference(model, train, _splits(parallel, train))
+    return _reference(model, train, batch_slices(parallel, train))
 
 
 # one launch per (group, world size), in order
@@ -394,7 +386,7 @@ def test_bf16_layouts_within_the_envelope(name):
     accumulates its microbatches in fp32 main grads and is the exact twin."""
     model, train, parallel = SCENARIOS[name]
     with one_thread():
-        bf16 = reference_train_bf16(model, train, splits=_splits(parallel, train))
+        bf16 = reference_train_bf16(model, train, splits=batch_slices(parallel, train))
         fp32 = reference_train(model, train)
     result = compare_mixed_precision(_report(name), bf16, fp32)
     assert result["ok"], (name, result)
@@ -408,7 +400,7 @@ def test_bf16_envelope_catches_a_tensor_moved_by_a_quarter_of_its_update():
     tensor by about 2% of its value)."""
     model, train, parallel = SCENARIOS["bf16_pp2_dp2_full_shard"]
     with one_thread():
-        bf16 = reference_train_bf16(model, train, splits=_splits(parallel, train))
+        bf16 = reference_train_bf16(model, train, splits=batch_slices(parallel, train))
         fp32 = reference_train(model, train)
         start = reference_train(model, train.replace(steps=0))
     name = "layers.1.attention.wq.weight"

@@ -202,13 +202,6 @@ def _diverged(losses: list[float], train: TrainConfig) -> int:
     return 1
 
 
-def _batch_slices(parallel, train) -> int:
-    """Equal slices of the global batch whose mean losses the layout averages (dp ranks x microbatches)."""
-    if parallel.dims.pp > 1:
-        return parallel.dims.dp * (parallel.microbatches or 2 * parallel.dims.pp)
-    return parallel.dims.dp * train.grad_accum
-
-
 def _tolerance(args, train) -> float:
     from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64
 
@@ -219,14 +212,14 @@ def _tolerance(args, train) -> float:
 
 def reference_for(model, train, parallel):
     """The single-process run a layout is compared with (see :mod:`parallelisms.verify`)."""
-    from parallelisms.verify import Run, reference_train, reference_train_bf16
+    from parallelisms.verify import Run, batch_slices, reference_train, reference_train_bf16
 
     if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
         return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp))
     if parallel.mixed_precision == "bf16":  # the same arithmetic in one process: bf16 grads of each batch slice
-        return reference_train_bf16(model, train, splits=_batch_slices(parallel, train))
-    return reference_train(model, train, splits=_batch_slices(parallel, train))
+        return reference_train_bf16(model, train, splits=batch_slices(parallel, train))
+    return reference_train(model, train, splits=batch_slices(parallel, train))
 
 
 def _rounding_note(explained: dict) -> str:

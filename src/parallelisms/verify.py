@@ -196,6 +196,15 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
     return Run(losses, {n: m.detach().clone() for n, m in zip(names, master)}, norms)
 
 
+def batch_slices(parallel, train: TrainConfig) -> int:
+    """Equal slices of the global batch whose mean losses a layout averages: data-parallel ranks x pipeline
+    microbatches, or x gradient-accumulation microbatches (context and tensor parallelism split tokens and
+    weights, not rows). The references accumulate over as many, so what remains is the parallel arithmetic."""
+    if parallel.dims.pp > 1:
+        return parallel.dims.dp * (parallel.microbatches or 2 * parallel.dims.pp)
+    return parallel.dims.dp * train.grad_accum
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
