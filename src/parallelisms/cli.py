@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("PARALLELISMS_DEBUG"):
             print(exc.details, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has ended every rank
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,22 +3,33 @@
 ``launch(entry, world_size, *args)`` runs ``entry(rank_info, *args)`` on every rank and returns the per-rank
 results. Locally it uses ``torch.distributed.launcher.api.elastic_launch`` (the machinery of ``torchrun``),
 so a failing rank stops the others and is reported by number; under ``torchrun`` (``TORCHELASTIC_RUN_ID``
-set) it runs this process's rank only. Collectives time out after ``timeout_s``.
+set) it runs this process's rank only. Collectives time out after ``timeout_s``; a rank whose collective timed
+out names the peers that did not arrive, and the launcher reports them as the ranks that failed.
+
+Faults end in one line. Once a rank has failed, a watcher continues (SIGCONT) the others, so that a stopped
+rank takes elastic's SIGTERM at once rather than its SIGKILL 30 s later. Ctrl-C ends every rank (each dies of
+SIGINT without a traceback) and raises ``KeyboardInterrupt`` in the caller; other signals to the launcher end
+the ranks and raise :class:`LaunchError`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from parallelisms.comm.liveness import LATE, Heartbeat
 
 
 class LaunchError(RuntimeError):
@@ -65,10 +76,86 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends the rank at once, even inside a wait
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())  # its default, a named semaphore, would be reported leaked by a killed rank
     try:
-        return entry(RankInfo(rank, world, local, device), *args)
+        with Heartbeat(rank):
+            return entry(RankInfo(rank, world, local, device), *args)
     finally:
+        signal.signal(signal.SIGINT, interrupt)
         dist.destroy_process_group()
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """The multiprocessing-spawned children of ``parent`` (the ranks), from /proc (empty where there is none)."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _continue_after_a_failure(stop: threading.Event, world_size: int) -> None:
+    """Until ``stop``: once a rank has exited, send SIGCONT to the others every poll, so that a stopped rank
+    receives the SIGTERM elastic sends it (a stopped process holds it until continued)."""
+    ranks: set[int] = set()
+    while not stop.wait(0.1):
+        if len(ranks) < world_size:
+            ranks |= set(_worker_pids(os.getpid()))
+        running = [pid for pid in ranks if _running(pid)]
+        if len(running) < len(ranks):
+            for pid in running:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The failure to report: a rank killed by a signal or naming late peers first, then the earliest, then the
+    lowest rank."""
+    def key(item):
+        rank, failure = item
+        named = bool(LATE.search(_last_line(failure)))
+        return (not (failure.exitcode < 0 or named), failure.timestamp, rank)
+    return min(failures.items(), key=key)
+
+
+def _message(failure) -> str:
+    return failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+
+
+def _last_line(failure) -> str:
+    lines = [ln for ln in str(_message(failure)).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no error message"
+
+
+def _launch_error(failures: dict) -> BaseException:
+    """One line for the failed ranks: the late peers a rank named, or the rank that failed and its error."""
+    rank, failure = _root_cause(failures)
+    if failure.exitcode == -signal.SIGINT:
+        return KeyboardInterrupt()
+    line, details = _last_line(failure), str(_message(failure))
+    late = LATE.search(line)
+    if late:
+        return LaunchError(f"{late[1]} failed: {line[late.end(1):].strip()}", details)
+    return LaunchError(f"rank {rank} failed (exit code {failure.exitcode}): {line}", details)
 
 
 def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s: float = 300.0,
@@ -87,18 +174,30 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
     if backend != "nccl" and world_size > OVERSUBSCRIBED * cores:
         print(f"warning: {world_size} ranks on {cores} CPU cores ({world_size / cores:.0f} per core): each rank is a "
               f"process with its own model copy, so this will be slow and use much memory", file=sys.stderr)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic", "torch.distributed.launcher"]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     threads = threads or max(1, cores // world_size)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.05, start_method="spawn")
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # elastic replaces their handlers
+    handlers = {sig: signal.getsignal(sig) for sig in handled}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_continue_after_a_failure, args=(stop, world_size), daemon=True)
+    watcher.start()
     try:
         results = elastic_launch(config, _worker)(entry, args, backend, timeout_s, threads)
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items())
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
-        raise LaunchError(f"rank {rank} failed (exit code {failure.exitcode}): "
-                          f"{lines[-1] if lines else 'no error message'}", str(message)) from None
+        raise _launch_error(exc.failures) from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise LaunchError(f"the launcher received {exc.sigval.name}; every rank was stopped") from None
+    finally:
+        stop.set()
+        watcher.join()
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     return [results[r] for r in range(world_size)]

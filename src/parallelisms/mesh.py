@@ -10,6 +10,7 @@ add ranks: the ``ep`` degree is carved out of the data-parallel x context-parall
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from datetime import timedelta
 
 from parallelisms.errors import divisors, require
 
@@ -88,4 +89,19 @@ class ParallelDims:
             twin = dp_cp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("ep_replicate_bwd", "ep_bwd"))
             meshes["ep_bwd"] = twin["ep_bwd"]
         meshes["world"] = world
+        _inherit_timeout(meshes)
         return meshes
+
+
+def _inherit_timeout(meshes: dict) -> None:
+    """Give every mesh group the default group's collective timeout (the run's ``--timeout``): torch creates
+    the groups of a multi-dimensional mesh with its own default (30 minutes for gloo)."""
+    import torch.distributed as dist
+
+    from parallelisms.comm.ops import group_timeout_s
+
+    timeout = timedelta(seconds=group_timeout_s(dist.group.WORLD))
+    for mesh in meshes.values():
+        for group in mesh.get_all_groups():
+            if group is not dist.group.WORLD and group_timeout_s(group) != timeout.total_seconds():
+                dist.distributed_c10d._set_pg_timeout(timeout, group)

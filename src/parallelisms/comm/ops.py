@@ -3,7 +3,9 @@
 ``Comm`` wraps one process group. Each call is recorded in the :class:`CommLedger` and, when a timeline
 is enabled, as a ``comm`` span from issue to completion (asynchronous calls included). A group of one
 rank makes every call a no-op with no record, so single-process reference code runs the same path.
-A failing collective raises :class:`CommError` naming the rank, the collective and the last calls.
+A failing collective raises :class:`CommError` naming the rank, the collective and the last calls; when peers
+did not arrive (the shared-memory flags say which, or their heartbeat went silent: :mod:`.liveness`), it names
+them instead, as ``rank R did not arrive at ...``. Every wait ends at the group's timeout (the run's ``--timeout``).
 
 The autograd functions are the conjugate pairs of Megatron-LM (Shoeybi et al. 2019) and its sequence
 parallelism (Korthikanti et al. 2023): identity/all-reduce, all-reduce/identity, all-gather/reduce-scatter,
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
+from parallelisms.comm.liveness import late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
 
 
@@ -31,7 +34,19 @@ SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 
 
 class CommError(RuntimeError):
-    """A collective failed or timed out; the message names the rank, the call and the recent history."""
+    """A collective failed or timed out; the message names the rank (or the peers that did not arrive), the
+    call and the recent history."""
+
+
+def group_timeout_s(group) -> float:
+    """The collective timeout of ``group`` in seconds: the one ``init_process_group`` was given, which
+    ``DeviceMesh`` groups inherit (torch's default where the backend does not say)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 class Pending:
@@ -81,6 +96,7 @@ class Comm:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self._shm = None  # the shared-memory all-reduce: None until decided, False when not available
+        self.timeout_s = group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
 
     def __deepcopy__(self, memo) -> "Comm":
         """A handle on a process group, not data: a copied module (DualPipe's second copy of a stage) talks over
@@ -91,10 +107,22 @@ class Comm:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def error(self, what: str, exc: BaseException) -> CommError:
+        """The CommError for ``exc``: names the peers that did not arrive where the shared-memory flags or the
+        heartbeats (a rank silent for half the timeout is stopped or dead) tell, else this rank."""
         me = dist.get_rank() if dist.is_initialized() else 0
-        return CommError(f"rank {me}: {what} over '{self.name}' (group rank {self.rank} of {self.size}) failed: "
-                         f"{str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__}; "
-                         f"last collectives: {self.ledger.tail()}")
+        cause = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        history = f"last collectives: {self.ledger.tail()}"
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else [me]
+        peers = range(dist.get_world_size()) if dist.is_initialized() else []
+        silent = silent_ranks([r for r in peers if r != me], older_than_s=max(1.0, self.timeout_s / 2))
+        late = list(getattr(exc, "late", [])) or [r for r in silent if r in members] or sorted(silent)
+        if not late:
+            return CommError(f"rank {me}: {what} over '{self.name}' (group rank {self.rank} of {self.size}) "
+                             f"failed: {cause}; {history}")
+        quiet = ", ".join(f"rank {r} for {silent[r]:.1f} s" for r in late if r in silent)
+        why = f"no heartbeat from {quiet}: stopped or dead" if quiet else cause
+        return CommError(f"{late_ranks(late)} did not arrive at {what} over '{self.name}' within "
+                         f"{self.timeout_s:g} s (rank {me} waited; {why}); {history}")
 
     def _run(self, kind: str, tensor: torch.Tensor, full_numel: int, launch, async_op: bool, result=None,
              sent_bytes: float | None = None, then=None):
@@ -146,9 +174,11 @@ class Comm:
         2 x N x its size of /dev/shm from then on (DDP's buckets opt in)."""
         if self.size == 1:
             return _Done(tensor) if async_op else tensor
-        shm = self._shared_memory(tensor, op) if shared_memory else None
-        launch = ((lambda: shm.all_reduce(tensor)) if shm is not None else
-                  (lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True)))
+
+        def launch():
+            shm = self._shared_memory(tensor, op) if shared_memory else None
+            return (shm.all_reduce(tensor) if shm is not None else
+                    dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
         return self._run("all_reduce", tensor, tensor.numel(), launch, async_op, tensor)
 
     def _shared_memory(self, tensor: torch.Tensor, op):
@@ -159,7 +189,8 @@ class Comm:
             return None
         if self._shm is None:
             from parallelisms.comm.shm import SharedMemoryAllReduce, shm_supported
-            self._shm = SharedMemoryAllReduce(self.group, self.rank, self.size) if shm_supported(self.group) else False
+            self._shm = (SharedMemoryAllReduce(self.group, self.rank, self.size, self.timeout_s)
+                         if shm_supported(self.group) else False)
         return self._shm if self._shm and self._shm.fits(tensor.numel() * tensor.element_size()) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):

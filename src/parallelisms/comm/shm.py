@@ -10,7 +10,8 @@ that a call never overwrites what a slower rank still reads from the previous on
 bits afterwards.
 
 A background thread runs the calls in issue order, so ``all_reduce`` is asynchronous like gloo's; a rank that
-waits longer than ``timeout_s`` for its peers fails the call, naming the phase. The flags rely on x86's
+waits longer than ``timeout_s`` (the group's timeout, the run's ``--timeout``) for its peers fails the call with
+:class:`ShmTimeout`, naming the phase and the (global) ranks whose flags did not arrive. The flags rely on x86's
 store order (data stores become visible before the flag store after them); other machines keep gloo.
 """
 
@@ -27,6 +28,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from parallelisms.comm.liveness import late_ranks
+
 FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
 
 
@@ -39,6 +42,14 @@ def shm_supported(group) -> bool:
             and len(set(hosts)) == 1 and os.environ.get("PARALLELISMS_SHM", "1") != "0")
 
 
+class ShmTimeout(RuntimeError):
+    """Peers did not reach a phase in time; ``late`` holds their global ranks."""
+
+    def __init__(self, message: str, late: list[int]):
+        super().__init__(message)
+        self.late = late
+
+
 class ShmWork:
     """The handle of one queued all-reduce: ``wait()`` blocks until it ran (and re-raises its failure)."""
 
@@ -48,7 +59,7 @@ class ShmWork:
     def wait(self) -> bool:
         self.done.wait()
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise self.failure
         return True
 
     def get_future(self):
@@ -124,8 +135,10 @@ class SharedMemoryAllReduce:
             try:
                 if tensor is not None:
                     self._run(tensor, call)
-            except Exception as exc:  # reported to the waiter, who raises it naming the rank
-                work.failure = f"{exc.__class__.__name__}: {exc}"
+            except ShmTimeout as exc:  # reported to the waiter, who raises it naming the ranks
+                work.failure = exc
+            except Exception as exc:
+                work.failure = RuntimeError(f"{exc.__class__.__name__}: {exc}")
             work.done.set()
 
     def _run(self, tensor: torch.Tensor, call: int) -> None:
@@ -148,8 +161,8 @@ class SharedMemoryAllReduce:
         deadline, pause = time.monotonic() + self.timeout_s, 0.0
         while int(self.flags.min()) < value:
             if time.monotonic() > deadline:
-                late = [r for r in range(self.size) if int(self.flags[r]) < value]
-                raise TimeoutError(f"shared-memory all-reduce: ranks {late} of the group did not finish "
-                                   f"{phase} within {self.timeout_s:.0f} s")
+                late = [dist.get_global_rank(self.group, r) for r in range(self.size) if int(self.flags[r]) < value]
+                raise ShmTimeout(f"shared-memory all-reduce: {late_ranks(late)} did not arrive at {phase} "
+                                 f"within {self.timeout_s:g} s", late)
             time.sleep(pause)
             pause = min(1e-4, pause + 1e-6)

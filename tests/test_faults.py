@@ -1,0 +1,158 @@
+"""Faults end in time and in one line: a stopped rank (SIGSTOP) under ``--timeout 10`` ends the run within 15 s on
+every transport and is named; a killed rank ends every rank within seconds and is named; Ctrl-C ends every
+rank with ``interrupted`` and exit code 130. Each leaves no process and no shared-memory file behind.
+
+The command line runs as a subprocess (in a session of its own, so Ctrl-C can reach its whole process group as
+a terminal's would). The scenarios run at once, each acting once its run has trained a step, to keep the file
+within a minute on a small machine.
+"""
+
+import os
+import pathlib
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import parallelisms
+
+SRC = pathlib.Path(parallelisms.__file__).resolve().parents[1]
+PROGRESS = re.compile(r"train \S+:[^\r\n\]]*\]")  # one tqdm refresh of rank 0's bar
+STEPPED = re.compile(r"\| *[1-9]\d*/\d+ \[")  # a bar that has counted a step
+
+SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted on)
+    "stop_shm": (["--preset", "small", "--dp", "2", "--timeout", "10"], {}, "stop", 1),
+    "stop_gloo": (["--preset", "small", "--dp", "2", "--timeout", "10"], {"PARALLELISMS_SHM": "0"}, "stop", 0),
+    "stop_pipeline": (["--preset", "tiny", "--pp", "2", "--dp", "1", "--timeout", "10"], {}, "stop", 0),
+    "kill": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "kill", 1),
+    "interrupt": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", None),
+}
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The rank processes (multiprocessing-spawned children of the launcher), in rank order."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) != launcher:
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(pids)
+
+
+def _maps_shared_memory(pid: int) -> bool:
+    """Whether the process maps a shared-memory all-reduce file (unlinked once every rank has mapped it)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "/dev/shm/parallelisms-" in f.read()
+
+
+def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
+    """Train until a step is done, act, and time the rest: exit code, seconds, stderr without the progress bar,
+    whether the ranks used shared memory, and the rank processes still alive afterwards."""
+    proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *args, "--steps", "100000"],
+                            env={**os.environ, "PYTHONPATH": str(SRC), **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    err = bytearray()
+    reader = threading.Thread(target=lambda: [err.extend(chunk) for chunk in iter(lambda: os.read(
+        proc.stderr.fileno(), 4096), b"")], daemon=True)
+    reader.start()
+    ranks = []
+    try:
+        deadline = time.monotonic() + 90
+        while not STEPPED.search(err.decode(errors="replace")):
+            assert proc.poll() is None and time.monotonic() < deadline, err.decode(errors="replace")
+            time.sleep(0.1)
+        ranks = _ranks(proc.pid)
+        shm = all(_maps_shared_memory(pid) for pid in ranks)
+        start = time.monotonic()
+        if action == "interrupt":
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground process group
+        else:
+            os.kill(ranks[rank], signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        reader.join(timeout=5)
+        gone = time.monotonic() + 5
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < gone:
+            time.sleep(0.1)
+        text = PROGRESS.sub("", err.decode(errors="replace"))
+        return {"code": code, "seconds": elapsed, "shm": shm, "lines": [ln for ln in re.split(r"[\r\n]", text) if ln.strip()],
+                "left": [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]}
+    finally:
+        if proc.poll() is None or any(os.path.exists(f"/proc/{pid}") for pid in ranks):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if not os.path.isdir("/proc") or not hasattr(os, "killpg"):
+        pytest.skip("needs Linux /proc and process groups to find and signal the ranks")
+    shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("parallelisms-")}
+    results = {}
+
+    def scenario(name):
+        try:
+            results[name] = _run(*SCENARIOS[name])
+        except Exception as exc:  # reported by the scenario's test
+            results[name] = exc
+    threads = [threading.Thread(target=scenario, args=(name,)) for name in SCENARIOS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results["shm_left"] = {f for f in os.listdir("/dev/shm") if f.startswith("parallelisms-")} - shm_before
+    return results
+
+
+def _result(runs, name) -> dict:
+    result = runs[name]
+    if isinstance(result, Exception):
+        raise result
+    assert not result["left"], f"rank processes left: {result['left']}"
+    assert not any("Traceback" in ln for ln in result["lines"]), result["lines"]
+    assert len(result["lines"]) == 1, result["lines"]
+    return result
+
+
+@pytest.mark.parametrize("name", ["stop_shm", "stop_gloo", "stop_pipeline"])
+def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(runs, name):
+    if name == "stop_shm" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the shared-memory all-reduce runs on x86 only")
+    stopped = SCENARIOS[name][3]
+    result = _result(runs, name)
+    assert result["shm"] == (name == "stop_shm")
+    line = result["lines"][0]
+    assert result["code"] == 1 and result["seconds"] < 15, (result["seconds"], line)
+    assert line.startswith(f"error: rank {stopped} failed: did not arrive at "), line
+    assert f"no heartbeat from rank {stopped}" in line and "stopped or dead" in line, line
+
+
+def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs):
+    result = _result(runs, "kill")
+    assert result["code"] == 1 and result["seconds"] < 8, result  # 0.5 s alone; more with the other runs
+    assert result["lines"][0].startswith("error: rank 1 failed (exit code -9)"), result["lines"]
+
+
+def test_ctrl_c_ends_every_rank_with_one_line_and_exit_code_130(runs):
+    result = _result(runs, "interrupt")
+    assert result["code"] == 130 and result["seconds"] < 8, result
+    assert result["lines"] == ["interrupted"]
+
+
+def test_no_shared_memory_file_is_left(runs):
+    assert not runs["shm_left"]
