@@ -128,12 +128,14 @@ def _continue_after_a_failure(stop: threading.Event, world_size: int) -> None:
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
-    """The failure to report: a rank killed by a signal or naming late peers first, then the earliest, then the
-    lowest rank."""
+    """The failure to report: a rank killed by a signal or naming late peers first, then a rank whose own code
+    failed before one that only saw a collective break because a peer had gone (a ``CommError``), then the
+    earliest, then the lowest rank."""
     def key(item):
         rank, failure = item
-        named = bool(LATE.search(_last_line(failure)))
-        return (not (failure.exitcode < 0 or named), failure.timestamp, rank)
+        line = _last_line(failure)
+        named = bool(LATE.search(line))
+        return (not (failure.exitcode < 0 or named), "CommError" in line, failure.timestamp, rank)
     return min(failures.items(), key=key)
 
 
