@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from parallelisms.launch import _worker_pids
+
 import parallelisms
 
 SRC = pathlib.Path(parallelisms.__file__).resolve().parents[1]
@@ -36,18 +38,7 @@ SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted
 
 def _ranks(launcher: int) -> list[int]:
     """The rank processes (multiprocessing-spawned children of the launcher), in rank order."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rpartition(")")[2].split()[1]) != launcher:
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    pids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(pids)
+    return sorted(_worker_pids(launcher))
 
 
 def _maps_shared_memory(pid: int) -> bool:
