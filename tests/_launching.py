@@ -8,7 +8,7 @@ import torch
 
 from parallelisms.launch import launch
 from parallelisms.train import train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import TOLERANCE, compare, reference_train
 
 
 def launch_once_per_world(entry, threads: int = 1):
@@ -39,12 +39,15 @@ def train_each(info, world: int, specs: dict) -> dict:
     return out
 
 
-def assert_reproduces(report: dict, model, train, splits: int) -> None:
-    """Losses and final parameters within tolerance of single-process training on ``splits`` batch slices;
-    with clipping, also far from the unclipped run (so the clip was exercised)."""
-    result = compare(report, reference_train(model, train, splits=splits))
+def assert_reproduces(report: dict, model, train, splits: int, tolerance: float = TOLERANCE) -> None:
+    """Losses, gradient norms and final parameters within ``tolerance`` of single-process training on ``splits``
+    batch slices; with clipping, every reference step was clipped and the run is far from the unclipped one (so
+    the clip was exercised)."""
+    reference = reference_train(model, train, splits=splits)
+    result = compare(report, reference, tolerance)
     assert result["ok"], result
     if train.grad_clip:
+        assert min(reference.grad_norms) > train.grad_clip, reference.grad_norms
         unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=splits)
         assert compare(report, unclipped)["max_param_rel_diff"] > 1e-3
 

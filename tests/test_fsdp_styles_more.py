@@ -26,7 +26,7 @@ from parallelisms.support import validate_layout
 from parallelisms.train import RunSpec, parallelize
 from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, batch_slices, compare, reference_train, reference_train_bf16
 
-from _launching import launch_reports, one_thread
+from _launching import assert_reproduces, launch_reports, one_thread
 
 TINY, MOE = preset("tiny"), preset("tiny-moe")
 PIPE = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -65,13 +65,7 @@ _report = launch_reports(SPECS)
 def test_reproduces_single_process_float64(name):
     model, train, parallel = SCENARIOS[name]
     with one_thread():
-        reference = reference_train(model, train, splits=batch_slices(parallel, train))
-        result = compare(_report(name), reference, tolerance=TOLERANCE_FLOAT64)
-        assert result["ok"], result
-        if train.grad_clip:  # the clip scaled every step, and changed the training
-            assert min(reference.grad_norms) > train.grad_clip
-            unclipped = reference_train(model, train.replace(grad_clip=0.0), splits=batch_slices(parallel, train))
-            assert compare(_report(name), unclipped)["max_param_rel_diff"] > 1e-3
+        assert_reproduces(_report(name), model, train, batch_slices(parallel, train), TOLERANCE_FLOAT64)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.endswith("bf16")])

@@ -112,7 +112,9 @@ def _applied(feature: str, trainer, modules) -> bool:
         return all(getattr(layer.attention.core.forward, "__func__", None) is _checkpointed_forward
                    for layer in layers)
     if feature == "bf16":
-        return all(getattr(e, "plan", None) is None or e.plan.compute_dtype == torch.bfloat16 for e in engines)
+        # every gradient sync is a sharding engine computing in bf16 (DDP: the flat engine's NO_SHARD plan)
+        return all((e.plan.compute_dtype if isinstance(e, ShardedEngine) else getattr(e, "compute_dtype", None))
+                   == torch.bfloat16 for e in engines)
     if feature == "float64":
         return all(p.dtype == torch.float64 for e in engines for p in e.parameters())
     raise AssertionError(f"no check for feature {feature}")

@@ -371,12 +371,11 @@ class ShardedEngine:
             if unit.pending_gather is not None:
                 self._wait_unshard(unit)
             self._reshard(unit)
+            grad = None
             if unit.full.dtype != unit.master_dtype:  # deferred weight gradients may have landed since the hook
                 self._accumulate_main_grad(unit)
                 grad, unit.main_grad = unit.main_grad, None
-                self._launch_reduce(unit, grad)
-            else:
-                self._launch_reduce(unit)
+            self._launch_reduce(unit, grad)
 
     # -- user API ------------------------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
