@@ -1,7 +1,5 @@
 """``python -m parallelisms``: the same command line as ``parallelisms``."""
 
-import sys
+from parallelisms.cli import entry
 
-from parallelisms.cli import main
-
-sys.exit(main())
+entry()
