@@ -77,7 +77,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
         while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < gone:
             time.sleep(0.1)
         text = PROGRESS.sub("", err.decode(errors="replace"))
-        return {"code": code, "seconds": elapsed, "shm": shm, "lines": [ln for ln in re.split(r"[\r\n]", text) if ln.strip()],
+        return {"code": code, "seconds": elapsed, "shm": shm, "lines": [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()],
                 "left": [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]}
     finally:
         if proc.poll() is None or any(os.path.exists(f"/proc/{pid}") for pid in ranks):

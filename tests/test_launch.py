@@ -18,8 +18,10 @@ def _rank_one_fails(info):
     return "unreachable"
 
 
-def _rank_one_skips_a_collective(info):
+def _rank_one_skips_a_collective(info, counted: bool):
     comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
+    if counted:  # the heartbeat carries the collectives entered
+        info.heartbeat.follow(comms.ledger)
     comms["dp"].all_reduce(torch.ones(1))
     if info.rank == 0:
         comms["dp"].all_reduce(torch.ones(1))  # never matched: times out
@@ -35,9 +37,20 @@ def test_failing_rank_is_named_and_the_others_are_stopped():
     assert time.monotonic() - start < 60
 
 
-def test_unmatched_collective_times_out_with_the_rank_and_its_history():
+def test_a_rank_alive_but_not_arriving_is_named_with_where_it_is():
+    """Rank 1 is busy (asleep) instead of entering its second all-reduce: rank 0 times out and names it, from
+    the collective counts its heartbeat carries."""
     with pytest.raises(LaunchError) as info:
-        launch(_rank_one_skips_a_collective, 2, threads=1, timeout_s=3)
+        launch(_rank_one_skips_a_collective, 2, True, threads=1, timeout_s=3)
+    message = str(info.value)
+    assert message.startswith("rank 1 failed: did not arrive at all_reduce 1xfloat32 over 'dp' within 3 s"), message
+    assert "(rank 0 waited; alive but behind: rank 1 at its collective #1 over 'dp', this rank at #2)" in message
+    assert "last collectives:" in message
+
+
+def test_unmatched_collective_without_counts_times_out_with_the_waiting_rank_and_its_history():
+    with pytest.raises(LaunchError) as info:
+        launch(_rank_one_skips_a_collective, 2, False, threads=1, timeout_s=3)
     message = str(info.value)
     assert message.startswith("rank 0 failed") and "CommError: rank 0: all_reduce" in message
     assert "last collectives:" in message

@@ -358,17 +358,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def entry() -> None:
-    """The ``parallelisms`` command: ``main``'s exit code. After Ctrl-C the process ends at once (``os._exit``,
-    streams flushed): the elastic launcher was torn down mid-run, and a C++ thread of its rendezvous store can
-    still be joinable when the interpreter finalizes, which aborts the process after ``interrupted`` is printed."""
-    code = main()
-    if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -49,6 +49,7 @@ class RankInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)  # follow() the rank's ledger
 
 
 def under_torchrun() -> bool:
@@ -80,8 +81,8 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # its default, a named semaphore, would be reported leaked by a killed rank
     try:
-        with Heartbeat(rank):
-            return entry(RankInfo(rank, world, local, device), *args)
+        with Heartbeat(rank) as heartbeat:
+            return entry(RankInfo(rank, world, local, device, heartbeat), *args)
     finally:
         signal.signal(signal.SIGINT, interrupt)
         dist.destroy_process_group()

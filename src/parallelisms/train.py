@@ -218,6 +218,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
+    if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
+        info.heartbeat.follow(comms.ledger)
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
     trainer = parallelize(model, spec.parallel, spec.train, comms)
     coords = dims.coordinates(info.rank)

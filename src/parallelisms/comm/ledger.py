@@ -41,6 +41,9 @@ class CommLedger:
     def __init__(self):
         self.records: list[CommRecord] = []
         self.phase = "setup"
+        # collectives entered per mesh dimension (point-to-point left out): every member of a group enters the
+        # same ones in the same order, so a member behind this rank's count has not arrived (see .liveness)
+        self.collectives: dict[str, int] = defaultdict(int)
 
     @contextmanager
     def in_phase(self, phase: str):
@@ -53,6 +56,8 @@ class CommLedger:
     def add(self, kind: str, dim: str, group_size: int, dtype, numel: int, bytes_per_rank: float) -> None:
         self.records.append(CommRecord(kind, dim, group_size, str(dtype).removeprefix("torch."), numel,
                                        bytes_per_rank, self.phase))
+        if kind not in ("send", "recv"):
+            self.collectives[dim] += 1
 
     def mark(self) -> int:
         """A position to measure from: ``summary(since=ledger.mark())``."""

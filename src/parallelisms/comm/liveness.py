@@ -3,12 +3,16 @@
 A collective that times out only tells the rank that waited that *someone* did not arrive. With every rank's
 wall-clock time written to the store (the one ``torch.distributed`` rendezvoused through) every ``interval_s``
 by a background thread, the rank that waited can name the peers that went silent: stopped (SIGSTOP, a
-debugger), dead, or wedged in the kernel. Nothing is added to the hot path; the store sees two small writes per
-second per rank. ``late_ranks`` phrases the finding the way the launcher recognises (``LATE``).
+debugger), dead, or wedged in the kernel. A heartbeat following a rank's ledger (:meth:`Heartbeat.follow`) also
+carries how many collectives the rank has entered per mesh dimension, so a peer that is alive but never
+arrived (busy in its own code, or waiting at another collective) is named too: it is behind the waiting
+rank's count on that dimension (:func:`lagging_ranks`). Nothing is added to the hot path; the store sees two
+small writes per second per rank. ``late_ranks`` phrases the finding the way the launcher recognises (``LATE``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -39,6 +43,7 @@ class Heartbeat:
     def __init__(self, rank: int, interval_s: float = 0.5, store=None):
         self.rank, self.interval_s = rank, interval_s
         self.store = store if store is not None else default_store()
+        self.ledger = None  # a CommLedger whose collective counts each beat carries
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="parallelisms-heartbeat", daemon=True)
 
@@ -52,31 +57,46 @@ class Heartbeat:
         if self.thread.is_alive():
             self.thread.join(timeout=2 * self.interval_s)
 
+    def follow(self, ledger) -> None:
+        """Carry ``ledger``'s collective counts per mesh dimension in every beat from now on."""
+        self.ledger = ledger
+
     def _beat(self) -> None:
         while True:
+            counts = dict(self.ledger.collectives) if self.ledger is not None else {}
             try:
-                self.store.set(KEY.format(self.rank), repr(time.time()))
+                self.store.set(KEY.format(self.rank), json.dumps({"time": time.time(), "collectives": counts}))
             except Exception:  # the store is gone: the job is ending
                 return
             if self.stop.wait(self.interval_s):
                 return
 
 
+def _beats(ranks, store) -> dict[int, dict]:
+    """Rank -> its last heartbeat (``time``, ``collectives``), for the ``ranks`` that have one."""
+    store = store if store is not None else default_store()
+    beats = {}
+    for rank in ranks if store is not None else ():
+        key = KEY.format(rank)
+        try:
+            if store.check([key]):
+                beats[rank] = json.loads(store.get(key))
+        except (RuntimeError, ValueError):
+            return {}
+    return beats
+
+
 def silent_ranks(ranks, older_than_s: float, store=None) -> dict[int, float]:
     """Rank -> seconds since its last heartbeat, for the ``ranks`` silent for longer than ``older_than_s``
     (empty where no heartbeats are kept)."""
-    store = store if store is not None else default_store()
-    if store is None:
-        return {}
-    now, silent = time.time(), {}
-    for rank in ranks:
-        key = KEY.format(rank)
-        try:
-            if not store.check([key]):
-                continue
-            age = now - float(store.get(key))
-        except (RuntimeError, ValueError):
-            return {}
-        if age > older_than_s:
-            silent[rank] = age
-    return silent
+    now = time.time()
+    ages = {rank: now - beat["time"] for rank, beat in _beats(ranks, store).items()}
+    return {rank: age for rank, age in ages.items() if age > older_than_s}
+
+
+def lagging_ranks(ranks, dim: str, entered: int, store=None) -> dict[int, int]:
+    """Rank -> collectives it has entered on mesh dimension ``dim``, for the ``ranks`` (alive, following a
+    ledger) behind ``entered``, the waiting rank's own count including the collective it waits at."""
+    counts = {rank: beat["collectives"].get(dim, 0) for rank, beat in _beats(ranks, store).items()
+              if beat["collectives"]}
+    return {rank: count for rank, count in counts.items() if count < entered}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
-from parallelisms.comm.liveness import late_ranks, silent_ranks
+from parallelisms.comm.liveness import lagging_ranks, late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
 
 
@@ -115,12 +115,17 @@ class Comm:
         members = dist.get_process_group_ranks(self.group) if self.group is not None else [me]
         peers = range(dist.get_world_size()) if dist.is_initialized() else []
         silent = silent_ranks([r for r in peers if r != me], older_than_s=max(1.0, self.timeout_s / 2))
-        late = list(getattr(exc, "late", [])) or [r for r in silent if r in members] or sorted(silent)
+        entered = self.ledger.collectives.get(self.name, 0)
+        lagging = {} if silent else lagging_ranks([r for r in members if r != me], self.name, entered)
+        late = (list(getattr(exc, "late", [])) or [r for r in silent if r in members] or sorted(silent)
+                or sorted(lagging))
         if not late:
             return CommError(f"rank {me}: {what} over '{self.name}' (group rank {self.rank} of {self.size}) "
                              f"failed: {cause}; {history}")
         quiet = ", ".join(f"rank {r} for {silent[r]:.1f} s" for r in late if r in silent)
-        why = f"no heartbeat from {quiet}: stopped or dead" if quiet else cause
+        behind = ", ".join(f"rank {r} at its collective #{lagging[r]}" for r in late if r in lagging)
+        why = (f"no heartbeat from {quiet}: stopped or dead" if quiet else
+               f"alive but behind: {behind} over '{self.name}', this rank at #{entered}" if behind else cause)
         return CommError(f"{late_ranks(late)} did not arrive at {what} over '{self.name}' within "
                          f"{self.timeout_s:g} s (rank {me} waited; {why}); {history}")
 
