@@ -71,7 +71,7 @@ def test_sequence_parallel_sends_one_tp_th_of_the_bytes():
 
 
 @pytest.mark.parametrize("dims, options, match", [
-    (ParallelDims(pp=2, cp=2), {"schedule": "pipedream"}, "PipeDream updates each stage per microbatch without"),
+    (ParallelDims(pp=2, dp_shard=2), {"schedule": "pipedream", "zero": 1}, "PipeDream updates a stage after every"),
     (ParallelDims(pp=2, cp=2), {"microbatches": 4}, None),
     (ParallelDims(pp=2, dp_shard=2), {"zero": 2, "microbatches": 2}, None),
     (ParallelDims(pp=2, tp=2), {"sequence_parallel": True, "microbatches": 4}, None),

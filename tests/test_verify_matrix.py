@@ -115,6 +115,15 @@ SCENARIOS.update({
     "moe_dp4_ep4": (MOE, PLAIN, ParallelConfig(ParallelDims(dp_replicate=4, ep=4))),
     "moe_dp2_ep2_capacity_accum": (CAPPED_MOE, ACCUM, ParallelConfig(ParallelDims(dp_replicate=2, ep=2))),
     "moe_dp2_zero3_clip": (MOE, CLIP, ParallelConfig(_dp(2, True), zero=3)),
+    # PipeDream's replicated stages average every update over dp (x cp; experts over their replicas)
+    "pp2_dp2_pipedream_clip": (PIPE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_replicate=2), schedule="pipedream",
+                                                               microbatches=2)),
+    "pp2_ring_cp2_pipedream": (PIPE, PIPE_PLAIN, ParallelConfig(ParallelDims(pp=2, cp=2), schedule="pipedream",
+                                                                microbatches=4)),
+    "pp2_ulysses_cp2_pipedream_recompute_full": (PIPE, PIPE_PLAIN, ParallelConfig(
+        ParallelDims(pp=2, cp=2), schedule="pipedream", microbatches=4, cp_attention="ulysses", recompute="full")),
+    "moe_pp2_dp2_ep2_pipedream_clip": (PIPE_MOE, PIPE_CLIP, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, ep=2),
+                                                                           schedule="pipedream", microbatches=2)),
     "ddp_recompute_selective": (TINY, PLAIN, ParallelConfig(_dp(2, False), recompute="selective")),
     "zero3_recompute_full_clip": (TINY, CLIP, ParallelConfig(_dp(2, True), zero=3, recompute="full")),
     "dp2_tp2_per_param_accum": (ODD_VOCAB, ACCUM, ParallelConfig(ParallelDims(dp_shard=2, tp=2), fsdp="full_shard",
@@ -261,12 +270,12 @@ def _report(name: str) -> dict:
 
 
 @functools.cache
-def _reference(model: ModelConfig, train: TrainConfig, splits: int, pipedream_pp: int = 0) -> Run:
+def _reference(model: ModelConfig, train: TrainConfig, splits: int, pipedream_pp: int = 0, dp: int = 1) -> Run:
     """Single-process training on ``splits`` slices, or PipeDream's delayed-update reference over
-    ``pipedream_pp`` stages and ``splits`` microbatches."""
+    ``pipedream_pp`` stages and ``splits`` microbatches of each of ``dp`` replicas."""
     with one_thread():
         if pipedream_pp:
-            return Run(*pipedream_reference(model, train, pipedream_pp, splits))
+            return Run(*pipedream_reference(model, train, pipedream_pp, splits, dp))
         return reference_train(model, train, splits=splits)
 
 
@@ -278,7 +287,7 @@ def _reference_for(name: str, train: TrainConfig | None = None) -> Run:
     model, own, parallel = SCENARIOS[name]
     train = train or own
     if _pipedream(parallel):  # per-microbatch updates: its own reference
-        return _reference(model, train, parallel.microbatches, parallel.dims.pp)
+        return _reference(model, train, parallel.microbatches, parallel.dims.pp, parallel.dims.dp)
     return _reference(model, train, batch_slices(parallel, train))
 
 

@@ -7,6 +7,7 @@ fails is reported by number (exit code 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -212,11 +213,14 @@ def _tolerance(args, train) -> float:
 
 def reference_for(model, train, parallel):
     """The single-process run a layout is compared with (see :mod:`parallelisms.verify`)."""
+    import torch
+
     from parallelisms.verify import Run, batch_slices, reference_train, reference_train_bf16
 
     if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
-        return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp))
+        return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp,
+                                        parallel.dims.dp, torch.bfloat16 if parallel.mixed_precision == "bf16" else None))
     if parallel.mixed_precision == "bf16":  # the same arithmetic in one process: bf16 grads of each batch slice
         return reference_train_bf16(model, train, splits=batch_slices(parallel, train))
     return reference_train(model, train, splits=batch_slices(parallel, train))
@@ -234,7 +238,7 @@ def _rounding_note(explained: dict) -> str:
 
 def cmd_verify(args) -> int:
     from parallelisms.train import RunSpec
-    from parallelisms.verify import check_reference, compare, compare_mixed_precision, reference_train
+    from parallelisms.verify import check_reference, compare, compare_mixed_precision
 
     model, train, parallel = build_configs(args)
     tolerance = _tolerance(args, train)
@@ -244,7 +248,8 @@ def cmd_verify(args) -> int:
     if report is None:
         return 0
     if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
-        result = compare_mixed_precision(report, reference, reference_train(model, train), tolerance)
+        fp32 = reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))
+        result = compare_mixed_precision(report, reference, fp32, tolerance)
     else:
         result = compare(report, reference, tolerance)
     if not result["ok"] and train.dtype == "float32" and parallel.mixed_precision == "fp32" and not result["nonfinite"]:

@@ -40,16 +40,9 @@ def _pairs(left, right, reason: str) -> dict:
 UNSUPPORTED: dict[frozenset, str] = {
     **_pairs(["zero1", "zero2", "zero3"], _FSDP + ["per_param", "reuse"], "two ways to shard the same data-parallel "
              "state: pick one (--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)"),
-    **_pairs("pipedream", ["ddp", "zero1", "zero2", "zero3", "per_param", "reuse"] + _FSDP, "PipeDream updates weights per "
-             "microbatch, so there is no step at which replicas could average (or shard) their gradients"),
-    **_pairs("pipedream", "ep", "expert parallelism borrows data-parallel (or context-parallel) ranks, which "
-             "PipeDream's per-microbatch updates cannot have"),
-    **_pairs("pipedream", "bf16", "mixed precision's fp32 master weights live in the sharding engines, and PipeDream "
-             "runs none (no data parallelism)"),
-    **_pairs("pipedream", ["ring", "ulysses"], "PipeDream updates each stage per microbatch without communication, "
-             "while context-parallel ranks hold different tokens whose gradients would first have to be summed"),
-    **_pairs("pipedream", "recompute-full", "weight stashing swaps a microbatch's weight version in only for "
-             "its forward call, so a block recomputed in backward would read the live, already updated weights"),
+    **_pairs("pipedream", ["zero1", "zero2", "zero3", "per_param", "reuse"] + _FSDP, "PipeDream updates a stage after "
+             "every microbatch and stashes a full copy of each weight version in flight, so sharded weights would be "
+             "gathered, kept whole and re-sharded per microbatch: no memory saved, every update a full collective"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
 }
 

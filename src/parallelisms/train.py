@@ -158,18 +158,19 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         for stage in stages.values():
             split_linears(stage, store)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
     if schedule is None:
         return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
                        make_optimizer(grad_sync.parameters(), train))
     if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
-        stashing = WeightStashing(stages, train, comms)
+        stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
+                                  compute_dtype=compute_dtype)
         pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
                                     before_step=stashing.start_window, positions=positions,
-                                    forward_fn=stashing.forward, on_optimizer=stashing.update)
+                                    forward_fn=stashing.forward, on_optimizer=stashing.update, dtype=compute_dtype)
         return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
     pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
-                                on_stage_done=grad_sync.stage_done,
-                                dtype=torch.bfloat16 if parallel.mixed_precision == "bf16" else None)
+                                on_stage_done=grad_sync.stage_done, dtype=compute_dtype)
     return Trainer(grad_sync, pipeline, comms, train, make_optimizer(grad_sync.parameters(), train))
 
 
@@ -180,6 +181,8 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
     reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
     local gradients."""
     dims = parallel.dims
+    if dims.pp > 1 and parallel.schedule == "pipedream":  # it averages and updates per microbatch itself
+        return StageGradients(stages, copies, comms, None)
     # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
     # fp32 master weights and gradients, all-reduced
     sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"

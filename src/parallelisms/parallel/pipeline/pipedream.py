@@ -13,9 +13,24 @@ update. In 1F1B order stage s of p runs p-1-s forwards ahead of its first backwa
 forward there sees version max(0, k - (p-1-s)) of the window (the window ends in a drain, so windows
 start at version ``step x m``): :func:`pipedream_reference` trains the plain model with exactly those
 versions, without any schedule.
+
+Data parallelism within a stage, as in the paper's replicated stages: the replicas of a stage (ranks that
+hold other rows, or with context parallelism other tokens, of the same microbatch) run the same schedule and
+average each update's gradient with one all-reduce before it (expert weights over the ranks holding the same
+experts, divided like the rest). Microbatch k of the step is then every replica's k-th microbatch together,
+which is what the reference trains on.
+
+Mixed precision (bf16): the stage's parameters are the fp32 master weights; each stashed version is their
+bf16 cast, the forward and backward run on it, and its gradient is upcast before averaging and the update.
+
+Full recomputation: a block recomputed in backward runs after its forward call has returned, when the
+stage's live (updated) weights are back in place; each block therefore registers a recompute context that
+swaps in the weights its forward saw (:func:`parallelisms.parallel.recompute.register_recompute_context`).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch.func import functional_call
@@ -25,11 +40,13 @@ from parallelisms.config import ModelConfig, TrainConfig
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.data.loader import microbatches
 from parallelisms.model import build_model
+from parallelisms.model.numerics import upcast
 from parallelisms.parallel.pipeline.partition import equal_bounds
 from parallelisms.parallel.pipeline.schedules import Action
 from parallelisms.parallel.pipeline.stage import stage_of_parameter
 from parallelisms.optim import make_optimizer
-from parallelisms.parallel.common import clip_grad_norm_
+from parallelisms.parallel.recompute import register_recompute_context
+from parallelisms.parallel.common import clip_grad_norm_, sharded_over
 
 
 class WeightStashing:
@@ -38,10 +55,19 @@ class WeightStashing:
     (:meth:`update`) clips by the stage's own norm (summed over tp) and steps the stage's own optimizer. Call
     :meth:`start_window` before each step's schedule (the window ends in a drain)."""
 
-    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig, comms: Comms):
-        self.cfg, self.comms = cfg, comms
+    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig, comms: Comms, data_dim: str = "dp",
+                 compute_dtype: torch.dtype | None = None):
+        self.cfg, self.comms, self.compute_dtype = cfg, comms, compute_dtype
         self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
         self.optimizers = {s: make_optimizer(list(named.values()), cfg) for s, named in self.named.items()}
+        self.data = comms[data_dim]  # the stage's replicas: each update averages over them
+        self.averaged = {s: [(names, comm) for names, comm in (
+            ([n for n, p in named.items() if "ep" not in sharded_over(p)], self.data),
+            ([n for n, p in named.items() if "ep" in sharded_over(p)], comms["ep_replicate"])) if names]
+            for s, named in self.named.items()}
+        for stage in stages.values():
+            for block in getattr(stage, "layers", {}).values():
+                register_recompute_context(block, lambda block=block: _swapped_in(block, dict(block.named_parameters())))
         self.start_window()
 
     def start_window(self) -> None:
@@ -55,7 +81,7 @@ class WeightStashing:
                                f"but {self.updates[a.stage]} updates were applied")
         version, weights = self.stash.get(a.stage, (None, None))
         if version != a.version:  # the first forward of this version stashes it
-            weights = {n: p.detach().clone() for n, p in self.named[a.stage].items()}
+            weights = {n: p.detach().to(self.compute_dtype or p.dtype, copy=True) for n, p in self.named[a.stage].items()}
             self.stash[a.stage] = (a.version, weights)
         leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
         self.leaves[(a.stage, a.mb)] = leaves
@@ -65,18 +91,49 @@ class WeightStashing:
         leaves = self.leaves.pop((a.stage, a.mb))
         params = list(self.named[a.stage].values())
         for name, p in self.named[a.stage].items():
-            p.grad = leaves[name].grad
-        if self.cfg.grad_clip > 0:  # the stage's own norm: communication within its tp group only
-            clip_grad_norm_(params, self.cfg.grad_clip, self.comms, within=("tp",))
+            p.grad = leaves[name].grad.to(p.dtype)  # mixed precision: the fp32 weights take the upcast gradient
+        if self.data.size > 1:
+            self._average(a.stage)
+        if self.cfg.grad_clip > 0:  # the stage's own norm: its replicas agree, so over tp (and ep) only
+            clip_grad_norm_(params, self.cfg.grad_clip, self.comms, within=("tp", "ep"))
         self.optimizers[a.stage].step()
         for p in params:
             p.grad = None
         self.updates[a.stage] += 1
 
+    def _average(self, stage: int) -> None:
+        """One all-reduce per group of the stage's gradients (dense over the replicas, experts over the ranks
+        holding the same experts), every gradient divided by the replica count."""
+        named = self.named[stage]
+        for names, comm in self.averaged[stage]:
+            flat = torch.cat([named[n].grad.reshape(-1) for n in names]).div_(self.data.size)
+            comm.all_reduce(flat)
+            offset = 0
+            for n in names:
+                named[n].grad = flat[offset:offset + named[n].numel()].view_as(named[n])
+                offset += named[n].numel()
 
-def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int, m: int
-                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process PipeDream: per-step mean losses and final parameters (see the module docstring)."""
+
+@contextmanager
+def _swapped_in(module: torch.nn.Module, weights: dict[str, torch.Tensor]):
+    """``module``'s parameters replaced by ``weights`` (by name, as ``functional_call`` does) while entered."""
+    owners = {name: name.rpartition(".") for name in weights}
+    saved = {name: module.get_submodule(owner)._parameters[leaf] for name, (owner, _, leaf) in owners.items()}
+    try:
+        for name, (owner, _, leaf) in owners.items():
+            module.get_submodule(owner)._parameters[leaf] = weights[name]
+        yield
+    finally:
+        for name, (owner, _, leaf) in owners.items():
+            module.get_submodule(owner)._parameters[leaf] = saved[name]
+
+
+def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int, m: int, dp: int = 1,
+                        compute_dtype: torch.dtype | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process PipeDream: per-step mean losses and final parameters (see the module docstring). With
+    ``dp`` replicas, each update averages the gradients of every replica's k-th microbatch, taken one replica
+    at a time as the ranks do; ``compute_dtype`` (bf16) runs forward and backward on a cast of the fp32
+    weights, whose gradients are upcast for the update."""
     torch.manual_seed(train_cfg.seed)
     model = build_model(model_cfg, train_cfg.seed, dtype=train_cfg.torch_dtype)
     bounds = equal_bounds(model_cfg.n_layers, pp)
@@ -90,15 +147,22 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
     losses = []
     for step in range(train_cfg.steps):
         window = []
-        for k, (x, y) in enumerate(microbatches(*loader.batch(step), m)):
-            leaves = {n: w.detach().requires_grad_() for s in range(pp)
-                      for n, w in history[s][step * m + max(0, k - (pp - 1 - s))].items()}
-            loss = functional_call(model, leaves, (x, y))
-            loss.backward()
-            window.append(loss.detach())
+        replicas = [microbatches(*loader.shard(step, d, dp), m) for d in range(dp)]
+        for k in range(m):
+            versions = {n: w for s in range(pp) for n, w in history[s][step * m + max(0, k - (pp - 1 - s))].items()}
+            grads, loss = {}, 0.0
+            for x, y in (replica[k] for replica in replicas):
+                leaves = {n: w.detach().to(compute_dtype or w.dtype).requires_grad_() for n, w in versions.items()}
+                part = functional_call(model, leaves, (x, y))
+                part.backward()
+                loss = loss + upcast(part.detach()) / dp
+                for n, leaf in leaves.items():
+                    g = leaf.grad.to(versions[n].dtype) / dp
+                    grads[n] = g if n not in grads else grads[n] + g
+            window.append(loss)
             for s, g in groups.items():
                 for n, p in g.items():
-                    p.grad = leaves[n].grad
+                    p.grad = grads[n]
                 if train_cfg.grad_clip > 0:  # the stage clip's own arithmetic, on one rank: bit for bit
                     clip_grad_norm_(list(g.values()), train_cfg.grad_clip, one_rank)
                 optimizers[s].step()

@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from parallelisms.comm import Comms
+from parallelisms.comm import Comm, Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
 from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded, sharded_over
@@ -62,10 +62,11 @@ class StageGradients(LocalGradients):
     the same experts only, and like every gradient divided by the data-parallel size. The global norm sums
     stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales them)."""
 
-    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms, data_dim: str = "dp"):
+    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms, data_dim: str | None = "dp"):
         super().__init__(nn.ModuleList(stages.values()), comms)
         self.stages, self.copies = stages, copies
-        self.dp_comm, self.pp_comm = comms[data_dim], comms["pp"]
+        # data_dim None: no average here (PipeDream averages each of its updates)
+        self.dp_comm, self.pp_comm = comms[data_dim] if data_dim else Comm("none"), comms["pp"]
         self.pending: list = []
         self.buckets: dict[int, list[Bucket]] = {}
         if self.dp_comm.size > 1 or copies:
