@@ -104,7 +104,7 @@ def test_optimizer_state_is_one_dp_th_per_rank():
 @pytest.mark.parametrize("dims, extra, match", [
     (ParallelDims(pp=2), {"zero": 1, "schedule": "pipedream"}, "--zero 1 with --schedule pipedream"),
     (PP_DP, {"fsdp": "full_shard", "schedule": "pipedream"}, "--fsdp full_shard with --schedule pipedream: PipeDream "
-                                                             "updates weights per microbatch"),
+                                                             "updates a stage after every microbatch"),
 ])
 def test_rejected_layouts_are_one_line(dims, extra, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -172,7 +172,7 @@ def test_ledger_bytes_match_data_parallel(run):
 @pytest.mark.parametrize("argv, needle", [
     (["--dp", "1", "--zero", "2"], "data-parallel degree is 1"),
     (["--dp", "2", "--zero", "4"], "--zero: must be an integer from 0 to 3, got 4"),
-    (["--dp", "2", "--pp", "2", "--schedule", "pipedream", "--fsdp", "full_shard", "--fsdp-style", "reuse"], "--fsdp full_shard with --schedule pipedream: PipeDream updates weights per microbatch"),
+    (["--dp", "2", "--pp", "2", "--schedule", "pipedream", "--fsdp", "full_shard", "--fsdp-style", "reuse"], "--fsdp full_shard with --schedule pipedream: PipeDream updates a stage after every microbatch"),
     (["--dp", "2", "--zero", "1", "--mixed-precision", "bf16", "--dtype", "float64"], "--mixed-precision bf16 with --dtype float64"),
     (["--dp", "4", "--fsdp", "hybrid_shard"], "needs a 2-D layout"),
     (["--dp", "2", "--fsdp", "fully_sharded"], "choose one of full_shard, shard_grad_op"),
