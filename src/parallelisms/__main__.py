@@ -16,9 +16,7 @@ def run() -> None:
     default = signal.signal(signal.SIGINT, lambda *_: held.append(True))
     from parallelisms.cli import main
     signal.signal(signal.SIGINT, default)
-    code = INTERRUPTED if held else None
-    if code is None:
-        code = main()
+    code = INTERRUPTED if held else main()
     if code == INTERRUPTED:
         if held:
             print("interrupted", file=sys.stderr)
