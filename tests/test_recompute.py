@@ -74,11 +74,6 @@ def test_every_fsdp_style_recomputes_when_asked(style, recompute, monkeypatch):
     assert attention_calls(recompute) == 2 * preset("tiny").n_layers
 
 
-def test_full_recompute_where_weight_versions_are_swapped_per_call_is_rejected_before_launch(capsys):
-    assert main(["verify", "--pp", "2", "--schedule", "pipedream", "--recompute", "full", "--global-batch", "8"]) == 2
-    assert "weight stashing" in capsys.readouterr().err
-
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe", "dualpipev")
 DEEP = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
 
