@@ -17,6 +17,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_h
 from parallelisms.errors import ConfigError, require
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
+from parallelisms.perf.shapes import add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
@@ -35,6 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
     g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
+    add_shape_args(g)
 
 
 def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
@@ -92,6 +94,7 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
 def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError)."""
     model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
+    model = shape_from_args(model, args)
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
