@@ -17,7 +17,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_h
 from parallelisms.errors import ConfigError, require
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
-from parallelisms.perf.shapes import add_shape_args, shape_from_args
+from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
@@ -277,21 +277,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from parallelisms.perf.estimate import HARDWARE, estimate
+    from parallelisms.perf.estimate import estimate, explain
+    from parallelisms.perf.hardware import load_hardware
 
-    require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
+    hw = load_hardware(args.hardware)
     model, train, parallel = build_configs(args)
-    result = estimate(model, parallel, train, args.hardware, args.mfu)
-    mem = result["memory_per_rank"]
-    print(f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.2f} B parameters")
-    print("memory per rank: " + ", ".join(f"{k} {mem[k] / 2**30:.2f} GiB" for k in
-                                          ("params", "grads", "optimizer", "activations", "total"))
-          + (" (fits)" if result["fits"] else " (DOES NOT FIT)"))
-    print("communication per step per rank: " + (", ".join(
-        f"{k} {v / 2**20:,.1f} MiB ({result['comm_s'][k] * 1e3:.2f} ms)" for k, v in result["comm_bytes_per_rank"].items())
-        or "none"))
-    print(f"step: compute {result['compute_s']:.3f} s at MFU {args.mfu}, exposed comm {result['exposed_comm_s']:.3f} s, "
-          f"bubble {result['pipeline_bubble']:.3f} -> {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    result = estimate(model, parallel, train, hw, args.attention)
+    print("\n".join(explain(result)))
     if args.json:
         print(json_line(result))
     return 0
@@ -328,9 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     _add_train_args(p, steps=1)
-    p.add_argument("--hardware", default="h100", help="a100, h100, h200 or cpu (this machine, measured alpha-beta)")
-    p.add_argument("--mfu", type=number(0, 1, above=True), default=0.45,
-                   help="model FLOPs utilisation assumed for compute")
+    add_hardware_args(p)
     p.set_defaults(func=cmd_estimate)
 
     from parallelisms.bench import add_bench_parser

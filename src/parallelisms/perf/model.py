@@ -39,7 +39,7 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     kv = cfg.n_kv_heads * cfg.head_dim
     attention = cfg.dim * (2 * cfg.dim + 2 * kv)
     experts_used = cfg.top_k if cfg.n_experts else 1
-    mlp = 3 * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
+    mlp = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
     matmul_params = cfg.n_layers * (attention + mlp) + cfg.dim * cfg.vocab_size
     return 6 * matmul_params + 12 * cfg.n_layers * seq * cfg.dim
 
@@ -47,18 +47,24 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 # -- memory --------------------------------------------------------------------------------------------
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+                               sequence_parallel: bool = False, recompute: str = "none", kv_heads: int | None = None,
+                               ffn: int | None = None, mlp_matrices: int = 2) -> float:
     """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
 
     ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept).
+    Table 2's terms: 10sbh replicated across tp (norm inputs, the QKV and MLP inputs, two dropout masks),
+    24sbh/t sharded (Q, K, V and the projection input: 8; the MLP's 4h-wide tensors: 16) and 5as^2b/t for
+    the attention scores. With ``kv_heads`` (GQA) and an MLP of width ``ffn`` and ``mlp_matrices`` matrices,
+    the sharded terms become 4 + 4 kv/a and 2 x (matrices) x ffn/h; the defaults give Table 2 exactly.
     """
     sbh = seq * batch * hidden
+    sharded = 4 + 4 * (kv_heads or heads) / heads + 2 * mlp_matrices * (ffn or 4 * hidden) / hidden
     attention = 5 * heads * seq / (hidden * tp)
     if recompute == "full":
         return 2 * sbh
     if sequence_parallel:
-        return sbh * (34 / tp + (attention if recompute == "none" else 0))
-    return sbh * (10 + 24 / tp + (attention if recompute == "none" else 0))
+        return sbh * ((10 + sharded) / tp + (attention if recompute == "none" else 0))
+    return sbh * (10 + sharded / tp + (attention if recompute == "none" else 0))
 
 
 def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:

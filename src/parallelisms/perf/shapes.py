@@ -1,5 +1,6 @@
 """Model-shape flags every verb shares (``--layers --hidden --heads ...``), applied on top of ``--preset`` or
-``--config``: a GPT-3 or Megatron shape can be trained, verified, estimated and planned without a file."""
+``--config``: a GPT-3 or Megatron shape can be trained, verified, estimated and planned without a file; and
+the hardware flags of the verbs that predict."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def shape_from_args(base: ModelConfig, args) -> ModelConfig:
     """``base`` with the shape flags given on the command line (validated: bad shapes are one line)."""
     given = {key: getattr(args, key) for key, _ in SHAPE_FLAGS.values()}
     return with_shape(base, getattr(args, "seq_len", 0), mlp=args.mlp, **given)
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    """--hardware and --attention, for estimate and plan."""
+    from parallelisms.perf.compute import ATTENTION_KERNELS
+    from parallelisms.perf.hardware import PRESETS
+
+    p.add_argument("--hardware", default="h100", help=f"{', '.join(PRESETS)} (this machine, calibrated) or a JSON "
+                                                      f"file with the keys of `parallelisms calibrate`'s output")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                   help="attention kernel: flash, or fused-softmax (scores materialised: Megatron-LM 2021-22)")
