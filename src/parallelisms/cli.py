@@ -93,8 +93,7 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
 
 def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError)."""
-    model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
-    model = shape_from_args(model, args)
+    model = _model(args)
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
@@ -108,6 +107,11 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
+
+
+def _model(args) -> ModelConfig:
+    """--preset or --config, then the shape flags."""
+    return shape_from_args(load_hf_config(args.config) if args.config else preset(args.preset).validate(), args)
 
 
 def _degree_options(args) -> dict:
@@ -322,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p, steps=1)
     add_hardware_args(p)
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("plan", help="search the fastest layout of --gpus N that fits (given layout flags are fixed)")
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_train_args(p, steps=1)
+    add_hardware_args(p)
+    from parallelisms.perf.plan import add_plan_args, run_plan
+    add_plan_args(p)
+    p.set_defaults(func=lambda args: run_plan(args, _model(args)))
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)

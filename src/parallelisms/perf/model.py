@@ -96,7 +96,8 @@ class CommVolume:
     bytes_per_rank: float   # per optimizer step
 
 
-def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4) -> list[CommVolume]:
+def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4,
+                  pipeline: bool = True) -> list[CommVolume]:
     """Bytes rank 0 sends per step, by collective and mesh dimension, from the spec's formulas.
 
     Main terms only: the per-block TP/SP collectives (not the embedding, head and loss ones, nor SP's
@@ -142,7 +143,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             q_block = tokens * cfg.dim // dims.tp * dtype_bytes
             per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
             out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
-    if dims.pp > 1:  # the schedule says how many activations and gradients rank 0 sends
+    if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
         m = parallel.microbatches or 2 * dims.pp

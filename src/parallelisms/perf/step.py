@@ -129,15 +129,27 @@ def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float
     return span, result.bubble_rate, max(result.peak_activations)
 
 
+def _cached(cache: dict | None, key, compute):
+    """``compute()``, remembered in ``cache`` under ``key`` (plan prices thousands of similar layouts)."""
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
 def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
-                 attention: str = "flash", simulate_schedule: bool = True) -> dict:
-    """The estimate's fields (see the module docstring) for one layout on ``hw``."""
+                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None) -> dict:
+    """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
+    across calls with the same model and hardware) reuses per-layer and data-parallel times."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
-    layer = layer_times(hw, shape)
-    head = head_times(hw, cfg, shape.tokens, dims.tp)
+
+    def per_layer():
+        layer = layer_times(hw, shape)
+        return layer, head_times(hw, cfg, shape.tokens, dims.tp), _layer_comm(cfg, parallel, hw, shape, layer)
+    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
-    comm = _layer_comm(cfg, parallel, hw, shape, layer)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
     n = lay.layers  # the busiest stage: L/p layers and the head
     t_f = n * (layer.forward + comm_f) + head.forward
@@ -148,7 +160,9 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
 
     exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
-    exposed.update(_data_parallel_exposed(cfg, parallel, train, hw, lay, t_f, t_b + t_w))
+    traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
+                              train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
+    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w))
     optimizer_s = _optimizer_time(cfg, parallel, hw)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
@@ -175,31 +189,38 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     }
 
 
-def _data_parallel_exposed(cfg, parallel, train, hw, lay, t_f, t_bw) -> dict:
-    """Exposed seconds of data-parallel (and expert-replica) traffic, from the ledger-exact volumes."""
-    out = {}
+def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
+    """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
+    ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
+    ``update`` (ZeRO-1/2's gather after the optimizer) or ``reduce`` (gradients, bucket by bucket)."""
+    out = []
     bucket = train.bucket_mb * 2**20
-    for v in comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4):
+    sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+    for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
         if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
             continue
         n, stride = group(parallel, v.dim)
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        if full < 64:  # the gradient norm's scalars: one latency each
-            out[f"{v.kind}/{v.dim}"] = out.get(f"{v.kind}/{v.dim}", 0.0) + collective_time(hw, v.kind, full, n, stride)
-            continue
-        calls = max(1, math.ceil(full / bucket))
-        t = collective_time(hw, v.kind, full, n, stride, calls)
-        sharded_params = v.kind == "all_gather" and (parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"))
-        if sharded_params:  # prefetched one layer ahead over every microbatch's forward and backward
-            window = lay.m * (t_f + t_bw)
-            exposed = t / (2 * cfg.n_layers) + max(0.0, t - window)
-        elif v.kind == "all_gather":  # ZeRO-1/2: the updated parameters, after the optimizer
-            exposed = t
-        else:  # gradient reductions during the last microbatch's backward, bucket by bucket
+        calls = 1 if full < 64 else max(1, math.ceil(full / bucket))
+        role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
+                else "update" if v.kind == "all_gather" else "reduce")
+        out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
+    return out
+
+
+def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw) -> dict:
+    """Exposed seconds of each data-parallel collective (see the module docstring)."""
+    out = {}
+    for name, role, t, calls in traffic:
+        if role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
+            exposed = t / (2 * cfg.n_layers) + max(0.0, t - lay.m * (t_f + t_bw))
+        elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
             exposed = t / calls + max(0.0, t - t_bw)
-        out[f"{v.kind}/{v.dim}"] = out.get(f"{v.kind}/{v.dim}", 0.0) + exposed
+        else:
+            exposed = t
+        out[name] = out.get(name, 0.0) + exposed
     return out
 
 
