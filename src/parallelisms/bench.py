@@ -33,7 +33,7 @@ def bench(name: str):
 # be silently ignored)
 PIPELINES = ("pipeline", "pipeline-balance")
 ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp": (("tp",), False),
-            "target": (("tp",), "block")}
+            "target": (("tp",), "block"), "hardware": (("predict",), "cpu")}
 
 
 def add_bench_parser(sub) -> None:
@@ -53,6 +53,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
+    p.add_argument("--hardware", help="predict: the hardware preset or `calibrate` file (default cpu)")
     p.add_argument("--json", action="store_true")
 
 

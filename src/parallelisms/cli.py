@@ -161,6 +161,9 @@ def cmd_train(args) -> int:
     model, train, parallel = build_configs(args)
     if args.trace:
         check_writable("--trace", args.trace)
+    if args.predict:
+        from parallelisms.perf.hardware import load_hardware
+        hardware = load_hardware(args.predict)
     spec = RunSpec(model, train, parallel, progress=True)
     report = run_layout(spec, trace=True)
     if report is None:  # a non-zero rank under torchrun
@@ -176,6 +179,10 @@ def cmd_train(args) -> int:
         write_chrome_trace(timelines, args.trace)
         print(format_summary(report["overlap_per_rank"]))
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.predict:
+        from parallelisms.perf.predict import compare, format_comparison
+        report["prediction"] = compare(model, parallel, train, report, hardware)
+        print(format_comparison(report["prediction"]))
     report.pop("spans", None)
     report.pop("overlap_per_rank", None)
     comm = ", ".join(f"{k} {v['calls']:g} calls {v['bytes_per_rank'] / 1e3:,.1f} kB" for k, v in report["comm"].items())
@@ -311,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto)")
+    p.add_argument("--predict", nargs="?", const="cpu", metavar="HARDWARE",
+                   help="print the step model's prediction against this run (hardware: cpu or a calibrate file)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("verify", help="check a layout against single-process training")
@@ -335,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     from parallelisms.perf.plan import add_plan_args, run_plan
     add_plan_args(p)
     p.set_defaults(func=lambda args: run_plan(args, _model(args)))
+
+    from parallelisms.perf.calibrate import add_calibrate_parser
+    add_calibrate_parser(sub)
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)

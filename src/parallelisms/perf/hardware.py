@@ -9,7 +9,8 @@ large GEMM reaches), ``gemm_k_half`` (the reduction length at which a GEMM runs 
 prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 turns it off), ``hbm_fraction``
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
-``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective kind (``calibrate`` writes it).
+``cores`` (CPUs: the cores the ranks share), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
+kind, and ``measurements`` (what ``calibrate`` measured; not read).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Hardware:
     hbm_fraction: float = 0.8
     link_fraction: float = 0.8
     bytes_per_element: int = 2
-    collectives: dict = field(default_factory=dict)
+    cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
+    collectives: dict = field(default_factory=dict, hash=False)
+    measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     @property
     def peak_flops(self) -> float:
@@ -73,9 +76,13 @@ PRESETS = {
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians; rerun it on another machine)
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.05, 24, 0.01, 2, 1.4, 1.4, 370, 370, gemm_fraction=1.0,
-                    gemm_k_half=16, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4),
+    # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians, measured while other jobs shared the
+    # cores; rerun it on a quiet or another machine and pass the file)
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.03, 16, 0.0099, 1024, 0.49, 0.49, 472, 472, gemm_fraction=1.0,
+                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
+                    collectives={"all_reduce": {"alpha_us": 472, "gbps": 0.49}, "all_gather": {"alpha_us": 398, "gbps": 0.85},
+                                 "reduce_scatter": {"alpha_us": 459, "gbps": 0.54},
+                                 "all_to_all": {"alpha_us": 250, "gbps": 0.99}, "send": {"alpha_us": 1841, "gbps": 1.3}}),
 }
 
 
@@ -101,17 +108,19 @@ def load_hardware(spec: str) -> Hardware:
     for key, value in raw.items():
         if key == "name":
             require(isinstance(value, str), f"--hardware {spec!r}: name must be a string, got {value!r}")
+        elif key == "measurements":
+            continue
         elif key == "collectives":
             require(isinstance(value, dict) and all(isinstance(v, dict) and _positive(v.get("gbps")) and
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"--hardware {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half")
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores")
             require(_positive(value, zero), f"--hardware {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
     require(all(raw.get(k, 1) <= 1 for k in ("gemm_fraction", "hbm_fraction", "link_fraction")),
             f"--hardware {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
-    ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element") if k in raw}
+    ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
     require(ints.get("gpus_per_node", 1) >= 1, f"--hardware {spec!r}: gpus_per_node must be at least 1")
     return Hardware(**{**raw, **ints})
 

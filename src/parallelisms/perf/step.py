@@ -26,6 +26,7 @@ and the fp32 logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -143,6 +144,9 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
     across calls with the same model and hardware) reuses per-layer and data-parallel times."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
+    if hw.cores and dims.world_size > hw.cores:  # ranks sharing a CPU's cores share its compute and memory
+        share = hw.cores / dims.world_size
+        hw = dataclasses.replace(hw, peak_tflops=hw.peak_tflops * share, hbm_tbps=hw.hbm_tbps * share)
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
 
     def per_layer():
@@ -203,7 +207,9 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        calls = 1 if full < 64 else max(1, math.ceil(full / bucket))
+        per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per layer and pass
+        calls = 1 if full < 64 else (cfg.n_layers + 1) * (2 if v.kind == "all_gather" else 1) if per_unit \
+            else max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
                 else "update" if v.kind == "all_gather" else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
