@@ -38,14 +38,16 @@ def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, repo
               "optimizer": predicted["time_breakdown"]["optimizer"]}
     measured_phases = _measured_phases(report)
     comm = predicted_comm_by_kind(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4)
-    measured_peak = max(r.get("peak", r.get("persistent", 0)) for r in report.get("memory_per_rank", [{}])) \
-        if report.get("memory_per_rank") else None
+    ranks = report.get("memory_per_rank") or [report.get("memory") or {}]
+    mem = predicted["memory_per_rank"]
     return {
         "layout": parallel.dims.describe(), "predicted_s": predicted["step_s"], "measured_s": report["step_time_s"],
         "error": predicted["step_s"] / report["step_time_s"] - 1,
         "phases": {k: {"predicted_s": phases[k], "measured_s": measured_phases.get(k)} for k in PHASES},
         "bytes": {k: {"predicted": v, "measured": report["comm"].get(k, {}).get("bytes_per_rank")} for k, v in comm.items()},
-        "memory": {"predicted_total": predicted["memory_per_rank"]["total"], "measured_peak": measured_peak},
+        "memory": {"predicted_model_states": mem["params"] + mem["grads"] + mem["optimizer"],
+                   "measured_model_states": max(r.get("persistent", 0) for r in ranks),
+                   "predicted_total": mem["total"], "measured_process_peak": max(r.get("process_peak") or 0 for r in ranks)},
     }
 
 
@@ -53,10 +55,11 @@ def format_comparison(c: dict) -> str:
     phases = ", ".join(f"{k} {v['predicted_s'] * 1e3:.1f}/{v['measured_s'] * 1e3:.1f} ms" if v["measured_s"] is not None
                        else f"{k} {v['predicted_s'] * 1e3:.1f}/- ms" for k, v in c["phases"].items())
     kinds = ", ".join(f"{k} {v['predicted'] / 1e3:,.1f}/{(v['measured'] or 0) / 1e3:,.1f} kB" for k, v in c["bytes"].items())
-    mem = c["memory"]
+    mem = {k: v / 2**20 for k, v in c["memory"].items()}
     return (f"predicted/measured: step {c['predicted_s'] * 1e3:.1f}/{c['measured_s'] * 1e3:.1f} ms ({c['error']:+.1%}); "
-            f"{phases}; {kinds or 'no communication'}; memory {mem['predicted_total'] / 2**20:,.1f} MiB predicted"
-            + (f", {mem['measured_peak'] / 2**20:,.1f} MiB peak measured" if mem["measured_peak"] else ""))
+            f"{phases}; {kinds or 'no communication'}; model states {mem['predicted_model_states']:,.1f}/"
+            f"{mem['measured_model_states']:,.1f} MiB; peak {mem['predicted_total']:,.1f} MiB predicted, process "
+            f"{mem['measured_process_peak']:,.1f} MiB (with the interpreter)")
 
 
 # name: (dims, options); the small preset, global batch 8, sequence 128

@@ -254,7 +254,8 @@ def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
         gathered = 2 * cfg.num_params() / cfg.n_layers / (dims.tp * dims.pp) * hw.bytes_per_element
     recomputed = working if parallel.recompute == "full" else 0.0  # the block being recomputed
-    buffers = 2 * train.bucket_mb * 2**20 + gathered + logits + recomputed
+    buckets = 2 * train.bucket_mb * 2**20 if dims.dp * dims.cp > 1 else 0.0  # one filling, one in flight
+    buffers = buckets + gathered + logits + recomputed
     out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
            "activations": activations, "buffers": buffers}
     out["total"] = sum(out.values())
