@@ -83,11 +83,11 @@ def _linears(shape: LayerShape) -> list[tuple[float, float, float, float]]:
     cfg, t, T = shape.cfg, shape.tp, shape.tokens
     kv = cfg.n_kv_heads * cfg.head_dim
     out = [(T, (cfg.dim + 2 * kv) / t, cfg.dim, 1), (T, cfg.dim, cfg.dim / t, 1)]
-    if cfg.n_experts:  # uniform routing: each local expert gets tokens x top_k / experts x ep rows
-        local = cfg.n_experts / shape.ep
+    if cfg.n_experts:  # uniform routing: each local expert gets tokens x top_k / experts x ep rows; experts
+        local = cfg.n_experts / shape.ep  # replicate over tp, and each tp rank routes the tp-gathered tokens
         rows = T * cfg.top_k / cfg.n_experts * shape.ep
-        out += [(T, cfg.n_experts, cfg.dim, 1), (rows, 2 * cfg.ffn_dim / t, cfg.dim, local),
-                (rows, cfg.dim, cfg.ffn_dim / t, local)]
+        out += [(T, cfg.n_experts, cfg.dim, 1), (rows, 2 * cfg.ffn_dim, cfg.dim, local),
+                (rows, cfg.dim, cfg.ffn_dim, local)]
     else:
         out += [(T, (cfg.mlp_matrices - 1) * cfg.ffn_dim / t, cfg.dim, 1), (T, cfg.dim, cfg.ffn_dim / t, 1)]
     return out
@@ -114,7 +114,7 @@ def _elementwise_bytes(shape: LayerShape) -> float:
     (read two, write one, a mask byte), the activation (GELU read, write; SwiGLU read two, write one)."""
     cfg, T, e = shape.cfg, shape.tokens, 2
     residual = T * cfg.dim / (shape.tp if shape.sp else 1)
-    width = cfg.ffn_dim / shape.tp * (cfg.top_k if cfg.n_experts else 1)
+    width = cfg.ffn_dim * cfg.top_k if cfg.n_experts else cfg.ffn_dim / shape.tp
     activation = (2 if cfg.mlp == "gelu" else 3) * T * width * e
     return 2 * 2 * residual * e + 2 * (3 * e + 1) * residual + activation
 

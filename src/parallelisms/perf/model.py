@@ -74,17 +74,23 @@ def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
     return 1.0 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
 
 
-def model_state_bytes(num_params: int, parallel: ParallelConfig) -> dict:
+def model_state_bytes(num_params: int, parallel: ParallelConfig, expert_params: int = 0) -> dict:
     """Parameters, gradients and optimizer state per rank (ZeRO's accounting); parameters are first divided
-    by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree."""
+    by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree. Of them,
+    ``expert_params`` are divided by pp x ep instead (experts replicate over tp) and shard over the ranks holding
+    the same experts."""
     dims = parallel.dims
-    local = num_params / (dims.tp * dims.pp)
     stage = parallel.zero or {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "hybrid_shard_zero2": 2,
                               "no_shard": 0, None: 0}[parallel.fsdp]
     shard = dims.dp_shard if parallel.fsdp else dims.dp
     bf16 = parallel.mixed_precision == "bf16"
-    return zero_formula(int(local), shard if stage else 1, stage, param_bytes=2 if bf16 else 4,
-                        grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
+    sizes = dict(param_bytes=2 if bf16 else 4, grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
+    dense = zero_formula(int((num_params - expert_params) / (dims.tp * dims.pp)), shard if stage else 1, stage, **sizes)
+    if not expert_params:
+        return dense
+    experts = zero_formula(int(expert_params / (dims.pp * dims.ep)), max(1, shard // dims.ep) if stage else 1, stage,
+                           **sizes)
+    return {k: dense[k] + experts[k] for k in dense}
 
 
 # -- communication -------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     extra = {"full": layer.forward_flops, "selective": 4 * cfg.n_heads / dims.tp * shape.tokens *
              train.seq_len * cfg.head_dim}.get(parallel.recompute, 0.0)
     hardware_flops = model_flops + extra * dims.tp * dims.cp * cfg.n_layers * lay.m * lay.dp
-    memory = memory_per_rank(cfg, parallel, train, hw, lay, in_flight)
+    memory = memory_per_rank(cfg, parallel, train, hw, lay, in_flight, attention)
     return {
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "mfu": model_flops / (step_s * world * hw.peak_flops),
@@ -230,24 +230,31 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw) -> dict:
     return out
 
 
+def _states(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    experts = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts * cfg.n_layers
+    return model_state_bytes(cfg.num_params(), parallel, experts)
+
+
 def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
     """Adam over this rank's optimizer shard: fp32 master, gradient, two moments read and written (~36 bytes
     per parameter), memory-bound."""
-    states = model_state_bytes(cfg.num_params(), parallel)
+    states = _states(cfg, parallel)
     return states["optimizer"] / 8 * 36 / hw.memory_bytes_per_s if states["optimizer"] else 0.0
 
 
 def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,
-                    in_flight: float) -> dict:
+                    in_flight: float, attention: str = "flash") -> dict:
+    """Bytes per rank (module docstring); flash attention keeps no scores (Table 2's 5as/h term drops)."""
     dims = parallel.dims
-    states = model_state_bytes(cfg.num_params(), parallel)
+    states = _states(cfg, parallel)
+    kept = "selective" if attention == "flash" and parallel.recompute == "none" else parallel.recompute
     per_layer = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
-                                           parallel.sequence_parallel, parallel.recompute, kv_heads=cfg.n_kv_heads,
+                                           parallel.sequence_parallel, kept, kv_heads=cfg.n_kv_heads,
                                            ffn=cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1),
                                            mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
     working = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
-                                         parallel.sequence_parallel, "none", kv_heads=cfg.n_kv_heads,
-                                         ffn=cfg.ffn_dim, mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
+                                         parallel.sequence_parallel, "selective" if attention == "flash" else "none",
+                                         kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_dim, mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
     activations = per_layer * lay.layers * in_flight
     logits = lay.batch * train.seq_len / dims.cp * cfg.vocab_size / dims.tp * 4 * 2
     gathered = 0.0
