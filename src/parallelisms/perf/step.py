@@ -13,7 +13,8 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   the updated parameters after the optimizer, exposed;
 * context parallel: ring attention sends one K/V block per hop while the previous block's attention runs
   (Liu et al. 2023: hidden when the block's compute outlasts the hop); Ulysses' all-to-alls are exposed;
-* expert parallel: dispatch and combine all-to-alls, two each way per MoE layer, exposed;
+* expert parallel: dispatch and combine all-to-alls, two each way per MoE layer, exposed (DualPipe: under the
+  paired chunk's compute);
 * pipeline: the schedule simulator (Qi et al. 2024's cost model) with these F, B, W and p2p times gives the
   makespan, so interleaved, zero-bubble and DualPipe schedules come out of their own orders;
 * optimizer: Adam reads and writes its fp32 state once per step (memory-bound).
@@ -103,7 +104,12 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     if dims.ep > 1 and cfg.n_experts:
         routed = shape.tokens * cfg.top_k * cfg.dim * e
         a2a = _comm(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
-        out["all_to_all/ep"] = (a2a, a2a)
+        if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
+            # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
+            # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
+            out["all_to_all/ep"] = (max(0.0, a2a - times.input_grad - times.weight_grad), max(0.0, a2a - times.forward))
+        else:
+            out["all_to_all/ep"] = (a2a, a2a)
     return out
 
 
