@@ -56,6 +56,7 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     _one_line_error(capsys, ["plan", "--gpus", "64", *GPT3, "--tp", "3"], "--tp 3", "does not divide --gpus 64")
     _one_line_error(capsys, ["plan", "--gpus", "8", *GPT3], "no layout of 8 GPUs fits", "GiB more than")
     _one_line_error(capsys, ["plan", "--gpus", "8", "--hardware", "tpu"], "unknown --hardware 'tpu'")
+    _one_line_error(capsys, ["plan", "--gpus", "8", "--preset", "gpt5"], "unknown --preset 'gpt5'")
     bad = tmp_path / "hw.json"
     for text, needle in (("{oops", "not a readable JSON"), ('{"name": "x"}', "lacks peak_tflops"),
                          (json.dumps({"name": "x", "peak_tflops": -1, "hbm_gb": 80, "hbm_tbps": 2, "gpus_per_node": 8,

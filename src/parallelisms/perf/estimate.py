@@ -29,11 +29,11 @@ def explain(result: dict) -> list[str]:
     mem, t = result["memory_per_rank"], result["time_breakdown"]
     comm = ", ".join(f"{k} {v:.3f} s" for k, v in t["exposed_comm"].items() if v >= 5e-4) or "none"
     return [
-        f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.2f} B parameters",
+        f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.3g} B parameters",
         f"step {result['step_s']:.3f} s = compute {t['compute']:.3f} s + exposed communication {comm} + "
         f"pipeline bubble {t['bubble']:.3f} s + optimizer {t['optimizer']:.3f} s",
-        f"{result['tokens_per_s']:,.0f} tokens/s; MFU {result['mfu']:.1%} ({result['model_tflops_per_gpu']:.1f} TFLOP/s "
-        f"per GPU), HFU {result['hfu']:.1%} ({result['hardware_tflops_per_gpu']:.1f}); bubble fraction "
+        f"{result['tokens_per_s']:,.0f} tokens/s; MFU {result['mfu']:.1%} ({result['model_tflops_per_gpu']:.3g} TFLOP/s "
+        f"per GPU), HFU {result['hfu']:.1%} ({result['hardware_tflops_per_gpu']:.3g}); bubble fraction "
         f"{result['bubble_fraction']:.3f}",
         "memory per rank: " + ", ".join(f"{k} {mem[k] / gib:.2f} GiB" for k in mem)
         + (" (fits)" if result["fits"] else " (DOES NOT FIT)"),
