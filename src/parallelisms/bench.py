@@ -70,6 +70,9 @@ def run_bench(args) -> dict:
     print(f"bench {args.name}: ours {result['ours_s'] * 1e3:.1f} ms, {result['peer']} {result['peer_s'] * 1e3:.1f} ms "
           f"per step, ratio {result['ratio']:.3f}" + "".join(f", {k} {v:.3f}" for k, v in result.items()
                                                             if k.endswith("_efficiency")))
+    if "alpha_s" in result:  # the fitted model itself
+        print(f"alpha {result['alpha_s'] * 1e6:.1f} us per call, beta {result['beta_s_per_byte'] * 1e9:.3f} ns per byte "
+              f"({result['bandwidth_GB_per_s']:.2f} GB/s), fit r2 {result['r2']:.3f}")
     return result
 
 

@@ -33,27 +33,33 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def simulate_result(args: argparse.Namespace) -> dict:
+    """The simulation ``args`` ask for (the ``--json`` object), drawn to ``--plot`` when given; a bad
+    schedule raises :class:`ScheduleError`."""
+    if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
+        require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got "
+                                                              f"{args.plot!r}")
+        check_installed("--plot", "matplotlib", extra="plot")
+        check_writable("--plot", args.plot)
+    schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
+    validate(schedule)
+    sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
+    if args.plot:
+        plot(sim, args.plot)
+    return sim.to_dict()
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
-            require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got "
-                                                                  f"{args.plot!r}")
-            check_installed("--plot", "matplotlib")
-            check_writable("--plot", args.plot)
-        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
-        validate(schedule)
-        sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
-        if args.plot:
-            plot(sim, args.plot)
+        result = simulate_result(args)
     except (ScheduleError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = sim.to_dict()
     if args.json:
         print(json_line(result))
     else:
         peaks = ", ".join(f"{p:g}" for p in result["peak_activations"])
-        print(f"{schedule.name}: pp={schedule.pp} microbatches={schedule.microbatches} chunks={schedule.chunks}")
+        print(f"{result['schedule']}: pp={result['pp']} microbatches={result['microbatches']} chunks={result['chunks']}")
         print(f"  makespan {result['makespan']:g}, bubble rate {result['bubble_rate']:.4f}")
         print(f"  peak activations per rank (microbatches): {peaks}")
         if args.plot:
