@@ -176,12 +176,11 @@ def run_layout(spec, placement, trace: bool = False):
         import torch
 
         device = torch.device("cuda", 0) if placement.device == "cuda" else torch.device("cpu")
-        report, backend = train_rank(RankInfo(0, 1, 0, device), spec, trace), "none (one process)"
+        report = train_rank(RankInfo(0, 1, 0, device), spec, trace)
     else:
         report = launch(train_rank, world, spec, trace, backend=placement.backend, timeout_s=spec.train.timeout_s)[0]
-        backend = placement.backend
     if report is not None:
-        report.update(device=placement.device, backend=backend)
+        report.update(device=placement.device, backend=placement.backend)
     return report
 
 

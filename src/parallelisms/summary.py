@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from parallelisms.device import Placement
+
 # options of train that do not change the layout: left out of the commands suggested next
 _NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default"}
 
@@ -62,8 +64,8 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
     world = report["world_size"]
     model = args.config or args.preset
     lines = [
-        f"ran:   {report['layout']} on {world} rank{'s' if world > 1 else ''}, {report['device']} "
-        f"({report['backend']}); model {model}, {report['steps']} steps of {args.global_batch} x {args.seq_len} tokens",
+        f"ran:   {report['layout']} on {world} rank{'s' if world > 1 else ''}, "
+        f"{Placement(report['device'], report['backend']).describe()}; model {model}, {report['steps']} steps of {args.global_batch} x {args.seq_len} tokens",
         f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}",
         f"speed: {report['step_time_s'] * 1e3:.1f} ms per step (median), {report['tokens_per_s']:,.0f} tokens/s",
     ]

@@ -19,16 +19,17 @@ from .validate import validate
 def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="simulate a pipeline schedule: bubble rate, makespan, memory",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", required=True, choices=SCHEDULES)
+    p.add_argument("--schedule", required=True, choices=SCHEDULES, help="the pipeline schedule")
     time = number(0, 1e9)  # finite sums: a makespan of a schedule at the size cap stays finite
     p.add_argument("--pp", type=DEGREE, required=True, help="pipeline ranks")
-    p.add_argument("--microbatches", type=integer(1, 10**9), required=True)
+    p.add_argument("--microbatches", type=integer(1, 10**9), required=True, help="microbatches per step")
     p.add_argument("--chunks", type=integer(1, 10**9), default=None, help="virtual stages per rank (interleaved)")
     p.add_argument("--tf", type=time, default=1.0, help="forward time of one stage per microbatch")
     p.add_argument("--tb", type=time, default=1.0, help="input-gradient backward time")
     p.add_argument("--tw", type=time, default=1.0, help="weight-gradient backward time")
     p.add_argument("--tcomm", type=time, default=0.0, help="cost of each cross-rank dependency")
-    p.add_argument("--plot", metavar="FILE.png|.svg", default=None)
+    p.add_argument("--plot", metavar="FILE.png|.svg", default=None, help="draw the schedule, one row per rank "
+                                                                        "(needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
 
