@@ -23,18 +23,19 @@ from parallelisms.model import build_model
 __all__ = ["train", "verify", "estimate", "simulate", "configure", "build_model", "parallelize", "batches"]
 
 
-def _args(command: str, options: dict):
-    """``options`` parsed as the command line's ``command`` would parse them (same checks, same defaults)."""
+def _args(command: str, options: dict, argv: list[str] = ()):
+    """``options`` (then the flags in ``argv``) parsed as the command line's ``command`` would parse them: the
+    same checks, the same defaults."""
     from parallelisms.cli import build_parser
 
-    argv = [command]
+    flags = [command]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
-            argv.append(flag)
+            flags.append(flag)
         elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return build_parser().parse_args(argv)
+            flags += [flag, str(value)]
+    return build_parser().parse_args([*flags, *argv])
 
 
 def train(**options) -> dict:
@@ -76,12 +77,13 @@ class Configs(NamedTuple):
     layout: ParallelConfig
 
 
-def configure(**options) -> Configs:
-    """The model, training and layout configs of ``parallelisms train`` with these options, validated as the
-    command line validates them (under ``torchrun``: against the world size too)."""
+def configure(argv: list[str] = (), **options) -> Configs:
+    """The model, training and layout configs of ``parallelisms train`` with these options and then the flags in
+    ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
+    ``torchrun``: against the world size too)."""
     from parallelisms.cli import build_configs
 
-    return Configs(*build_configs(_args("train", options)))
+    return Configs(*build_configs(_args("train", options, argv)))
 
 
 def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str = "auto"):
