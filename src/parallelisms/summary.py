@@ -69,8 +69,8 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
         f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}",
         f"speed: {report['step_time_s'] * 1e3:.1f} ms per step (median), {report['tokens_per_s']:,.0f} tokens/s",
     ]
-    comm = ", ".join(f"{k} {v['calls']:g} calls {v['bytes_per_rank'] / 1e3:,.1f} kB" for k, v in report["comm"].items())
-    predicted = ", ".join(f"{k} {v / 1e3:,.1f} kB" for k, v in report.get("predicted_comm", {}).items())
+    comm = ", ".join(f"{k} {v['calls']:g} calls {size(v['bytes_per_rank'])}" for k, v in report["comm"].items())
+    predicted = ", ".join(f"{k} {size(v)}" for k, v in report.get("predicted_comm", {}).items())
     lines.append(f"comm:  per step per rank {comm or 'none'}" + (f" (formulas: {predicted})" if predicted else "")
                  + f"; exposed {report['exposed_comm_fraction']:.1%} of the step")
     if "pipeline" in report:

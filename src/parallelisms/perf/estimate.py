@@ -27,7 +27,7 @@ class Hardware:
     gpus_per_node: int
 
 
-# Datasheets (shared/references/published-numbers.md); latencies are typical NCCL figures, an assumption.
+# Datasheets (NVIDIA's published peak figures); latencies are typical NCCL figures, an assumption.
 HARDWARE = {
     "a100": Hardware("A100 SXM 80GB", 312e12, 80e9, AlphaBeta(10e-6, 1 / 300e9), AlphaBeta(20e-6, 1 / 25e9), 8),
     "h100": Hardware("H100 SXM 80GB", 989e12, 80e9, AlphaBeta(10e-6, 1 / 450e9), AlphaBeta(20e-6, 1 / 50e9), 8),
