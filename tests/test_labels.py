@@ -75,3 +75,21 @@ def test_version(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == "parallelisms 0.1.0"
+
+
+def test_plot_trace_draws_a_train_trace(capsys, tmp_path):
+    spans = []
+    for rank in (0, 1):
+        t = 0.0
+        for step in range(3):
+            for name, tid, dur in (("forward", 0, 5.0), ("backward", 0, 9.0), ("all_reduce 64xfloat32", 1, 4.0),
+                                   ("optimizer", 0, 2.0)):
+                spans.append({"name": name, "cat": "comm" if tid else "compute", "ph": "X", "pid": rank, "tid": tid,
+                              "ts": t, "dur": dur})
+                t += dur if tid == 0 else 0.0
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": spans}))
+    assert main(["plot-trace", str(trace), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 1000 and "timeline written to" in capsys.readouterr().out
+    assert main(["plot-trace", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t.png")]) == 2
+    assert "is not a trace written by train --trace" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """``parallelisms plot-trace TRACE --out PNG``: draw a ``train --trace`` timeline as a picture.
 
-From the first forward on (setup left out), two rows per rank, as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on
+After the first step (setup and warm-up; ``--skip-steps``), two rows per rank, as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on
 communication the rank could not hide, in red) above communication (each collective from issue to completion).
 What is red is the exposed communication the summary reports; communication under a compute bar is hidden.
 Needs matplotlib (``pip install 'parallelisms[plot]'``).
@@ -38,8 +38,18 @@ def _colour(event: dict) -> str:
     return COLOURS.get(event["name"].split()[0], "#8c8c8c")
 
 
-def plot_trace(path: str | Path, out: str | Path, title: str | None = None) -> Path:
-    """Draw the trace at ``path`` into ``out`` (.png or .svg); returns ``out``."""
+def _start(spans: dict[int, list[dict]], skip_steps: int) -> float:
+    """Where the picture starts: after the first ``skip_steps`` steps of every rank (a step ends with its
+    optimizer span), else at the first forward. Setup and the warm-up step would squeeze the steady state."""
+    ends = [sorted(e["ts"] + e["dur"] for e in rank if e["name"].startswith("optimizer")) for rank in spans.values()]
+    if skip_steps and all(len(e) > skip_steps for e in ends):
+        return max(e[skip_steps - 1] for e in ends)
+    return min((e["ts"] for rank in spans.values() for e in rank if e["name"].startswith("forward")), default=0.0)
+
+
+def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip_steps: int = 1) -> Path:
+    """Draw the trace at ``path`` into ``out`` (.png or .svg), leaving out the first ``skip_steps`` steps;
+    returns ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,20 +58,19 @@ def plot_trace(path: str | Path, out: str | Path, title: str | None = None) -> P
 
     spans = read_spans(path)
     ranks = sorted(spans)
-    # from the first forward on: setup (the initial broadcast, minutes before on a slow start) would squeeze the steps
-    origin = min((e["ts"] for r in ranks for e in spans[r] if e["name"].startswith("forward")), default=0.0)
+    origin = _start(spans, skip_steps)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
     labels, ticks = [], []
     for i, rank in enumerate(ranks):
         for tid, row in ((0, "compute"), (1, "comm")):
             y = -(2 * i + tid)
-            bars = [e for e in spans[rank] if e.get("tid", 0) == tid and e["ts"] + e["dur"] >= origin]
+            bars = [e for e in spans[rank] if e.get("tid", 0) == tid and e["ts"] >= origin]
             ax.broken_barh([((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in bars], (y - 0.4, 0.8),
                            facecolors=[_colour(e) for e in bars], linewidth=0)
             labels.append(f"rank {rank} {row}")
             ticks.append(y)
     ax.set_yticks(ticks, labels)
-    ax.set_xlabel("time from the first forward (ms)")
+    ax.set_xlabel("time (ms)" + (f", from the end of step {skip_steps}" if skip_steps else ""))
     ax.set_title(title or f"timeline of {Path(path).name}")
     ax.legend(handles=[Patch(color=c, label=n if n != "wait" else "exposed comm (wait)") for n, c in COLOURS.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=len(COLOURS),
@@ -73,11 +82,16 @@ def plot_trace(path: str | Path, out: str | Path, title: str | None = None) -> P
 
 
 def add_parser(sub) -> None:
+    from parallelisms.flags import integer
+
     p = sub.add_parser("plot-trace", help="draw a train --trace timeline as a picture (needs matplotlib)",
                        description=__doc__.splitlines()[0])
     p.add_argument("trace", metavar="TRACE", help="Chrome-trace JSON written by parallelisms train --trace")
     p.add_argument("--out", metavar="FILE.png|.svg", required=True, help="picture to write")
     p.add_argument("--title", help="title above the picture (default: the trace's file name)")
+    p.add_argument("--skip-steps", type=integer(0, 10**9), default=1,
+                   help="steps left out at the start (the first warms up); when the trace has fewer, from the first "
+                        "forward")
     p.set_defaults(func=run)
 
 
@@ -87,5 +101,5 @@ def run(args) -> int:
     require(args.out.lower().endswith((".png", ".svg")), f"--out must name a .png or .svg file, got {args.out!r}")
     check_installed("--out", "matplotlib", extra="plot")
     check_writable("--out", args.out)
-    print(f"timeline written to {plot_trace(args.trace, args.out, args.title)}")
+    print(f"timeline written to {plot_trace(args.trace, args.out, args.title, args.skip_steps)}")
     return 0
