@@ -1,4 +1,4 @@
-"""The closed forms of perf/model.py against the published figures in shared/references/published-numbers.md
+"""The closed forms of perf/model.py against published figures (ZeRO, Korthikanti, Narayanan)
 and against what the runtime measures (the ledger of a real run)."""
 
 import pytest

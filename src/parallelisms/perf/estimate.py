@@ -18,7 +18,7 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw:
     """The estimate's fields (FIELDS first), then the hardware, layout, parameters and bytes per collective."""
     result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule)
     volumes = comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4)
-    return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.dims.describe(),
+    return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label(),
             "params": cfg.num_params(), "comm_bytes_per_rank": {f"{v.kind}/{v.dim}": v.bytes_per_rank for v in volumes},
             "per_microbatch_stage_s": result["per_microbatch_stage_s"]}
 

@@ -18,8 +18,7 @@ from parallelisms.perf.step import predict_step
 PHASES = ("forward", "backward", "optimizer")
 
 
-def _measured_phases(report: dict) -> dict:
-    spans = (report.get("spans") or [[]])[0]
+def _measured_phases(report: dict, spans: list) -> dict:
     steps = max(1, report["steps"] - 1)
     out = {}
     for name in PHASES:
@@ -29,14 +28,16 @@ def _measured_phases(report: dict) -> dict:
     return out
 
 
-def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, report: dict, hw: Hardware) -> dict:
-    """Predicted and measured step time, phases, bytes per collective kind and peak memory of one run."""
+def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, report: dict, hw: Hardware,
+            spans: list = ()) -> dict:
+    """Predicted and measured step time, phases (from rank 0's timeline ``spans``), bytes per collective kind
+    and memory of one run."""
     predicted = predict_step(cfg, parallel, train, hw)
     stage = predicted["per_microbatch_stage_s"]
     m = parallel.microbatches or 2 * parallel.dims.pp if parallel.dims.pp > 1 else train.grad_accum
     phases = {"forward": m * stage["forward"], "backward": m * (stage["input_grad"] + stage["weight_grad"]),
               "optimizer": predicted["time_breakdown"]["optimizer"]}
-    measured_phases = _measured_phases(report)
+    measured_phases = _measured_phases(report, spans)
     comm = predicted_comm_by_kind(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4)
     ranks = report.get("memory_per_rank") or [report.get("memory") or {}]
     mem = predicted["memory_per_rank"]
@@ -76,6 +77,7 @@ CASES = {
 def bench_predict(args) -> dict:
     """Run every case, predict it, and report errors (``bench predict``)."""
     from parallelisms.cli import run_layout
+    from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.perf.hardware import load_hardware
     from parallelisms.support import validate_layout
@@ -87,8 +89,8 @@ def bench_predict(args) -> dict:
     cases = []
     for name, (dims, options) in CASES.items():
         parallel = validate_layout(cfg, train, ParallelConfig(dims, **options))
-        report = run_layout(RunSpec(cfg, train, parallel), trace=True)
-        c = compare(cfg, parallel, train, report, hw)
+        report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
+        c = compare(cfg, parallel, train, report, hw, report["spans"][0])
         print(f"{name}: {format_comparison(c)}", flush=True)
         cases.append({"layout": name, "predicted_s": c["predicted_s"], "measured_s": c["measured_s"], "error": c["error"]})
     errors = [abs(c["error"]) for c in cases]
