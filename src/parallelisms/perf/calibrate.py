@@ -5,6 +5,7 @@
   (smaller ones run from cache); ``gemm_k_half`` is fitted to the
   short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
 * Memory bandwidth: an elementwise add over tensors far beyond the caches (``hbm_tbps``).
+* Operator dispatch: a one-block model too small to compute anything, per operator it dispatches.
 * Collectives: two ranks over the project's comm layer (gloo, or shared memory where the runtime uses it),
   each kind over message sizes, medians; alpha and beta fitted per kind (Hockney) on the ledger's ring bytes.
 """
@@ -50,6 +51,29 @@ def measure_memory_bandwidth(repeats: int = 7) -> float:
     x, y, out = torch.ones(2**24), torch.ones(2**24), torch.empty(2**24)
     t = _median_seconds(lambda: torch.add(x, y, out=out), repeats)
     return 3 * 4 * 2**24 / t
+
+
+def measure_op_overhead(repeats: int = 7) -> float:
+    """Seconds per dispatched operator: a one-block model so small its work is negligible, forward and
+    backward, divided by the operators it dispatches (counted with TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallelisms.config import ModelConfig
+    from parallelisms.model import build_model
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    model = build_model(ModelConfig(vocab_size=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with Count():
+        model(tokens, tokens).backward()
+    return _median_seconds(lambda: model(tokens, tokens).backward(), repeats * 5) / Count.ops
 
 
 def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
@@ -108,7 +132,7 @@ def calibrate(quick: bool = False) -> dict:
             "gpus_per_node": 1024, "intra_node_gbps": ar["gbps"], "inter_node_gbps": ar["gbps"],
             "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"], "gemm_fraction": 1.0,
             "gemm_k_half": max(k_half, 0.0), "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
-            "bytes_per_element": 4, "cores": cores,
+            "bytes_per_element": 4, "cores": cores, "op_overhead_us": measure_op_overhead(repeats) * 1e6,
             "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()},
             "measurements": {"gemm": gemms, "collectives": collectives}}
 
@@ -135,7 +159,8 @@ def run_calibrate(args) -> int:
     result = calibrate(args.quick)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), memory "
+    print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
+          f"{result['op_overhead_us']:.1f} us per operator, memory "
           f"{result['hbm_tbps'] * 1e3:.1f} GB/s; " + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s"
                                                               for k, v in result["collectives"].items()))
     print(f"wrote {args.out}")

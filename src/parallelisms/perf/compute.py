@@ -23,6 +23,17 @@ from parallelisms.config import ModelConfig
 from parallelisms.perf.hardware import Hardware
 
 ATTENTION_KERNELS = ("flash", "fused-softmax")
+# Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
+# Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``: on a CPU
+# in addition to its work, on a GPU hidden behind the kernels unless they are shorter (launch-bound models).
+BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
+HEAD_OPS = (21, 34)
+
+
+def with_dispatch(hw: Hardware, seconds: float, ops: int) -> float:
+    """A pass of ``seconds`` of work that dispatches ``ops`` operators."""
+    host = ops * hw.op_overhead_us * 1e-6
+    return seconds + host if hw.cores else max(seconds, host)
 
 
 def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
@@ -132,7 +143,9 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     core_f, core_b, core_flops = _attention_core(hw, shape)
     elementwise = _elementwise_bytes(shape) * hw.bytes_per_element / 2 / hw.memory_bytes_per_s
     column = (0, len(linears) - 2)  # QKV and the MLP's input projection
-    return PassTimes(fwd + core_f + elementwise, dgrad + core_b + 2 * elementwise, wgrad, core_f,
+    ops_f, ops_b = BLOCK_OPS[shape.cfg.mlp]
+    return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),
+                     with_dispatch(hw, dgrad + core_b + 2 * elementwise, ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
 
 
@@ -141,5 +154,7 @@ def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int) -> PassTi
     v = cfg.vocab_size / tp
     fwd = gemm_time(hw, tokens, v, cfg.dim)
     loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
-    return PassTimes(fwd + loss, gemm_time(hw, tokens, cfg.dim, v) + loss, gemm_time(hw, cfg.dim, v, tokens), 0.0,
+    return PassTimes(with_dispatch(hw, fwd + loss, HEAD_OPS[0]),
+                     with_dispatch(hw, gemm_time(hw, tokens, cfg.dim, v) + loss, HEAD_OPS[1]),
+                     gemm_time(hw, cfg.dim, v, tokens), 0.0,
                      2 * tokens * v * cfg.dim)

@@ -9,7 +9,8 @@ large GEMM reaches), ``gemm_k_half`` (the reduction length at which a GEMM runs 
 prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 turns it off), ``hbm_fraction``
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
-``cores`` (CPUs: the cores the ranks share), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
+``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
+(host time per dispatched operator), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
 kind, and ``measurements`` (what ``calibrate`` measured; not read).
 """
 
@@ -45,6 +46,7 @@ class Hardware:
     link_fraction: float = 0.8
     bytes_per_element: int = 2
     cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
+    op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
     collectives: dict = field(default_factory=dict, hash=False)
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -70,6 +72,8 @@ class Hardware:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+OP_US = 5.0  # `parallelisms calibrate` here (4.9-5.2 us in two of three runs; 50 us in one taken while other jobs ran)
+
 PRESETS = {
     # datasheets: A100 SXM 80GB 312 TFLOP/s bf16, 2.0 TB/s, NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR per node
     "a100": Hardware("A100 SXM 80GB", 312, 80, 2.039, 8, 300, 25, 8, 15, sms=108),
@@ -79,7 +83,7 @@ PRESETS = {
     # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians, measured while other jobs shared the
     # cores; rerun it on a quiet or another machine and pass the file)
     "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.03, 16, 0.0099, 1024, 0.49, 0.49, 472, 472, gemm_fraction=1.0,
-                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
+                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2, op_overhead_us=OP_US,
                     collectives={"all_reduce": {"alpha_us": 472, "gbps": 0.49}, "all_gather": {"alpha_us": 398, "gbps": 0.85},
                                  "reduce_scatter": {"alpha_us": 459, "gbps": 0.54},
                                  "all_to_all": {"alpha_us": 250, "gbps": 0.99}, "send": {"alpha_us": 1841, "gbps": 1.3}}),
