@@ -188,9 +188,9 @@ def train_report(args, announce: bool = False) -> dict | None:
     """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.train import RunSpec
 
-    model, train, parallel, placement = prepare(args, announce)
     if args.trace:
         check_writable("--trace", args.trace)
+    model, train, parallel, placement = prepare(args, announce)
     report = run_layout(RunSpec(model, train, parallel, progress=True), placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
