@@ -195,12 +195,12 @@ def train_report(args, announce: bool = False) -> dict | None:
     """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.train import RunSpec
 
-    model, train, parallel, placement = prepare(args, announce)
     if args.trace:
         check_writable("--trace", args.trace)
     if args.predict:
         from parallelisms.perf.hardware import load_hardware
         hardware = load_hardware(args.predict)
+    model, train, parallel, placement = prepare(args, announce)
     report = run_layout(RunSpec(model, train, parallel, progress=True), placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
@@ -310,12 +310,15 @@ def verify_result(args, announce: bool = False) -> dict | None:
 
 
 def cmd_verify(args) -> int:
+    from parallelisms.device import Placement
+
     result = verify_result(args, announce=True)
     if result is None:
         return 0
     norms = ("n/a (per-stage updates)" if result["max_grad_norm_rel_diff"] is None
              else f"{result['max_grad_norm_rel_diff']:.2e}")
-    print(f"{result['layout']} vs single process over {result['steps']} steps ({result['dtype']}): max loss rel diff "
+    print(f"{result['layout']} on {Placement(result['device'], result['backend']).describe()} vs single process over "
+          f"{result['steps']} steps ({result['dtype']}): max loss rel diff "
           f"{result['max_loss_rel_diff']:.2e}, max grad norm rel diff {norms}, max param rel diff "
           f"{result['max_param_rel_diff']:.2e} ({result['worst_param']}), tolerance {result['tolerance']:.0e}: "
           f"{'ok' if result['ok'] else 'MISMATCH'}"
