@@ -15,6 +15,7 @@ import sys
 from parallelisms.support import validate_layout
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
 from parallelisms.errors import ConfigError, require
+from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
@@ -91,20 +92,33 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
 
 def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError)."""
-    model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
+    model = _model_config(args)
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
-                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype)
+                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype,
+                        **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, **options)
     parallel = validate_layout(model, train, parallel)
+    if hasattr(args, "data"):
+        check_data_args(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
+
+
+def _model_config(args) -> ModelConfig:
+    """--init-from's config.json, else --config, else --preset."""
+    if getattr(args, "init_from", None):
+        from parallelisms.hf import load_hf_model_config
+        require(not args.config, f"--config with --init-from {args.init_from!r}: the model is the checkpoint's; "
+                                 f"drop --config")
+        return load_hf_model_config(args.init_from)
+    return load_hf_config(args.config) if args.config else preset(args.preset).validate()
 
 
 def _degree_options(args) -> dict:
@@ -154,10 +168,15 @@ def cmd_train(args) -> int:
     model, train, parallel = build_configs(args)
     if args.trace:
         check_writable("--trace", args.trace)
-    spec = RunSpec(model, train, parallel, progress=True)
+    check_output_args(args)
+    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf),
+                   metrics_path=args.metrics, tensorboard_dir=args.tensorboard, init_from=args.init_from)
     report = run_layout(spec, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return 0
+    if args.export_hf:
+        from parallelisms.hf import export_hf
+        print(f"exported to {export_hf(report.pop('state'), model, args.export_hf)} (Hugging Face Llama)")
     if args.trace:
         from parallelisms.comm.trace import Timeline, format_summary, write_chrome_trace
 
@@ -311,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
+    add_data_args(p)
+    add_output_args(p)
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto)")
     p.set_defaults(func=cmd_train)
 
@@ -318,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     _add_train_args(p, steps=5)
+    add_data_args(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
 
