@@ -73,3 +73,19 @@ def test_tensorboard_missing_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     assert main(["train", "--steps", "1", "--tensorboard", "tb"]) == 2
     assert "--tensorboard needs tensorboard, which is not installed" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint(tmp_path):
+    from parallelisms.metrics import MetricsWriter
+
+    path = str(tmp_path / "m.jsonl")
+    first = MetricsWriter(path)
+    for step in (1, 2, 3):
+        first.write({"step": step, "loss": 1.0 / step})
+    first.close()
+    resumed = MetricsWriter(path, keep_until=2)
+    resumed.write({"step": 3, "loss": 0.25})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    MetricsWriter(path).close()  # a fresh run starts anew
+    assert read_metrics(path) == []

@@ -24,10 +24,17 @@ class MetricsWriter:
     """Appends a record per step to ``path`` (JSON lines; non-finite numbers are null) and logs its numbers
     as TensorBoard scalars under ``tensorboard_dir`` (``train/loss``, ``train/lr``, ``eval/loss``...)."""
 
-    def __init__(self, path: str | None = None, tensorboard_dir: str | None = None):
+    def __init__(self, path: str | None = None, tensorboard_dir: str | None = None, keep_until: int | None = None):
+        """A fresh run starts the file anew; a resumed one passes ``keep_until`` (the step it resumes after): the
+        records up to it stay and the rest (steps the interrupted run logged past its checkpoint) go."""
+        self.file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.file = open(path, "a", encoding="utf-8") if path else None
+            kept = ([r for r in read_metrics(path) if r["step"] <= keep_until]
+                    if keep_until is not None and os.path.exists(path) else [])
+            self.file = open(path, "w", encoding="utf-8")
+            for record in kept:
+                self.file.write(json_line(record) + "\n")
         self.board = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter

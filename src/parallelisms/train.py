@@ -89,7 +89,7 @@ class MicrobatchLoop:
         """The local mean loss of this rank's rows, forward only (sharded engines gather and free as usual)."""
         total = None
         for x, y in microbatches(inputs, targets, self.grad_accum):
-            with self.comms.ledger.in_phase("forward"):
+            with self.comms.ledger.in_phase("eval"):
                 if self.positions is None:
                     loss = self.model(x, y)
                 else:
@@ -132,7 +132,7 @@ class Trainer:
         """The mean loss over ``batches`` (this rank's rows of each), averaged over every rank that holds
         other tokens (dp x cp); no gradient, no update."""
         local = torch.stack([self.forward_backward.evaluate(x, y) for x, y in batches]).mean()
-        with self.comms.ledger.in_phase("report"):
+        with self.comms.ledger.in_phase("eval"):
             return self.comms["dp_cp"].all_reduce(local.reshape(1)) / self.comms["dp_cp"].size
 
     def optimizer_step(self) -> None:
@@ -305,9 +305,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     with comms.ledger.in_phase("report"):
         losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
-        # training only: one-off setup (DDP's bucket rebuild after the first step) and reporting left out
+        # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
-                                         exclude_phases=("report", "setup"))
+                                         exclude_phases=("report", "setup", "eval"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)

@@ -5,11 +5,12 @@ learning-rate schedule, metrics, and Hugging Face weights in and out; parsed int
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from parallelisms.config import LR_SCHEDULES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import require
-from parallelisms.flags import check_installed, check_writable, integer, number
+from parallelisms.flags import check_installed, integer, number
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -72,8 +73,9 @@ def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
 
 def check_output_args(args) -> None:
     """Before launch: output paths are writable, TensorBoard is installed, the Hugging Face directory reads."""
-    if args.metrics:
-        check_writable("--metrics", args.metrics)
+    if args.metrics:  # its directory is created, as a checkpoint directory would be
+        require(not Path(args.metrics).is_dir(), f"--metrics {args.metrics!r} is a directory; name a file in it")
+        _check_dir("--metrics", str(Path(args.metrics).parent))
     if args.tensorboard:
         check_installed("--tensorboard", "tensorboard")
         _check_dir("--tensorboard", args.tensorboard)
@@ -87,3 +89,5 @@ def _check_dir(flag: str, path: str) -> None:
     require(not target.is_file(), f"{flag} {path!r} is a file; name a directory")
     existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
     require(existing.is_dir(), f"{flag} {path!r}: {str(existing)!r} is not a directory; choose another path")
+    require(os.access(existing, os.W_OK), f"{flag} {path!r}: {str(existing)!r} is not writable here; choose a path "
+                                          f"you can write")
