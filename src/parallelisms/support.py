@@ -43,8 +43,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("pipedream", ["zero1", "zero2", "zero3", "per_param", "reuse"] + _FSDP, "PipeDream updates a stage after "
              "every microbatch and stashes a full copy of each weight version in flight, so sharded weights would be "
              "gathered, kept whole and re-sharded per microbatch: no memory saved, every update a full collective"),
-    **_pairs("pipedream", "bf16", "mixed precision's fp32 master weights live in the sharding engines, which "
-             "PipeDream's per-microbatch updates do not run"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
 }
 
