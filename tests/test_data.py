@@ -102,17 +102,27 @@ def test_the_held_out_split_is_the_tail():
     assert split_tokens(tokens, 0.0)[1] is None
 
 
-def _spec(data_dir) -> RunSpec:
+LAYOUTS = {"dp2": (ParallelConfig(dims=ParallelDims(dp_replicate=2)), 2),
+           "pp2": (ParallelConfig(dims=ParallelDims(pp=2), microbatches=2), 2)}
+
+
+def _specs(data_dir) -> dict:
     data = DataConfig(path=str(data_dir / "tokens16.bin"), eval_split=0.2, eval_every=2, eval_batches=2)
     train = TrainConfig(steps=3, global_batch=4, seq_len=16, data=data)
-    return RunSpec(TINY, train, ParallelConfig(dims=ParallelDims(dp_replicate=2)), collect_state=True)
+    return {name: RunSpec(TINY, train, parallel, collect_state=True) for name, (parallel, _) in LAYOUTS.items()}
 
 
-def test_two_ranks_train_on_a_bin_and_report_the_validation_loss(data):
-    spec = _spec(data)
-    report = launch_reports({"bin": spec})("bin")
+@pytest.fixture(scope="module")
+def reports(data):
+    return launch_reports(_specs(data))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_train_on_a_bin_and_report_the_validation_loss(data, reports, layout):
+    """Data parallel, and a pipeline (its validation passes hidden states stage to stage, forward only)."""
+    spec, report = _specs(data)[layout], reports(layout)
     with one_thread():
-        assert_reproduces(report, TINY, spec.train, splits=2)  # the reference reads the same .bin
+        assert_reproduces(report, TINY, spec.train, splits=LAYOUTS[layout][1])  # the reference reads the same .bin
         model = build_model(TINY, 0)
         model.load_state_dict(report["state"])
         _, held = split_tokens(load_tokens(spec.train.data), 0.2)
@@ -134,7 +144,8 @@ def test_two_ranks_train_on_a_bin_and_report_the_validation_loss(data):
     (["--data", "{d}/one.txt", "--eval-split", "0.001"], "holds out"),
     (["--data", "{d}/one.txt", "--tokenizer", "{d}/one.txt"], "is not a tokenizer.json"),
     (["--eval-every", "5"], "needs held-out data"),
-    (["--pp", "2", "--eval-split", "0.1"], "--eval-split 0.1 with --pp 2"),
+    (["--pp", "2", "--dp", "2", "--fsdp", "full_shard", "--fsdp-style", "per_param", "--eval-split", "0.1",
+      "--eval-every", "2"], "--eval-every 2 with --pp 2 and --fsdp-style per_param"),
     (["--data-dtype", "uint32"], "applies only to a pre-tokenized .bin"),
 ])
 def test_bad_data_is_one_line_before_launch(data, capsys, monkeypatch, args, message):

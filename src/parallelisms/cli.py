@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     _add_train_args(p, steps=5)
-    add_data_args(p)
+    add_data_args(p, evaluation=False)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
 

@@ -89,12 +89,11 @@ class MicrobatchLoop:
         """The local mean loss of this rank's rows, forward only (sharded engines gather and free as usual)."""
         total = None
         for x, y in microbatches(inputs, targets, self.grad_accum):
-            with self.comms.ledger.in_phase("eval"):
-                if self.positions is None:
-                    loss = self.model(x, y)
-                else:
-                    pos = self.positions.to(x.device)
-                    loss = self.model(x[:, pos], y[:, pos], positions=pos)
+            if self.positions is None:
+                loss = self.model(x, y)
+            else:
+                pos = self.positions.to(x.device)
+                loss = self.model(x[:, pos], y[:, pos], positions=pos)
             total = upcast(loss) if total is None else total + upcast(loss)
         return (total / self.grad_accum).cpu()
 
@@ -130,9 +129,9 @@ class Trainer:
 
     def evaluate(self, batches) -> torch.Tensor:
         """The mean loss over ``batches`` (this rank's rows of each), averaged over every rank that holds
-        other tokens (dp x cp); no gradient, no update."""
-        local = torch.stack([self.forward_backward.evaluate(x, y) for x, y in batches]).mean()
+        other tokens (dp x cp); no gradient, no update. Its collectives are ledger phase ``eval``."""
         with self.comms.ledger.in_phase("eval"):
+            local = torch.stack([self.forward_backward.evaluate(x, y) for x, y in batches]).mean()
             return self.comms["dp_cp"].all_reduce(local.reshape(1)) / self.comms["dp_cp"].size
 
     def optimizer_step(self) -> None:

@@ -13,20 +13,22 @@ from parallelisms.errors import require
 from parallelisms.flags import check_installed, integer, number
 
 
-def add_data_args(p: argparse.ArgumentParser) -> None:
-    """Data and learning-rate schedule flags (train and verify: the references follow both)."""
+def add_data_args(p: argparse.ArgumentParser, evaluation: bool = True) -> None:
+    """Data and learning-rate schedule flags (train and verify: the references follow both); ``evaluation``:
+    the held-out split's flags too (train: verify compares training, not validation)."""
     d, t = DataConfig(), TrainConfig()
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="a text file, a directory of .txt files, or a pre-tokenized .bin "
                                                   "of token ids (default: the built-in corpus)")
     g.add_argument("--data-dtype", default=d.bin_dtype, help="element type of a .bin: uint16 or uint32")
     g.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
-    g.add_argument("--eval-split", type=number(0, 0.5), default=d.eval_split,
-                   help="fraction of the tokens held out for validation (the last ones)")
-    g.add_argument("--eval-every", type=integer(0, 10**9), default=d.eval_every,
-                   help="steps between validation losses (0: at the last step only, with --eval-split)")
-    g.add_argument("--eval-batches", type=integer(1, 10**6), default=d.eval_batches,
-                   help="global batches each validation averages over")
+    if evaluation:
+        g.add_argument("--eval-split", type=number(0, 0.5), default=d.eval_split,
+                       help="fraction of the tokens held out for validation (the last ones)")
+        g.add_argument("--eval-every", type=integer(0, 10**9), default=d.eval_every,
+                       help="steps between validation losses (0: at the last step only, with --eval-split)")
+        g.add_argument("--eval-batches", type=integer(1, 10**6), default=d.eval_batches,
+                       help="global batches each validation averages over")
     g = p.add_argument_group("learning-rate schedule")
     g.add_argument("--warmup", type=integer(0, 10**9), default=t.warmup, help="linear warmup steps")
     g.add_argument("--lr-schedule", default=t.lr_schedule, help=f"after warmup: {', '.join(LR_SCHEDULES)}")
@@ -46,8 +48,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def data_settings(args) -> dict:
     """``TrainConfig`` fields of the data and schedule flags."""
-    data = DataConfig(path=args.data, bin_dtype=args.data_dtype, tokenizer=args.tokenizer, eval_split=args.eval_split,
-                      eval_every=args.eval_every, eval_batches=args.eval_batches)
+    held_out = {k: getattr(args, k) for k in ("eval_split", "eval_every", "eval_batches") if hasattr(args, k)}
+    data = DataConfig(path=args.data, bin_dtype=args.data_dtype, tokenizer=args.tokenizer, **held_out)
     return {"data": data, "warmup": args.warmup, "lr_schedule": args.lr_schedule, "min_lr": args.min_lr}
 
 
@@ -58,9 +60,15 @@ def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
     data = train.data
     require(not data.eval_every or data.eval_split > 0, f"--eval-every {data.eval_every} needs held-out data; add "
                                                         f"--eval-split 0.1, or drop --eval-every")
-    require(data.eval_split == 0 or parallel.dims.pp == 1,
-            f"--eval-split {data.eval_split:g} with --pp {parallel.dims.pp}: validation runs the layout's forward, "
-            f"which the pipeline schedules do not do alone; drop --eval-split/--eval-every or --pp")
+    require(not data.eval_every or parallel.dims.pp == 1 or not parallel.fsdp or parallel.fsdp_style == "flat",
+            f"--eval-every {data.eval_every} with --pp {parallel.dims.pp} and --fsdp-style {parallel.fsdp_style}: "
+            f"a stage's per-parameter engine keeps its gathered weights from the first forward of a step to the "
+            f"step's reduction, so a validation between steps is not written for it; use --fsdp-style flat, or drop "
+            f"--eval-every (--eval-split alone validates after the last step)")
+    require(data.eval_split == 0 or parallel.dims.pp == 1 or parallel.schedule != "pipedream"
+            or parallel.mixed_precision != "bf16",
+            f"--eval-split {data.eval_split:g} with --schedule pipedream and --mixed-precision bf16: its bf16 weights "
+            f"exist only as stashed versions inside a step; validate in fp32, or drop --eval-split")
     require(data.bin_dtype == DataConfig.bin_dtype or str(data.path).endswith(".bin"),
             f"--data-dtype {data.bin_dtype} applies only to a pre-tokenized .bin --data, got "
             f"{'--data ' + repr(data.path) if data.path else 'no --data'}; drop --data-dtype")
