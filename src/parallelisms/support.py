@@ -91,11 +91,14 @@ def not_supported_markdown() -> str:
     return "\n".join(f"- {', '.join(pairs)}: {reason}." for reason, pairs in by_reason.items())
 
 
-def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> ParallelConfig:
-    """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
+def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,
+                    runtime: bool = True) -> ParallelConfig:
+    """Every cross-check of layout, model and training settings (one-line ConfigError on failure); ``runtime``
+    False leaves out the support table (pairs this runtime does not run), for estimates that only compute."""
     dims = parallel.dims
     _check_names(parallel)
-    check_pairs(features(model, train, parallel))
+    if runtime:
+        check_pairs(features(model, train, parallel))
     _check_pipeline(parallel, model, train)
     _check_expert_parallel(parallel, model)
     _check_tensor_parallel(parallel, model, train)
