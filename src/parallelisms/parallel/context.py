@@ -119,7 +119,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float,
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     if fused:
         rows = -(-q.shape[2] // 32) * 32
-        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed = offset = torch.zeros((), dtype=torch.int64)  # what the forward returns without dropout (unread)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, k, v, None, out, torch.nn.functional.pad(lse, (0, rows - lse.shape[-1])).contiguous(),
             seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
