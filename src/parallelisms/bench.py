@@ -56,7 +56,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
-    p.add_argument("--seq-lens", type=integer_list(2, 10**6), help="cp: sequence lengths (default 1024,2048,4096,8192,16384)")
+    p.add_argument("--seq-lens", type=integer_list(2, 10**6),
+                   help="cp: sequence lengths (default 1024,2048,4096,8192,16384)")
     p.add_argument("--json", action="store_true")
 
 

@@ -1,14 +1,14 @@
 """``parallelisms bench cp``: context parallelism on long sequences. Ring attention (zigzag shards, each block
 pair through the fused attention kernel) and Ulysses at cp 2 on the same ranks, for each ``--seq-lens``
 length, against each other (``ratio`` = ring / Ulysses) and against one process training the same global
-batch (speed-up, peak memory per rank over the one process's, scaling efficiency). No external
-implementation is the peer: the headline compares our two context-parallel attentions.
+batch in the same rounds (speed-up, peak memory per rank over the one process's, scaling efficiency). No
+external implementation is the peer: the headline compares our two context-parallel attentions.
 """
 
 from __future__ import annotations
 
 from parallelisms.bench import bench
-from parallelisms.benches.layouts import PHASES, layouts_rank, long_context, one_process, per_rank_max
+from parallelisms.benches.layouts import ONE_PROCESS, PHASES, layouts_rank, long_context, per_rank_max
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
@@ -25,7 +25,7 @@ def _length(args, seq_len: int) -> dict:
         validate_layout(model_cfg, train_cfg, parallel)
     ranks = launch(layouts_rank, args.world, model_cfg, train_cfg, layouts, args.steps, args.rounds,
                    backend="gloo", threads=1)
-    single = one_process(model_cfg, train_cfg, args.steps)
+    single = ranks[0][ONE_PROCESS]
     row = {"seq_len": seq_len, "tokens_per_step": args.global_batch * seq_len, "one_process": single}
     for style in STYLES:
         figures = per_rank_max(ranks, style)

@@ -8,7 +8,7 @@ one process on the same global batch.
 from __future__ import annotations
 
 from parallelisms.bench import bench
-from parallelisms.benches.layouts import PHASES, layouts_rank, one_process, per_rank_max
+from parallelisms.benches.layouts import ONE_PROCESS, PHASES, layouts_rank, per_rank_max
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
 from parallelisms.launch import launch
@@ -29,7 +29,7 @@ def bench_ep(args) -> dict:
         validate_layout(model_cfg, train_cfg, parallel)
     ranks = launch(layouts_rank, args.world, model_cfg, train_cfg, layouts, args.steps, args.rounds,
                    backend="gloo", threads=1)
-    single = one_process(model_cfg, train_cfg, args.steps)
+    single = ranks[0][ONE_PROCESS]
     tokens = args.global_batch * args.seq_len
     figures = {}
     for name in layouts:

@@ -1,5 +1,5 @@
 """Shared by ``bench cp`` and ``bench ep``: layouts of one model trained through ``parallelize`` on the same
-ranks, and plain training in one process on the same global batch.
+ranks, and plain training of the same global batch in one process (rank 0's, one thread), in the same rounds.
 
 Each layout's step is timed in alternating rounds (``bench.alternate``, one thread per rank); each step is
 split into phases read from the timeline: forward, backward (with the gradient sync's wait), optimizer, and
@@ -26,6 +26,7 @@ from parallelisms.model import build_model
 from parallelisms.train import parallelize
 
 PHASES = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s")
+ONE_PROCESS = "one_process"
 
 
 def long_context(model_cfg: ModelConfig, seq_len: int) -> ModelConfig:
@@ -47,9 +48,18 @@ def _medians(rows: list[dict]) -> dict[str, float]:
 
 def layouts_rank(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig, layouts: dict[str, ParallelConfig],
                  steps: int, rounds: int) -> dict:
-    """Every layout on this rank: median step seconds, per-phase medians, peak bytes, ledger bytes per step."""
+    """Every layout on this rank, and on rank 0 plain training of the whole global batch in the same rounds (the
+    other ranks wait for it in their next step's first collective, outside rank 0's timing): median step
+    seconds, per-phase medians, peak bytes, ledger bytes per step (the layouts)."""
     loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
     runs, out = {}, {}
+    if info.rank == 0:
+        phases = []
+        step, memory = profiled(lambda: _plain_step(model_cfg, train_cfg, loader.batch(0), phases))
+        runs[ONE_PROCESS] = step
+        out[ONE_PROCESS] = {"memory": memory, "phases": phases, "skip": 3}  # two profiled steps, one warm-up
+    else:
+        runs[ONE_PROCESS] = lambda: None
     for name, parallel in layouts.items():
         dims = parallel.dims.check_world_size(info.world_size)
         comms = Comms(dims.build_meshes(), CommLedger(), Timeline(info.rank))
@@ -69,39 +79,35 @@ def layouts_rank(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig,
             phases.append(_phases(timeline, start, timeline.now()))
             timeline.spans.clear()
         runs[name] = timed
-        out[name] = {"memory": memory, "phases": phases, "comms": comms, "mark": comms.ledger.mark()}
+        out[name] = {"memory": memory, "phases": phases, "skip": 1, "ledger": comms.ledger,
+                     "mark": comms.ledger.mark()}
     times = alternate(runs, steps, rounds)
-    return {name: {"step_s": times[name], "peak_bytes": o["memory"]["peak_bytes"], **_medians(o["phases"][1:]),
-                   "comm_per_step": o["comms"].ledger.summary(since=o["mark"], per=len(o["phases"]),
-                                                              exclude_phases=("report", "setup"))}
-            for name, o in out.items()}
+    result = {}
+    for name, o in out.items():
+        result[name] = {"step_s": times[name], "peak_bytes": o["memory"]["peak_bytes"],
+                        **_medians(o["phases"][o["skip"]:])}
+        if "ledger" in o:
+            result[name]["comm_per_step"] = o["ledger"].summary(since=o["mark"], per=len(o["phases"]),
+                                                                exclude_phases=("report", "setup"))
+    return result
 
 
-def one_process(model_cfg: ModelConfig, train_cfg: TrainConfig, steps: int) -> dict:
-    """Plain training on the whole global batch in this process, one thread: median step seconds, per-phase
-    medians (no communication) and peak bytes."""
-    torch.set_num_threads(1)
-    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed).batch(0)
-    phases = []
+def _plain_step(model_cfg: ModelConfig, train_cfg: TrainConfig, batch, phases: list):
+    """Plain training (one process, ``torch.optim.AdamW``) on ``batch``; each step appends its phase times."""
+    model = build_model(model_cfg, train_cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
 
-    def build():
-        model = build_model(model_cfg, train_cfg.seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
-
-        def step():
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(inputs, targets)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-            phases.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": time.perf_counter() - t2,
-                           "exposed_comm_s": 0.0})
-        return step
-    step, memory = profiled(build)
-    seconds = alternate({"one": step}, steps, 1)["one"]
-    return {"step_s": seconds, "peak_bytes": memory["peak_bytes"], **_medians(phases[3:])}
+    def step():
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        phases.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": time.perf_counter() - t2,
+                       "exposed_comm_s": 0.0})
+    return step
 
 
 def per_rank_max(results: list[dict], name: str) -> dict:
