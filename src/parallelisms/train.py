@@ -231,8 +231,12 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
 
     steps = range(spec.train.steps)
     if spec.progress and info.rank == 0:
+        import sys
+
         from tqdm import tqdm
-        steps = tqdm(steps, desc=f"train {dims.describe()}", unit="step", dynamic_ncols=True)
+        # a few redraws a second at most, and none into a log (stderr not a terminal)
+        steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
+                     disable=not sys.stderr.isatty())
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks = [], [], [], [], []
     for step in steps:
@@ -246,7 +250,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
         if hasattr(steps, "set_postfix"):
-            steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+            steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
+                              refresh=False)  # the bar redraws on its own clock (mininterval)
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
@@ -264,7 +269,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         return None
     median = statistics.median(step_times[measured])
     report = {
-        "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps,
+        "world_size": info.world_size, "layout": spec.parallel.label(), "steps": spec.train.steps,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
