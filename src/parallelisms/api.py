@@ -126,17 +126,17 @@ def _placement(device: str):
 
 def batches(train: TrainConfig, layout: ParallelConfig, steps: int | None = None,
             device: str = "auto") -> Iterator[tuple]:
-    """This rank's (inputs, targets) for each step (``train.steps`` unless ``steps``): the rows of the built-in
-    corpus's global batch that its data-parallel coordinate owns, as ``parallelisms train`` feeds them, on the
+    """This rank's (inputs, targets) for each step (``train.steps`` unless ``steps``): the rows of the run's
+    data's global batch that its data-parallel coordinate owns, as ``parallelisms train`` feeds them, on the
     device :func:`parallelize` puts the model on (``device`` as there)."""
     import torch.distributed as dist
 
-    from parallelisms.data import BatchLoader, load_corpus
+    from parallelisms.data.sources import training_loader
 
     dims = layout.dims
     coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
-    loader = BatchLoader(load_corpus(), train.global_batch, train.seq_len, train.seed)
+    loader = training_loader(train)  # the built-in corpus, or the data of ``data=`` (``--data``)
     target = _placement(device)[1]
     for step in range(train.steps if steps is None else steps):
         yield tuple(t.to(target) for t in loader.shard(step, dp_rank, dims.dp))

@@ -15,6 +15,7 @@ import sys
 from parallelisms.support import validate_layout
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
 from parallelisms.errors import ConfigError, require
+from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
@@ -120,21 +121,37 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
-                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype)
+                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype,
+                        **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, **options)
     parallel = validate_layout(model, train, parallel, runtime)
+    if hasattr(args, "data"):
+        check_data_args(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
 
 
+def _model_config(args) -> ModelConfig:
+    """--init-from's config.json, else --config, else --preset."""
+    if getattr(args, "init_from", None):
+        from parallelisms.hf import load_hf_model_config
+        require(not args.config, f"--config with --init-from {args.init_from!r}: the model is the checkpoint's; "
+                                 f"drop --config")
+        return load_hf_model_config(args.init_from)
+    return load_hf_config(args.config) if args.config else preset(args.preset).validate()
+
+
 def _model(args) -> ModelConfig:
-    """--preset or --config, then the shape flags."""
-    return shape_from_args(load_hf_config(args.config) if args.config else preset(args.preset).validate(), args)
+    """The model config, then the shape flags (--layers --hidden ...), which a checkpoint's model refuses."""
+    shaped = shape_from_args(_model_config(args), args)
+    require(not getattr(args, "init_from", None) or shaped == _model_config(args),
+            f"shape flags with --init-from {getattr(args, 'init_from', '')!r}: the model is the checkpoint's; drop them")
+    return shaped
 
 
 def _degree_options(args) -> dict:
@@ -200,10 +217,16 @@ def train_report(args, announce: bool = False) -> dict | None:
     if args.predict:
         from parallelisms.perf.hardware import load_hardware
         hardware = load_hardware(args.predict)
+    check_output_args(args)
     model, train, parallel, placement = prepare(args, announce)
-    report = run_layout(RunSpec(model, train, parallel, progress=True), placement, trace=True)
+    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf),
+                   metrics_path=args.metrics, tensorboard_dir=args.tensorboard, init_from=args.init_from)
+    report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
+    if args.export_hf:
+        from parallelisms.hf import export_hf
+        report["exported_hf"] = str(export_hf(report.pop("state"), model, args.export_hf))
     spans = report.pop("spans")
     if args.trace:
         from parallelisms.comm.trace import Timeline, write_chrome_trace
@@ -235,6 +258,8 @@ def cmd_train(args) -> int:
     if "prediction" in report:
         from parallelisms.perf.predict import format_comparison
         print(format_comparison(report["prediction"]))
+    if "exported_hf" in report:
+        print(f"exported to {report['exported_hf']} (Hugging Face Llama)")
     if args.json:
         print(json_line(report))
     return _diverged(report["losses"], report["steps"], args.lr)
@@ -372,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
+    add_data_args(p)
+    add_output_args(p)
     _add_device_arg(p)
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto; "
                                                    "parallelisms plot-trace draws it)")
@@ -383,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=5)
+    add_data_args(p, evaluation=False)
     _add_device_arg(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
