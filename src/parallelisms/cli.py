@@ -18,6 +18,7 @@ from parallelisms.errors import ConfigError, require
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
+from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
 COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
@@ -151,10 +152,14 @@ def run_layout(spec, trace: bool = False):
 def cmd_train(args) -> int:
     from parallelisms.train import RunSpec
 
+    from parallelisms.resume import checkpoint_options
+
     model, train, parallel = build_configs(args)
     if args.trace:
         check_writable("--trace", args.trace)
-    spec = RunSpec(model, train, parallel, progress=True)
+    train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
+    spec = RunSpec(model, train, parallel, progress=True,
+                   checkpoint=checkpoint_options(args, model, train, parallel))
     report = run_layout(spec, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return 0
@@ -189,17 +194,25 @@ def cmd_train(args) -> int:
               f"{pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
     if args.json:
         print(json_line(report))
-    return _diverged(report["losses"], train)
+    return _diverged(report, train)
 
 
-def _diverged(losses: list[float], train: TrainConfig) -> int:
-    """Exit code 1 and one line naming the step where the loss went non-finite; 0 when it stayed finite."""
+def _diverged(report: dict, train: TrainConfig) -> int:
+    """Exit code 1 and one line naming the step (and the rank) where the loss or the gradient went non-finite;
+    0 when it stayed finite."""
+    losses, first, where = report["losses"], report.get("first_step", 1), report.get("nonfinite")
     step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
-    if step is None:
+    if step is None and where is None:
         return 0
-    print(f"error: training diverged: the loss became {losses[step]} at step {step + 1} of {len(losses)}"
+    if where is not None and where["what"] != "loss":
+        print(f"error: training stopped: the gradient norm became non-finite at step {where['step']} of "
+              f"{train.steps}; lower --lr (got {train.lr:g}) or pass --skip-nonfinite", file=sys.stderr)
+        return 1
+    rank = f" on rank {where['rank']}" if where is not None else ""
+    print(f"error: training diverged: the loss became {losses[step]}{rank} at step {first + step} of {train.steps}"
           + (f" (last finite loss {losses[step - 1]:.4f})" if step else "")
-          + f"; lower --lr (got {train.lr:g})", file=sys.stderr)
+          + f"; lower --lr (got {train.lr:g})" + (" or pass --skip-nonfinite" if where is not None else ""),
+          file=sys.stderr)
     return 1
 
 
@@ -273,6 +286,12 @@ def cmd_verify(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_verify_resume(args) -> int:
+    from parallelisms.verify_resume import verify_resume
+
+    return verify_resume(args, lambda argv: build_configs(build_parser().parse_args(["verify", *argv])), run_layout)
+
+
 def cmd_estimate(args) -> int:
     from parallelisms.perf.estimate import HARDWARE, estimate
 
@@ -312,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto)")
+    add_checkpoint_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("verify", help="check a layout against single-process training")
@@ -329,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=number(0, 1, above=True), default=0.45,
                    help="model FLOPs utilisation assumed for compute")
     p.set_defaults(func=cmd_estimate)
+
+    add_verify_resume_parser(sub)
+    sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)

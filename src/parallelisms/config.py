@@ -163,6 +163,7 @@ class TrainConfig:
     bucket_mb: float = 25.0        # data-parallel gradient bucket cap
     timeout_s: float = 300.0       # collective timeout
     dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
+    nonfinite: str = "continue"    # a non-finite loss or gradient: continue (verify finds where), stop or skip
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")

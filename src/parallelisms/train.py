@@ -40,6 +40,7 @@ from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
+from parallelisms.resume import CheckpointOptions
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RunSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = False        # tqdm bar on rank 0
     collect_state: bool = False   # return the full final parameters (verify)
+    checkpoint: CheckpointOptions | None = None  # --save / --resume (parallelisms.checkpoint)
 
 
 class MicrobatchLoop:
@@ -93,6 +95,7 @@ class Trainer:
         self.optimizer = optimizer
         self.optimizers = [optimizer] if optimizer is not None else list(stage_optimizers)  # for the memory report
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
+        self.skipped = False  # the last step's update was left out: its gradient norm was not finite
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.grad_sync.zero_grad()
@@ -108,6 +111,10 @@ class Trainer:
         step the optimizer, then the gradient sync's after-step (sharded engines refresh parameters)."""
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
             self.grad_norm = self.grad_sync.grad_norm()
+            # the same on every rank: under --skip-nonfinite or stop-on-non-finite, no rank applies the update
+            self.skipped = self.cfg.nonfinite != "continue" and not bool(torch.isfinite(self.grad_norm))
+            if self.skipped:
+                return
             if self.cfg.grad_clip > 0:
                 clip_grad_norm_(self.grad_sync.parameters(), self.cfg.grad_clip, self.comms, norm=self.grad_norm)
             self.optimizer.step()
@@ -229,12 +236,25 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     loader = BatchLoader(load_corpus(), spec.train.global_batch, spec.train.seq_len, spec.train.seed)
 
-    steps = range(spec.train.steps)
+    saver, first = None, 0  # first: the step a resumed run continues from
+    if spec.checkpoint is not None:
+        from parallelisms.checkpoint import Saver, load
+
+        if spec.checkpoint.resume:
+            resumed = load(trainer, spec.checkpoint.resume, info.rank)
+            first = resumed.step
+            if resumed.data_state is not None and hasattr(loader, "load_state_dict"):
+                loader.load_state_dict(resumed.data_state)
+        if spec.checkpoint.save_dir:
+            saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
+                          info.rank, spec.checkpoint.meta)
+    steps = range(first, spec.train.steps)
     if spec.progress and info.rank == 0:
         from tqdm import tqdm
         steps = tqdm(steps, desc=f"train {dims.describe()}", unit="step", dynamic_ncols=True)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks = [], [], [], [], []
+    nonfinite, skipped, save_times = None, 0, []
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.shard(step, dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
@@ -247,6 +267,19 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         step_windows.append((start, end))
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+        if spec.train.nonfinite != "continue":
+            nonfinite = _nonfinite(loss, trainer, comms, step + 1, info)
+            if nonfinite is not None and spec.train.nonfinite == "skip":
+                nonfinite, skipped = None, skipped + 1
+            elif nonfinite is not None:
+                break  # stop: every rank agrees (one all-reduce); cmd_train names the step and the rank
+        if saver is not None and (saver.due(step + 1) or step + 1 == spec.train.steps):
+            began = Timeline.now()
+            saver.save(trainer, step + 1, getattr(loader, "state_dict", lambda: None)())
+            save_times.append((Timeline.now() - began) / 1e9)
+        _test_kill(info, step + 1)
+    if saver is not None:
+        saver.close()
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
@@ -254,7 +287,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
         # training only: one-off setup (DDP's bucket rebuild after the first step) and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
-                                         exclude_phases=("report", "setup"))
+                                         exclude_phases=("report", "setup", "checkpoint"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
@@ -264,13 +297,17 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         return None
     median = statistics.median(step_times[measured])
     report = {
-        "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps,
+        "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps, "first_step": first + 1,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }
     report.update(extra)
+    if spec.train.nonfinite != "continue":
+        report.update(nonfinite=nonfinite, skipped_steps=skipped)
+    if save_times:
+        report["save_s"] = save_times
     if trace:
         per_rank = [_sum_stats(g["overlap"]) for g in gathered]
         report["overlap_per_rank"] = per_rank
@@ -279,6 +316,30 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if state is not None:
         report["state"] = state
     return report
+
+
+def _nonfinite(loss: torch.Tensor, trainer: Trainer, comms: Comms, step: int, info: RankInfo) -> dict | None:
+    """Where the step went non-finite, the same on every rank: the lowest rank whose loss is not finite (one
+    all-reduce over the world, outside the step's figures), or the gradient norm (global already); else None."""
+    bad = torch.tensor([info.rank if not bool(torch.isfinite(loss).all()) else info.world_size])
+    with comms.ledger.in_phase("report"):
+        rank = int(comms["world"].all_reduce(bad, op=torch.distributed.ReduceOp.MIN)) if info.world_size > 1 else int(bad)
+    if rank < info.world_size:
+        return {"step": step, "rank": rank, "what": "loss"}
+    if trainer.skipped:
+        return {"step": step, "rank": None, "what": "gradient norm"}
+    return None
+
+
+def _test_kill(info: RankInfo, step: int) -> None:
+    """Tests only: ``PARALLELISMS_TEST_KILL_AT=RANK:STEP`` kills that rank after that step, in the first attempt
+    of a torchrun launch (a restart runs through)."""
+    import os
+    import signal
+
+    spec = os.environ.get("PARALLELISMS_TEST_KILL_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{info.rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sum_stats(stats: list[dict]) -> dict:

@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
-from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.common import SHARD_ATTR, mark_sharded
 from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
+from parallelisms.parallel.placement import flat_pieces
 
 
 class ReuseSharding(PerParamSharding):
@@ -83,6 +84,14 @@ class ReuseSharding(PerParamSharding):
     def parameters(self) -> list[nn.Parameter]:
         """One flat shard per unit (sharing storage with the model's parameters)."""
         return [unit.flat_param for unit in self.units]
+
+    def placements(self) -> list:
+        """Each unit's flat shard with the boxes of the parameters its chunk covers (the flat layout's)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [(unit.flat_param, flat_pieces([names[id(p)] for _, _, p in unit.entries], unit.shapes,
+                                              [getattr(p, SHARD_ATTR, ()) for _, _, p in unit.entries], self.comms,
+                                              unit.comm.rank * unit.shard.numel(), (unit.comm.rank + 1) * unit.shard.numel()))
+                for unit in self.units]
 
     def _attach_grads(self, unit: Unit) -> None:
         super()._attach_grads(unit)
