@@ -8,7 +8,11 @@ launch per world size trains the scenarios in order (each save before the resume
 
 import dataclasses
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +173,54 @@ def test_bad_checkpoint_input_is_one_line_before_launch(extra, needle, capsys, t
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def _torchrun(*argv: str, env: dict | None = None, timeout: float = 240) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _run_args(tmp_path) -> list[str]:
+    """The CLI flags of the SAVED runs (MODEL, TRAIN)."""
+    return ["--config", str(_config_json(tmp_path)), "--global-batch", "8", "--seq-len", "16", "--dtype", "float64",
+            "--grad-clip", "0.5", "--json"]
+
+
+def _last_json(out: str) -> dict:
+    return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint_under_torchrun(tmp_path):
+    """Rank 1 is killed after step 2 (its save done); torchrun --max-restarts 1 restarts both ranks, --resume auto
+    continues from step_2, and the finished run's losses are those of the run that was never killed."""
+    full = _report("dp2")
+    port = _free_port()
+    proc = _torchrun("--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     f"127.0.0.1:{port}", "-m", "parallelisms", "train", "--dp", "2", "--steps", "4",
+                     *_run_args(tmp_path), "--save", str(tmp_path / "ckpt"), "--save-every", "1", "--resume", "auto",
+                     env={"PARALLELISMS_TEST_KILL_AT": "1:2"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    report = _last_json(out)
+    assert report["first_step"] == 3 and report["losses"] == full["losses"][2:], (report["losses"], full["losses"])
+
+
+def test_two_nodes_on_this_host_train_and_verify(tmp_path):
+    """Two torchrun launchers (--nnodes 2, one rank each) rendezvous over c10d on 127.0.0.1: verify passes and the
+    losses are those of the single-launcher dp2 run."""
+    full = _report("dp2")
+    port = _free_port()
+    procs = [_torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "-m", "parallelisms",
+                       "verify", "--dp", "2", "--steps", "4", *_run_args(tmp_path)) for node in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [_last_json(out) for out, _ in outs if "{" in out]
+    assert len(results) == 1 and results[0]["ok"] and results[0]["world_size"] == 2, results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
