@@ -1,9 +1,10 @@
 """Faults end in time and in one line: a stopped rank (SIGSTOP) under ``--timeout 10`` ends the run within 15 s on
 every transport and is named; a killed rank ends every rank within seconds and is named; Ctrl-C ends every
-rank with ``interrupted`` and exit code 130. Each leaves no process and no shared-memory file behind.
+rank with ``interrupted`` and exit code 130, also while the ranks are still importing torch. Each leaves no process and no shared-memory file behind.
 
 The command line runs as a subprocess (in a session of its own, so Ctrl-C can reach its whole process group as
-a terminal's would). The scenarios run at once, each acting once its run has trained a step, to keep the file
+a terminal's would). The scenarios run at once, each acting once its run has trained a step (or, for Ctrl-C
+while starting, once both ranks have begun to import torch), to keep the file
 within a minute on a small machine.
 """
 
@@ -33,12 +34,31 @@ SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted
     "stop_pipeline": (["--preset", "tiny", "--pp", "2", "--dp", "1", "--timeout", "10"], {}, "stop", 0),
     "kill": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "kill", 1),
     "interrupt": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", None),
+    "interrupt_starting": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", "starting"),
 }
+
+
+def _catches_ctrl_c(pid: int) -> bool:
+    """Whether the process has a handler for SIGINT (a Python process has one until parallelisms sets it back to
+    the default, which a spawned rank does before it imports torch)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signal.SIGINT - 1) & 1)
 
 
 def _ranks(launcher: int) -> list[int]:
     """The rank processes (multiprocessing-spawned children of the launcher), in rank order."""
     return sorted(_worker_pids(launcher))
+
+
+def _importing_torch(launcher: int) -> bool:
+    """Whether both ranks are spawned and past the point where they let Ctrl-C end them (then they import torch,
+    for a second or more)."""
+    try:
+        ranks = _ranks(launcher)
+        return len(ranks) == 2 and not any(_catches_ctrl_c(pid) for pid in ranks)
+    except (OSError, StopIteration):
+        return False
 
 
 def _maps_shared_memory(pid: int) -> bool:
@@ -60,9 +80,10 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
     ranks = []
     try:
         deadline = time.monotonic() + 90
-        while not STEPPED.search(err.decode(errors="replace")):
+        while not (_importing_torch(proc.pid) if rank == "starting" else STEPPED.search(err.decode(errors="replace"))):
             assert proc.poll() is None and time.monotonic() < deadline, err.decode(errors="replace")
-            time.sleep(0.1)
+            time.sleep(0.01 if rank == "starting" else 0.1)
+        assert rank != "starting" or not STEPPED.search(err.decode(errors="replace")), "the ranks ran already"
         ranks = _ranks(proc.pid)
         shm = all(_maps_shared_memory(pid) for pid in ranks)
         start = time.monotonic()
@@ -139,8 +160,9 @@ def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs):
     assert result["lines"][0].startswith("error: rank 1 failed (exit code -9)"), result["lines"]
 
 
-def test_ctrl_c_ends_every_rank_with_one_line_and_exit_code_130(runs):
-    result = _result(runs, "interrupt")
+@pytest.mark.parametrize("name", ["interrupt", "interrupt_starting"])
+def test_ctrl_c_ends_every_rank_with_one_line_and_exit_code_130(runs, name):
+    result = _result(runs, name)
     assert result["code"] == 130 and result["seconds"] < 8, result
     assert result["lines"] == ["interrupted"]
 

@@ -5,6 +5,14 @@ import signal
 import sys
 
 INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
+RANK_STARTING = "PARALLELISMS_RANK_STARTING"  # set by the launcher while it spawns the ranks
+
+if __name__ != "__main__" and os.environ.get(RANK_STARTING):
+    # A rank spawned by the command's launcher runs this file first, before it imports torch (multiprocessing's
+    # spawn re-runs the parent's main script): Ctrl-C then ends the rank at once and silently, as it does a
+    # running rank, rather than as a KeyboardInterrupt traceback out of torch's import; the launcher reports
+    # the interrupted run in one line.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run() -> None:
@@ -27,4 +35,5 @@ def run() -> None:
 
 
 if __name__ == "__main__":
+    __spec__ = None  # spawned ranks re-run this file by its path (spawn skips re-running a ``pkg.__main__`` by name)
     run()

@@ -200,6 +200,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
     stop = threading.Event()
     watcher = threading.Thread(target=_continue_after_a_failure, args=(stop, world_size), daemon=True)
     watcher.start()
+    os.environ["PARALLELISMS_RANK_STARTING"] = "1"  # read by parallelisms.__main__ as each rank imports it
     try:
         results = elastic_launch(config, _worker)(entry, args, backend, timeout_s, threads)
     except ChildFailedError as exc:
@@ -209,6 +210,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
             raise KeyboardInterrupt from None
         raise LaunchError(f"the launcher received {exc.sigval.name}; every rank was stopped") from None
     finally:
+        os.environ.pop("PARALLELISMS_RANK_STARTING", None)
         stop.set()
         watcher.join()
         for sig, handler in handlers.items():
