@@ -8,6 +8,7 @@ launch per world size trains the scenarios in order (each save before the resume
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import socket
@@ -81,6 +82,10 @@ for _name, (_model, _parallel) in SAVED.items():
     SPECS[_name] = _spec(_model, _parallel, save_dir=str(ROOT / _name), save_every=SAVE_AT)
     if _parallel.dims.world_size == 2:
         SPECS[f"{_name}/resumed"] = _spec(_model, _parallel, resume=_saved_at(_name))
+# --async-save every step: the next save (and the end of the run) completes the one in flight
+SPECS["zero3_dp2_async"] = _spec(MODEL, SAVED["zero3_dp2"][1], save_dir=str(ROOT / "async"), save_every=1,
+                                 async_save=True)
+SPECS["zero3_dp2_async/resumed"] = _spec(MODEL, SAVED["zero3_dp2"][1], resume=str(ROOT / "async" / "step_2"))
 for _name, (_saved, _parallel) in CROSS.items():
     SPECS[_name] = _spec(SAVED[_saved][0], _parallel, resume=_saved_at(_saved))
 # the 4-rank launch resumes a 2-rank save: the 2-rank launch runs first (first use, below)
@@ -104,6 +109,15 @@ def test_same_layout_resume_is_bit_identical(name):
     assert resumed["first_step"] == SAVE_AT + 1 and len(resumed["losses"]) == TRAIN.steps - SAVE_AT
     assert resumed["losses"] == full["losses"][SAVE_AT:]
     assert resumed["grad_norms"] == full["grad_norms"][SAVE_AT:]
+    for key, tensor in full["state"].items():
+        assert torch.equal(resumed["state"][key], tensor), key
+
+
+def test_async_saves_resume_exactly():
+    full, resumed = _report("zero3_dp2"), _report("zero3_dp2_async/resumed")
+    assert sorted(p.name for p in (ROOT / "async").iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
+    assert _report("zero3_dp2_async")["losses"] == full["losses"]
+    assert resumed["losses"] == full["losses"][SAVE_AT:]
     for key, tensor in full["state"].items():
         assert torch.equal(resumed["state"][key], tensor), key
 
@@ -224,3 +238,47 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _poison_step(monkeypatch, at: int) -> None:
+    """The ``at``-th step's loss and gradients become NaN (in-process runs: --dp 1)."""
+    from parallelisms import train as train_module
+
+    original, calls = train_module.MicrobatchLoop.__call__, []
+
+    def poisoned(self, inputs, targets, grad_sync):
+        loss = original(self, inputs, targets, grad_sync)
+        calls.append(1)
+        if len(calls) == at:
+            for p in grad_sync.parameters():
+                p.grad.fill_(float("nan"))
+            return loss * float("nan")
+        return loss
+    monkeypatch.setattr(train_module.MicrobatchLoop, "__call__", poisoned)
+
+
+def test_a_nonfinite_step_stops_the_run_naming_step_and_rank(monkeypatch, capsys, tmp_path):
+    _poison_step(monkeypatch, 2)
+    assert main(["train", "--dp", "1", "--steps", "4", *_run_args(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    report = _last_json(captured.out)
+    assert report["nonfinite"] == {"step": 2, "rank": 0, "what": "loss"} and len(report["losses"]) == 2
+    errors = [ln for ln in captured.err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "on rank 0 at step 2" in errors[0] and "--skip-nonfinite" in errors[0], errors
+
+
+def test_skip_nonfinite_skips_the_update_and_counts_it(monkeypatch, capsys, tmp_path):
+    _poison_step(monkeypatch, 2)
+    assert main(["train", "--dp", "1", "--steps", "4", "--skip-nonfinite", *_run_args(tmp_path)]) == 0
+    report = _last_json(capsys.readouterr().out)
+    assert report["skipped_steps"] == 1 and report["nonfinite"] is None
+    assert report["losses"][1] is None and all(math.isfinite(x) for i, x in enumerate(report["losses"]) if i != 1)
+
+
+def test_load_full_state_reads_any_layouts_checkpoint_in_one_process():
+    from parallelisms.checkpoint import load_full_state
+
+    full = _report("pp2_zbv")
+    state = load_full_state(ROOT / "pp2_zbv" / "step_4")
+    assert state.keys() == full["state"].keys()
+    assert all(torch.equal(state[k], t) for k, t in full["state"].items())

@@ -246,3 +246,14 @@ def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
         torch.set_rng_state(rng["torch"])
     trainer.grad_sync.after_step()
     return Resumed(state["train"]["step"], state["train"].get("data"))
+
+
+def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full parameters of the checkpoint at ``path`` by the plain model's names, in one process (no process
+    group): what an export or an evaluation reads, whatever layout saved it."""
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    state = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype) for fqn, md in saved.items()
+             if fqn.startswith("model.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {fqn[len("model."):]: t for fqn, t in state.items()}

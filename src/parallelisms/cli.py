@@ -201,6 +201,11 @@ def _diverged(report: dict, train: TrainConfig) -> int:
     """Exit code 1 and one line naming the step (and the rank) where the loss or the gradient went non-finite;
     0 when it stayed finite."""
     losses, first, where = report["losses"], report.get("first_step", 1), report.get("nonfinite")
+    if report.get("skipped_steps"):
+        print(f"warning: skipped {report['skipped_steps']} step(s) whose loss or gradient was not finite "
+              f"(--skip-nonfinite)", file=sys.stderr)
+    if train.nonfinite == "skip":
+        return 0
     step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     if step is None and where is None:
         return 0
