@@ -282,3 +282,14 @@ def test_load_full_state_reads_any_layouts_checkpoint_in_one_process():
     state = load_full_state(ROOT / "pp2_zbv" / "step_4")
     assert state.keys() == full["state"].keys()
     assert all(torch.equal(state[k], t) for k, t in full["state"].items())
+
+
+def test_verify_resume_prints_ok(capsys, tmp_path):
+    """In one process both (the launches are covered above): saved plain, resumed with full recomputation."""
+    run = f"--config {_config_json(tmp_path)} --steps 4 --global-batch 4 --seq-len 16 --dtype float64"
+    assert main(["verify-resume", "--save-layout", "", "--resume-layout", "--recompute full", "--run", run,
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    result = _last_json(out)
+    assert result["ok"] and result["save_at"] == 2 and result["max_param_rel_diff"] < TOLERANCE_FLOAT64
+    assert ": ok" in out.splitlines()[-2]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +119,14 @@ class _LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process whenever there is no process group, which is what we asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _init_adam_state(optimizers) -> None:
     """Create AdamW's state for parameters that have none yet (a resume before the first step)."""
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -140,7 +150,7 @@ def _tensors(trainer) -> tuple[dict[str, Boxes], list]:
             state = opt.state.get(param)
             if state:
                 states.append(state)
-                sources += [(f"optim", state[key], key) for key in MOMENTS]
+                sources += [("optim", state[key], key) for key in MOMENTS]
         for piece in pieces:
             for source in sources:
                 fqn = f"model.{piece.name}" if source[0] == "model" else f"optim.{piece.name}.{source[2]}"
@@ -195,7 +205,8 @@ class Saver:
             future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=self.group)
             self.pending = (future, step, tmp)
         else:
-            dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
             self._finalize(step, tmp)
 
     def _barrier(self) -> None:
@@ -237,8 +248,9 @@ def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
     state["train"] = {}
     state[f"rng.{rank}"] = {}
     state["rng.0"] = {}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not dist.is_initialized(),
-             planner=_LoadPlanner(optional={f"rng.{rank}", "optim.step"}))
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not dist.is_initialized(),
+                 planner=_LoadPlanner(optional={f"rng.{rank}", "optim.step"}))
     for s in states:
         s["step"].fill_(step_tensor.item())
     rng = state.get(f"rng.{rank}") or state["rng.0"]
@@ -255,5 +267,6 @@ def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     saved = reader.read_metadata().state_dict_metadata
     state = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype) for fqn, md in saved.items()
              if fqn.startswith("model.")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {fqn[len("model."):]: t for fqn, t in state.items()}
