@@ -197,7 +197,7 @@ class Saver:
         state = dict(tensors)
         if states:
             state["optim.step"] = states[0]["step"].detach().clone()
-        state["train"] = {"step": step, "data": data_state}
+        state["train"] = {"step": step, "data": data_state, "schedulers": _scheduler_states(trainer)}
         state[f"rng.{self.rank}"] = {"torch": torch.get_rng_state()}
         writer = dcp.FileSystemWriter(str(tmp))
         if self.async_save:
@@ -256,8 +256,23 @@ def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
     rng = state.get(f"rng.{rank}") or state["rng.0"]
     if rng:
         torch.set_rng_state(rng["torch"])
+    _restore_schedulers(trainer, state["train"].get("schedulers") or [])
     trainer.grad_sync.after_step()
     return Resumed(state["train"]["step"], state["train"].get("data"))
+
+
+def _scheduler_states(trainer) -> list[dict]:
+    """The learning-rate schedulers' states (one per optimizer, where the trainer has them)."""
+    return [s.state_dict() for s in getattr(trainer, "schedulers", ())]
+
+
+def _restore_schedulers(trainer, saved: list[dict]) -> None:
+    """Every scheduler continues from the first saved one's position (they step together), and its optimizer's
+    learning rate is the one that position gives."""
+    for scheduler in getattr(trainer, "schedulers", ()) if saved else ():
+        scheduler.load_state_dict(saved[0])
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
