@@ -31,7 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
+                                                         create_read_items_for_chunk_list)
 
 from parallelisms.errors import ConfigError
 from parallelisms.resume import META, latest  # noqa: F401 (latest: the newest complete checkpoint)
@@ -55,8 +56,9 @@ class Boxes:
         return [ChunkStorageMetadata(torch.Size(offsets), box.shape) for offsets, box in self.boxes.items()]
 
     def snapshot(self) -> "Boxes":
+        """A copy in host memory (what an asynchronous save writes while training goes on)."""
         copy = Boxes(self.full_shape, self.dtype)
-        copy.boxes = {o: b.detach().clone() for o, b in self.boxes.items()}
+        copy.boxes = {o: b.detach().to("cpu", copy=True) for o, b in self.boxes.items()}
         return copy
 
 
@@ -76,7 +78,7 @@ class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         obj = self.state_dict[write_item.index.fqn]
         if isinstance(obj, Boxes):  # its own storage: torch.save of a view would write the whole buffer
-            return obj.boxes[tuple(write_item.index.offset)].detach().clone()
+            return obj.boxes[tuple(write_item.index.offset)].detach().to("cpu", copy=True)
         return super().resolve_data(write_item)
 
 
@@ -159,6 +161,13 @@ def _tensors(trainer) -> tuple[dict[str, Boxes], list]:
     return out, states
 
 
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
 @dataclass
 class Resumed:
     """What a resume restores besides the tensors: the step to continue from and the data position."""
@@ -174,8 +183,10 @@ def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
 class Saver:
     """Saves every ``every`` steps into ``root`` (all ranks construct it and call :meth:`save`)."""
 
-    def __init__(self, root: str, every: int, async_save: bool, comms, rank: int, meta: dict):
+    def __init__(self, root: str, every: int, async_save: bool, comms, rank: int, meta: dict,
+                 device: torch.device = torch.device("cpu")):
         self.root, self.every, self.async_save, self.comms, self.rank = Path(root), every, async_save, comms, rank
+        self.device = device  # of the barrier's tensor (NCCL reduces device tensors)
         self.meta = meta
         self.pending = None  # (future, step, tmp dir)
         # async: DCP's background thread synchronizes over a group of its own, not the training's
@@ -198,7 +209,7 @@ class Saver:
         if states:
             state["optim.step"] = states[0]["step"].detach().clone()
         state["train"] = {"step": step, "data": data_state, "schedulers": _scheduler_states(trainer)}
-        state[f"rng.{self.rank}"] = {"torch": torch.get_rng_state()}
+        state[f"rng.{self.rank}"] = _rng_state()
         writer = dcp.FileSystemWriter(str(tmp))
         if self.async_save:
             state = {k: v.snapshot() if isinstance(v, Boxes) else v for k, v in state.items()}
@@ -211,7 +222,7 @@ class Saver:
 
     def _barrier(self) -> None:
         with self.comms.ledger.in_phase("checkpoint"):
-            self.comms["world"].all_reduce(torch.zeros(1))
+            self.comms["world"].all_reduce(torch.zeros(1, device=self.device))
 
     def _finalize(self, step: int, tmp: Path) -> None:
         """Rank 0, once DCP's metadata is written (every rank's data is): metadata file, then the rename."""
@@ -256,6 +267,8 @@ def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
     rng = state.get(f"rng.{rank}") or state["rng.0"]
     if rng:
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     _restore_schedulers(trainer, state["train"].get("schedulers") or [])
     trainer.grad_sync.after_step()
     return Resumed(state["train"]["step"], state["train"].get("data"))

@@ -247,7 +247,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                 loader.load_state_dict(resumed.data_state)
         if spec.checkpoint.save_dir:
             saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
-                          info.rank, spec.checkpoint.meta)
+                          info.rank, spec.checkpoint.meta, info.device)
     steps = range(first, spec.train.steps)
     if spec.progress and info.rank == 0:
         from tqdm import tqdm
@@ -321,9 +321,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
 def _nonfinite(loss: torch.Tensor, trainer: Trainer, comms: Comms, step: int, info: RankInfo) -> dict | None:
     """Where the step went non-finite, the same on every rank: the lowest rank whose loss is not finite (one
     all-reduce over the world, outside the step's figures), or the gradient norm (global already); else None."""
-    bad = torch.tensor([info.rank if not bool(torch.isfinite(loss).all()) else info.world_size])
+    bad = torch.tensor([info.rank if not bool(torch.isfinite(loss).all()) else info.world_size], device=info.device)
     with comms.ledger.in_phase("report"):
-        rank = int(comms["world"].all_reduce(bad, op=torch.distributed.ReduceOp.MIN)) if info.world_size > 1 else int(bad)
+        rank = int(comms["world"].all_reduce(bad, op=torch.distributed.ReduceOp.MIN) if info.world_size > 1 else bad)
     if rank < info.world_size:
         return {"step": step, "rank": rank, "what": "loss"}
     if trainer.skipped:

@@ -526,7 +526,8 @@ class PerParamSharding:
 
     def placements(self) -> list:
         """Each parameter's dim-0 shard, placed by its marks (this engine's, tensor and expert parallelism's)."""
-        return [(p, tensor_pieces(name, p, self.comms)) for name, p in self.model.named_parameters() if p.requires_grad]
+        return [(p, tensor_pieces(name, p, self.comms)) for name, p in self.model.named_parameters()
+                if p.requires_grad]
 
     def memory(self, optimizers) -> dict:
         """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the

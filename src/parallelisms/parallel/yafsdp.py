@@ -88,10 +88,14 @@ class ReuseSharding(PerParamSharding):
     def placements(self) -> list:
         """Each unit's flat shard with the boxes of the parameters its chunk covers (the flat layout's)."""
         names = {id(p): name for name, p in self.model.named_parameters()}
-        return [(unit.flat_param, flat_pieces([names[id(p)] for _, _, p in unit.entries], unit.shapes,
-                                              [getattr(p, SHARD_ATTR, ()) for _, _, p in unit.entries], self.comms,
-                                              unit.comm.rank * unit.shard.numel(), (unit.comm.rank + 1) * unit.shard.numel()))
-                for unit in self.units]
+        out = []
+        for unit in self.units:
+            params = [p for _, _, p in unit.entries]
+            lo = unit.comm.rank * unit.shard.numel()
+            out.append((unit.flat_param, flat_pieces([names[id(p)] for p in params], unit.shapes,
+                                                     [getattr(p, SHARD_ATTR, ()) for p in params], self.comms,
+                                                     lo, lo + unit.shard.numel())))
+        return out
 
     def _attach_grads(self, unit: Unit) -> None:
         super()._attach_grads(unit)
