@@ -51,20 +51,28 @@ def _ranks(launcher: int) -> list[int]:
     return sorted(_worker_pids(launcher))
 
 
-def _importing_torch(launcher: int) -> bool:
-    """Whether both ranks are spawned and past the point where they let Ctrl-C end them (then they import torch,
-    for a second or more)."""
+def _importing_torch(launcher: int, started: set) -> bool:
+    """Whether both ranks are spawned and past the point where they let Ctrl-C end them, and one of them has not
+    loaded torch's library yet (a rank that already runs has loaded it). ``started`` collects the ranks seen with
+    Python's own Ctrl-C handler (a process just spawned has none yet)."""
     try:
         ranks = _ranks(launcher)
-        return len(ranks) == 2 and not any(_catches_ctrl_c(pid) for pid in ranks)
+        started |= {pid for pid in ranks if _catches_ctrl_c(pid)}
+        if len(ranks) != 2 or any(pid not in started or _catches_ctrl_c(pid) for pid in ranks):
+            return False
+        return not all(_maps(pid, "libtorch_cpu") for pid in ranks)
     except (OSError, StopIteration):
         return False
 
 
+def _maps(pid: int, name: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return name in f.read()
+
+
 def _maps_shared_memory(pid: int) -> bool:
     """Whether the process maps a shared-memory all-reduce file (unlinked once every rank has mapped it)."""
-    with open(f"/proc/{pid}/maps") as f:
-        return "/dev/shm/parallelisms-" in f.read()
+    return _maps(pid, "/dev/shm/parallelisms-")
 
 
 def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
@@ -80,7 +88,8 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
     ranks = []
     try:
         deadline = time.monotonic() + 90
-        while not (_importing_torch(proc.pid) if rank == "starting" else STEPPED.search(err.decode(errors="replace"))):
+        started = set()
+        while not (_importing_torch(proc.pid, started) if rank == "starting" else STEPPED.search(err.decode(errors="replace"))):
             assert proc.poll() is None and time.monotonic() < deadline, err.decode(errors="replace")
             time.sleep(0.01 if rank == "starting" else 0.1)
         assert rank != "starting" or not STEPPED.search(err.decode(errors="replace")), "the ranks ran already"

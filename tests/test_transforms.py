@@ -22,6 +22,7 @@ from parallelisms.parallel.data import DataParallel
 from parallelisms.parallel.expert import ExpertParallelExperts
 from parallelisms.parallel.flat import ShardedEngine
 from parallelisms.parallel.fsdp2 import PerParamSharding
+from parallelisms.parallel.pipeline.pipedream import WeightStashing
 from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import _checkpointed_forward
@@ -112,6 +113,11 @@ def _applied(feature: str, trainer, modules) -> bool:
         return all(getattr(layer.attention.core.forward, "__func__", None) is _checkpointed_forward
                    for layer in layers)
     if feature == "bf16":
+        executor = getattr(trainer.forward_backward, "executor", None)
+        forward = getattr(executor, "forward_fn", None)
+        stashing = getattr(getattr(forward, "func", forward), "__self__", None)  # unwrapped from its positions
+        if isinstance(stashing, WeightStashing):  # PipeDream: stashed versions are bf16 casts, bf16 activations
+            return stashing.compute_dtype == executor.dtype == torch.bfloat16
         # every gradient sync is a sharding engine computing in bf16 (DDP: the flat engine's NO_SHARD plan)
         return all((e.plan.compute_dtype if isinstance(e, ShardedEngine) else getattr(e, "compute_dtype", None))
                    == torch.bfloat16 for e in engines)

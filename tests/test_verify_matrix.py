@@ -30,6 +30,7 @@ in pytest, one per scenario.
 
 import dataclasses
 import functools
+import importlib
 import math
 
 import pytest
@@ -200,6 +201,8 @@ SCENARIOS.update({
         ParallelDims(dp_shard=2, tp=2), zero=3, sequence_parallel=True, mixed_precision="bf16")),
     "bf16_pp2_dp2_full_shard": (PIPE, PIPE_PLAIN.replace(dtype="float32"), ParallelConfig(
         ParallelDims(pp=2, dp_shard=2), fsdp="full_shard", microbatches=4, mixed_precision="bf16")),
+    "bf16_pp2_dp2_pipedream_clip": (PIPE, PIPE_CLIP.replace(dtype="float32"), ParallelConfig(
+        ParallelDims(pp=2, dp_replicate=2), schedule="pipedream", microbatches=4, mixed_precision="bf16")),
 })
 # Launched on their own, so that a process aborting in gloo (which ends every scenario of its launch) is
 # pinned to its family: flat shards of tensor-parallel weights, whose pieces sum their squared norms over
@@ -337,7 +340,7 @@ def test_ddp_and_zero_cut_buckets_under_the_cap():
 def _doubled_gradients(monkeypatch) -> Run:
     """Single-process training whose every gradient is twice the true one: a layout that sums over two
     data-parallel ranks instead of averaging."""
-    import parallelisms.verify as verify
+    verify = importlib.import_module("parallelisms.verify")  # parallelisms.verify is the API function
 
     build = verify.build_model
 
@@ -392,11 +395,17 @@ def test_nonfinite_run_fails_naming_where(changes, where):
 def test_bf16_layouts_within_the_envelope(name):
     """bf16 layouts against single-process bf16 training on the same slices, within verify's envelope around
     fp32 training (tensor parallelism's bf16 partial sums have no single-process twin); the pipeline alone
-    accumulates its microbatches in fp32 main grads and is the exact twin."""
+    accumulates its microbatches in fp32 main grads and is the exact twin. PipeDream's twin is its
+    delayed-update reference forwarding and backwarding bf16 casts of the fp32 weights."""
     model, train, parallel = SCENARIOS[name]
     with one_thread():
-        bf16 = reference_train_bf16(model, train, splits=batch_slices(parallel, train))
-        fp32 = reference_train(model, train)
+        if _pipedream(parallel):
+            dims = (parallel.dims.pp, parallel.microbatches, parallel.dims.dp)
+            bf16 = Run(*pipedream_reference(model, train, *dims, compute_dtype=torch.bfloat16))
+            fp32 = Run(*pipedream_reference(model, train, *dims))
+        else:
+            bf16 = reference_train_bf16(model, train, splits=batch_slices(parallel, train))
+            fp32 = reference_train(model, train)
     result = compare_mixed_precision(_report(name), bf16, fp32)
     assert result["ok"], (name, result)
     if parallel.dims.tp == 1:

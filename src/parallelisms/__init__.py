@@ -1,2 +1,44 @@
-"""parallelisms: every parallelism of large-model training, from first principles on torch.distributed."""
+"""parallelisms: every parallelism of large-model training, from first principles on torch.distributed.
+
+The Python API (``docs/api.md``), each function loaded on first use so that ``import parallelisms`` stays
+light (the command line holds Ctrl-C while it imports):
+
+- ``train(**options)``, ``verify(**options)``, ``estimate(**options)``, ``simulate(**options)``: the verbs of
+  the command line, taking its options as keyword arguments (``dp=2, tp=2, sp=True``) and returning the
+  dict that ``--json`` prints.
+- ``configure(**options)``, ``build_model(...)``, ``parallelize(model, layout, train)``, ``batches(train,
+  layout)``: the pieces for a training loop of your own, inside a ``torchrun`` script.
+"""
+
+import sys
+import types
+
 __version__ = "0.1.0"
+API = ("train", "verify", "estimate", "simulate", "configure", "build_model", "parallelize", "batches")
+__all__ = [*API, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in API:
+        from parallelisms import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'parallelisms' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *API})
+
+
+class _Package(types.ModuleType):
+    """``parallelisms.train`` and ``parallelisms.verify`` are API functions, although modules of the same names
+    exist: importing those modules must not replace the functions (import them as ``from parallelisms.train
+    import X``, or by ``importlib.import_module``)."""
+
+    def __setattr__(self, name, value):
+        if name in API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

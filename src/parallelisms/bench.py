@@ -42,18 +42,18 @@ def add_bench_parser(sub) -> None:
     count = integer(1, 10**9)
     p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
     p.add_argument("name", help="what to benchmark: " + ", ".join(BENCHES) if BENCHES else "benchmark name")
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default="small", help="model preset")
     p.add_argument("--world", type=DEGREE, default=2, help="ranks")
-    p.add_argument("--global-batch", type=count, default=8)
-    p.add_argument("--seq-len", type=integer(2, 10**9), default=128)
+    p.add_argument("--global-batch", type=count, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")
     p.add_argument("--steps", type=count, default=5, help="timed steps per round and implementation")
     p.add_argument("--rounds", type=count, default=3, help="alternating rounds")
-    p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0)
+    p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0, help="gradient bucket cap")
     p.add_argument("--schedule", help="pipeline: the schedule (gpipe, 1f1b (default), interleaved, zb-v, dualpipev)")
     p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 
 def run_bench(args) -> dict:
@@ -70,6 +70,9 @@ def run_bench(args) -> dict:
     print(f"bench {args.name}: ours {result['ours_s'] * 1e3:.1f} ms, {result['peer']} {result['peer_s'] * 1e3:.1f} ms "
           f"per step, ratio {result['ratio']:.3f}" + "".join(f", {k} {v:.3f}" for k, v in result.items()
                                                             if k.endswith("_efficiency")))
+    if "alpha_s" in result:  # the fitted model itself
+        print(f"alpha {result['alpha_s'] * 1e6:.1f} us per call, beta {result['beta_s_per_byte'] * 1e9:.3f} ns per byte "
+              f"({result['bandwidth_GB_per_s']:.2f} GB/s), fit r2 {result['r2']:.3f}")
     return result
 
 

@@ -27,7 +27,21 @@ COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later a
 NEEDS_DEGREE = {"schedule": "pp", "microbatches": "pp", "chunks": "pp", "pp_balance": "pp", "cp_attention": "cp"}
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``, except where there is none to show (switches, unset options)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    """One-line errors; ``--help`` shows every option's default."""
+
+    def __init__(self, *args, formatter_class=_Formatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     def error(self, message):  # one line, no usage block
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
@@ -40,8 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("layout (world size = pp x dp x cp x tp)")
+    when = f"{dp_default} when --tp, --pp and --cp are 1, else 1" if dp_default > 1 else str(dp_default)
     g.add_argument("--dp", type=DEGREE, help=f"data-parallel degree (replicas for DDP; the shard group for "
-                                              f"--zero/--fsdp; default {dp_default})")
+                                              f"--zero/--fsdp); default {when}")
     p.set_defaults(dp_default=dp_default)
     g.add_argument("--dp-replicate", type=DEGREE, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
     g.add_argument("--dp-shard", type=DEGREE, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
@@ -73,14 +88,14 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
 def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("training")
     d = TrainConfig()
-    g.add_argument("--steps", type=COUNT, default=steps)
+    g.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
     g.add_argument("--global-batch", type=COUNT, default=DEFAULT_TRAIN["global_batch"], help="sequences per step")
-    g.add_argument("--seq-len", type=integer(2, 10**9), default=DEFAULT_TRAIN["seq_len"])
+    g.add_argument("--seq-len", type=integer(2, 10**9), default=DEFAULT_TRAIN["seq_len"], help="tokens per sequence")
     g.add_argument("--grad-accum", type=COUNT, default=1, help="microbatches per rank per step")
-    g.add_argument("--lr", type=number(0, above=True), default=d.lr)
+    g.add_argument("--lr", type=number(0, above=True), default=d.lr, help="AdamW learning rate")
     g.add_argument("--grad-clip", type=number(0), default=d.grad_clip, help="global-norm clip (0: off)")
     # the data loader seeds step s with seed x 1_000_003 + s, which torch's 64-bit seeds hold for any seed below 2^32
-    g.add_argument("--seed", type=integer(0, 2**32 - 1), default=d.seed)
+    g.add_argument("--seed", type=integer(0, 2**32 - 1), default=d.seed, help="seed of the weights and the data")
     g.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=d.bucket_mb,
                    help="data-parallel gradient bucket cap")
     g.add_argument("--timeout", type=number(0, 10**6, above=True), default=d.timeout_s,
@@ -90,8 +105,16 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 
-def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
-    """Turn parsed arguments into validated configs (raises ConfigError)."""
+def _add_device_arg(p: argparse.ArgumentParser) -> None:
+    from parallelisms.device import DEVICES
+
+    p.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)}: auto is cuda (NCCL) when every rank on "
+                                                    f"this machine has a GPU of its own, else cpu (gloo)")
+
+
+def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
+    """Turn parsed arguments into validated configs (raises ConfigError); ``runtime`` False: only what an
+    estimate needs (see ``validate_layout``)."""
     model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
@@ -102,7 +125,7 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, **options)
-    parallel = validate_layout(model, train, parallel)
+    parallel = validate_layout(model, train, parallel, runtime)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
@@ -124,19 +147,28 @@ def _data_parallel_degrees(args) -> dict:
         require(args.dp is None, f"--dp {args.dp} with --dp-replicate/--dp-shard: the data-parallel degree is "
                                  f"dp_replicate x dp_shard; drop --dp")
         return {"dp_replicate": args.dp_replicate or 1, "dp_shard": args.dp_shard or 1}
-    dp = args.dp_default if args.dp is None else args.dp
+    dp = args.dp_default if args.dp is None and max(args.tp, args.pp, args.cp) == 1 else args.dp or 1
     sharded = args.zero > 0 or args.fsdp is not None
     return {"dp_shard": dp} if sharded else {"dp_replicate": dp}
 
 
-def _backend_for(world: int) -> str:
-    import torch
+def prepare(args, announce: bool = False):
+    """Validated configs and the device placement of a train or verify run, all before any process starts;
+    ``announce`` prints the layout that will run (rank 0 only under torchrun)."""
+    from parallelisms.device import choose
 
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    model, train, parallel = build_configs(args)
+    placement = choose(args.device, parallel.dims.world_size)
+    if announce and os.environ.get("RANK", "0") == "0":
+        world = parallel.dims.world_size
+        print(f"{args.command} {parallel.label()}: {world} rank{'s' if world > 1 else ''} on {placement.describe()}",
+              flush=True)
+    return model, train, parallel, placement
 
 
-def run_layout(spec, trace: bool = False):
-    """Run ``train_rank`` for ``spec`` on its world size; rank 0's report (or None on other torchrun ranks)."""
+def run_layout(spec, placement, trace: bool = False):
+    """Run ``train_rank`` for ``spec`` on its world size; rank 0's report (or None on other torchrun ranks),
+    with the ``device`` and ``backend`` it ran on."""
     from parallelisms.launch import RankInfo, launch, under_torchrun
     from parallelisms.train import train_rank
 
@@ -144,79 +176,79 @@ def run_layout(spec, trace: bool = False):
     if world == 1 and not under_torchrun():
         import torch
 
-        return train_rank(RankInfo(0, 1, 0, torch.device("cpu")), spec, trace)
-    results = launch(train_rank, world, spec, trace, backend=_backend_for(world), timeout_s=spec.train.timeout_s)
-    return results[0]
+        device = torch.device("cuda", 0) if placement.device == "cuda" else torch.device("cpu")
+        report = train_rank(RankInfo(0, 1, 0, device), spec, trace)
+    else:
+        report = launch(train_rank, world, spec, trace, backend=placement.backend, timeout_s=spec.train.timeout_s)[0]
+    if report is not None:
+        report.update(device=placement.device, backend=placement.backend)
+    return report
 
 
-def cmd_train(args) -> int:
+def train_report(args, announce: bool = False) -> dict | None:
+    """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.train import RunSpec
 
     from parallelisms.resume import checkpoint_options
 
-    model, train, parallel = build_configs(args)
+    model, train, parallel, placement = prepare(args, announce)
     if args.trace:
         check_writable("--trace", args.trace)
     train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
-    spec = RunSpec(model, train, parallel, progress=True,
-                   checkpoint=checkpoint_options(args, model, train, parallel))
-    report = run_layout(spec, trace=True)
+    spec = RunSpec(model, train, parallel, progress=True, checkpoint=checkpoint_options(args, model, train, parallel))
+    report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
-        return 0
+        return None
+    spans = report.pop("spans")
     if args.trace:
-        from parallelisms.comm.trace import Timeline, format_summary, write_chrome_trace
+        from parallelisms.comm.trace import Timeline, write_chrome_trace
 
         timelines = []
-        for rank, spans in enumerate(report["spans"]):
+        for rank, rank_spans in enumerate(spans):
             t = Timeline(rank)
-            t.spans = spans
+            t.spans = rank_spans
             timelines.append(t)
         write_chrome_trace(timelines, args.trace)
-        print(format_summary(report["overlap_per_rank"]))
-        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
-    report.pop("spans", None)
-    report.pop("overlap_per_rank", None)
-    comm = ", ".join(f"{k} {v['calls']:g} calls {v['bytes_per_rank'] / 1e3:,.1f} kB" for k, v in report["comm"].items())
-    print(f"{report['layout']}: loss {report['loss_first']:.4f} -> {report['loss_last']:.4f} in {report['steps']} steps; "
-          f"step {report['step_time_s'] * 1e3:.1f} ms (median), {report['tokens_per_s']:,.0f} tokens/s; "
-          f"comm per step per rank: {comm or 'none'}; exposed comm {report['exposed_comm_fraction']:.1%} of the step")
+        report["trace"] = args.trace
     from parallelisms.perf.model import predicted_comm_by_kind
 
     report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train, dtype_bytes=2 if parallel.mixed_precision
                                                        == "bf16" else 4)
-    print("predicted by the spec's formulas (main terms): " + (", ".join(
-        f"{k} {v / 1e3:,.1f} kB" for k, v in report["predicted_comm"].items()) or "none"))
-    if "pipeline" in report:
-        pipe = report["pipeline"]
-        print(f"pipeline {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
-              f"{pipe['measured_bubble_rate']:.3f}, simulated {pipe['simulated_bubble_rate']:.3f} from measured "
-              f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per stage, "
-              f"{pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
+    return report
+
+
+def cmd_train(args) -> int:
+    from parallelisms.summary import print_train_summary
+
+    report = train_report(args, announce=True)
+    if report is None:
+        return 0
+    print_train_summary(report, args, vars(build_parser().parse_args(["verify"])))
     if args.json:
         print(json_line(report))
-    return _diverged(report, train)
+    return _diverged(report, args.lr, args.skip_nonfinite)
 
 
-def _diverged(report: dict, train: TrainConfig) -> int:
+def _diverged(report: dict, lr: float, skip_nonfinite: bool = False) -> int:
     """Exit code 1 and one line naming the step (and the rank) where the loss or the gradient went non-finite;
     0 when it stayed finite."""
     losses, first, where = report["losses"], report.get("first_step", 1), report.get("nonfinite")
     if report.get("skipped_steps"):
         print(f"warning: skipped {report['skipped_steps']} step(s) whose loss or gradient was not finite "
               f"(--skip-nonfinite)", file=sys.stderr)
-    if train.nonfinite == "skip":
+    if skip_nonfinite:
         return 0
     step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     if step is None and where is None:
         return 0
     if where is not None and where["what"] != "loss":
         print(f"error: training stopped: the gradient norm became non-finite at step {where['step']} of "
-              f"{train.steps}; lower --lr (got {train.lr:g}) or pass --skip-nonfinite", file=sys.stderr)
+              f"{report['steps']}; lower --lr (got {lr:g}) or pass --skip-nonfinite", file=sys.stderr)
         return 1
     rank = f" on rank {where['rank']}" if where is not None else ""
-    print(f"error: training diverged: the loss became {losses[step]}{rank} at step {first + step} of {train.steps}"
+    print(f"error: training diverged: the loss became {losses[step]}{rank} at step {first + step} of {report['steps']}"
           + (f" (last finite loss {losses[step - 1]:.4f})" if step else "")
-          + f"; lower --lr (got {train.lr:g})" + (" or pass --skip-nonfinite" if where is not None else ""),
+          + f"; lower --lr (got {lr:g})" + (" or pass --skip-nonfinite" if where is not None else ""),
           file=sys.stderr)
     return 1
 
@@ -254,17 +286,18 @@ def _rounding_note(explained: dict) -> str:
             f"{ratio:.2f}x the fp32 single-process reference's own rounding (allowed {ROUNDING_FACTOR:g}x)")
 
 
-def cmd_verify(args) -> int:
+def verify_result(args, announce: bool = False) -> dict | None:
+    """Verify as ``args`` say; the comparison (the ``--json`` object), None on non-zero torchrun ranks."""
     from parallelisms.train import RunSpec
     from parallelisms.verify import check_reference, compare, compare_mixed_precision
 
-    model, train, parallel = build_configs(args)
+    model, train, parallel, placement = prepare(args, announce)
     tolerance = _tolerance(args, train)
     # the reference first: settings under which it diverges are refused before any process starts
     reference = check_reference(reference_for(model, train, parallel), train)
-    report = run_layout(RunSpec(model, train, parallel, collect_state=True))
+    report = run_layout(RunSpec(model, train, parallel, collect_state=True), placement)
     if report is None:
-        return 0
+        return None
     if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
         fp32 = reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))
         result = compare_mixed_precision(report, reference, fp32, tolerance)
@@ -274,11 +307,17 @@ def cmd_verify(args) -> int:
         # fp32 parameters beyond the tolerance: is it rounding? float64 training says (verify.ROUNDING_FACTOR)
         result = compare(report, reference, tolerance, exact=reference_for(model, train.replace(dtype="float64"),
                                                                            parallel))
-    result = {"layout": report["layout"], "world_size": report["world_size"], "steps": train.steps,
-              "dtype": train.dtype, **result}
+    return {"layout": report["layout"], "world_size": report["world_size"], "steps": train.steps,
+            "dtype": train.dtype, "device": report["device"], "backend": report["backend"], **result}
+
+
+def cmd_verify(args) -> int:
+    result = verify_result(args, announce=True)
+    if result is None:
+        return 0
     norms = ("n/a (per-stage updates)" if result["max_grad_norm_rel_diff"] is None
              else f"{result['max_grad_norm_rel_diff']:.2e}")
-    print(f"{result['layout']} vs single process over {train.steps} steps ({train.dtype}): max loss rel diff "
+    print(f"{result['layout']} vs single process over {result['steps']} steps ({result['dtype']}): max loss rel diff "
           f"{result['max_loss_rel_diff']:.2e}, max grad norm rel diff {norms}, max param rel diff "
           f"{result['max_param_rel_diff']:.2e} ({result['worst_param']}), tolerance {result['tolerance']:.0e}: "
           f"{'ok' if result['ok'] else 'MISMATCH'}"
@@ -294,25 +333,34 @@ def cmd_verify(args) -> int:
 def cmd_verify_resume(args) -> int:
     from parallelisms.verify_resume import verify_resume
 
-    return verify_resume(args, lambda argv: build_configs(build_parser().parse_args(["verify", *argv])), run_layout)
+    return verify_resume(args, lambda argv: prepare(build_parser().parse_args(["verify", *argv])), run_layout)
 
 
-def cmd_estimate(args) -> int:
+def estimate_result(args) -> dict:
+    """The estimate ``args`` ask for (the ``--json`` object). It only computes, so layouts this runtime does
+    not run yet are estimated all the same."""
     from parallelisms.perf.estimate import HARDWARE, estimate
 
     require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
-    model, train, parallel = build_configs(args)
-    result = estimate(model, parallel, train, args.hardware, args.mfu)
+    model, train, parallel = build_configs(args, runtime=False)
+    return estimate(model, parallel, train, args.hardware, args.mfu)
+
+
+def cmd_estimate(args) -> int:
+    from parallelisms.summary import count, seconds, size
+
+    result = estimate_result(args)
     mem = result["memory_per_rank"]
-    print(f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.2f} B parameters")
-    print("memory per rank: " + ", ".join(f"{k} {mem[k] / 2**30:.2f} GiB" for k in
+    print(f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters")
+    print("memory per rank: " + ", ".join(f"{k} {size(mem[k])}" for k in
                                           ("params", "grads", "optimizer", "activations", "total"))
           + (" (fits)" if result["fits"] else " (DOES NOT FIT)"))
     print("communication per step per rank: " + (", ".join(
-        f"{k} {v / 2**20:,.1f} MiB ({result['comm_s'][k] * 1e3:.2f} ms)" for k, v in result["comm_bytes_per_rank"].items())
+        f"{k} {size(v)} ({seconds(result['comm_s'][k])})" for k, v in result["comm_bytes_per_rank"].items())
         or "none"))
-    print(f"step: compute {result['compute_s']:.3f} s at MFU {args.mfu}, exposed comm {result['exposed_comm_s']:.3f} s, "
-          f"bubble {result['pipeline_bubble']:.3f} -> {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    print(f"step: compute {seconds(result['compute_s'])} at MFU {args.mfu}, exposed comm "
+          f"{seconds(result['exposed_comm_s'])}, bubble {result['pipeline_bubble']:.3f} -> {seconds(result['step_s'])}, "
+          f"{result['tokens_per_s']:,.0f} tokens/s")
     if args.json:
         print(json_line(result))
     return 0
@@ -328,21 +376,27 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from parallelisms import __version__
+
     parser = _Parser(prog="parallelisms", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"parallelisms {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model on a layout")
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
-    p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto)")
+    _add_device_arg(p)
+    p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto; "
+                                                   "parallelisms plot-trace draws it)")
     add_checkpoint_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("verify", help="check a layout against single-process training")
     _add_model_args(p)
-    _add_layout_args(p)
+    _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=5)
+    _add_device_arg(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
 
@@ -355,8 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model FLOPs utilisation assumed for compute")
     p.set_defaults(func=cmd_estimate)
 
-    add_verify_resume_parser(sub)
-    sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
+def cmd_verify_resume(args) -> int:
+    from parallelisms.verify_resume import verify_resume
+
+    return verify_resume(args, lambda argv: prepare(build_parser().parse_args(["verify", *argv])), run_layout)
+
+
+    from parallelisms.plot_trace import add_parser as add_plot_trace_parser
+    add_plot_trace_parser(sub)
 
     from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)

@@ -217,3 +217,21 @@ class ParallelConfig:
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
+
+    def label(self) -> str:
+        """The layout and every option that changes the computation: ``dp2 x tp2 +sp``, ``dpshard4 zero3``,
+        ``dpshard2 fsdp full_shard per_param bf16``, ``cp2 ulysses``, ``pp2 zb-v``, ``dp2 recompute full``."""
+        d = self.dims
+        options = [
+            "+sp" if self.sequence_parallel else "", "+tp-overlap" if self.tp_overlap else "",
+            f"zero{self.zero}" if self.zero else "", f"fsdp {self.fsdp}" if self.fsdp else "",
+            self.fsdp_style if self.fsdp and self.fsdp_style != "flat" else "",
+            self.cp_attention if d.cp > 1 else "",
+            self.schedule if d.pp > 1 else "",
+            f"{self.microbatches} microbatches" if d.pp > 1 and self.microbatches else "",
+            f"{self.chunks} chunks" if d.pp > 1 and self.chunks > 1 else "",
+            "balance measured" if d.pp > 1 and self.pp_balance == "measured" else "",
+            f"recompute {self.recompute}" if self.recompute != "none" else "",
+            "bf16" if self.mixed_precision == "bf16" else "",
+        ]
+        return " ".join([d.describe(" x "), *filter(None, options)])

@@ -73,10 +73,12 @@ def check_writable(flag: str, path: str) -> None:
                                                                        f"choose a path you can write")
 
 
-def check_installed(flag: str, module: str) -> None:
-    """One line unless the optional ``module`` that ``flag`` needs can be imported."""
+def check_installed(flag: str, module: str, extra: str | None = None) -> None:
+    """One line unless the optional ``module`` that ``flag`` needs can be imported, naming the package extra
+    that installs it."""
+    package = f"'parallelisms[{extra}]'" if extra else module
     require(importlib.util.find_spec(module) is not None, f"{flag} needs {module}, which is not installed; "
-                                                          f"pip install {module}, or drop {flag}")
+                                                          f"pip install {package}, or drop {flag}")
 
 
 def json_line(result: dict) -> str:

@@ -49,10 +49,10 @@ class ParallelDims:
     def shape(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_ORDER}
 
-    def describe(self) -> str:
+    def describe(self, sep: str = "x") -> str:
         short = {"dp_replicate": "dp", "dp_shard": "dpshard"}
         parts = [f"{short.get(name, name)}{getattr(self, name)}" for name in (*MESH_ORDER, "ep") if getattr(self, name) > 1]
-        return "x".join(parts) if parts else "single"
+        return sep.join(parts) if parts else "single"
 
     def check_world_size(self, world_size: int) -> "ParallelDims":
         require(self.world_size == world_size,

@@ -43,8 +43,6 @@ UNSUPPORTED: dict[frozenset, str] = {
     **_pairs("pipedream", ["zero1", "zero2", "zero3", "per_param", "reuse"] + _FSDP, "PipeDream updates a stage after "
              "every microbatch and stashes a full copy of each weight version in flight, so sharded weights would be "
              "gathered, kept whole and re-sharded per microbatch: no memory saved, every update a full collective"),
-    **_pairs("pipedream", "bf16", "mixed precision's fp32 master weights live in the sharding engines, which "
-             "PipeDream's per-microbatch updates do not run"),
     **_pairs("bf16", "float64", "mixed precision keeps float32 master weights"),
 }
 
@@ -93,11 +91,14 @@ def not_supported_markdown() -> str:
     return "\n".join(f"- {', '.join(pairs)}: {reason}." for reason, pairs in by_reason.items())
 
 
-def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> ParallelConfig:
-    """Every cross-check of layout, model and training settings (one-line ConfigError on failure)."""
+def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,
+                    runtime: bool = True) -> ParallelConfig:
+    """Every cross-check of layout, model and training settings (one-line ConfigError on failure); ``runtime``
+    False leaves out the support table (pairs this runtime does not run), for estimates that only compute."""
     dims = parallel.dims
     _check_names(parallel)
-    check_pairs(features(model, train, parallel))
+    if runtime:
+        check_pairs(features(model, train, parallel))
     _check_pipeline(parallel, model, train)
     _check_expert_parallel(parallel, model)
     _check_tensor_parallel(parallel, model, train)

@@ -250,8 +250,12 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                           info.rank, spec.checkpoint.meta, info.device)
     steps = range(first, spec.train.steps)
     if spec.progress and info.rank == 0:
+        import sys
+
         from tqdm import tqdm
-        steps = tqdm(steps, desc=f"train {dims.describe()}", unit="step", dynamic_ncols=True)
+        # a few redraws a second at most, and none into a log (stderr not a terminal)
+        steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
+                     disable=not sys.stderr.isatty())
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks = [], [], [], [], []
     nonfinite, skipped, save_times = None, 0, []
@@ -266,7 +270,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
         if hasattr(steps, "set_postfix"):
-            steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+            steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
+                              refresh=False)  # the bar redraws on its own clock (mininterval)
         if spec.train.nonfinite != "continue":
             nonfinite = _nonfinite(loss, trainer, comms, step + 1, info)
             if nonfinite is not None and spec.train.nonfinite == "skip":
@@ -297,7 +302,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         return None
     median = statistics.median(step_times[measured])
     report = {
-        "world_size": info.world_size, "layout": dims.describe(), "steps": spec.train.steps, "first_step": first + 1,
+        "world_size": info.world_size, "layout": spec.parallel.label(), "steps": spec.train.steps,
+        "first_step": first + 1,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,

@@ -14,8 +14,8 @@ from parallelisms.resume import CheckpointOptions, layout_meta
 
 
 def verify_resume(args, configs, run_layout) -> int:
-    """``verify-resume``: ``configs(argv)`` parses verify's flags into validated configs, ``run_layout(spec)``
-    trains (the CLI's own, passed in: this module sits below it)."""
+    """``verify-resume``: ``configs(argv)`` parses verify's flags into validated configs and a device placement,
+    ``run_layout(spec, placement)`` trains (the CLI's own, passed in: this module sits below it)."""
     import torch
 
     from parallelisms.errors import ConfigError
@@ -27,18 +27,18 @@ def verify_resume(args, configs, run_layout) -> int:
             return configs([*shlex.split(args.run), *shlex.split(layout)])
         except ConfigError as exc:
             raise ConfigError(f"{flag}: {exc}") from None
-    model, train, save_par = parse(args.save_layout, "--save-layout")
-    _, train2, resume_par = parse(args.resume_layout, "--resume-layout")
+    model, train, save_par, save_place = parse(args.save_layout, "--save-layout")
+    _, train2, resume_par, resume_place = parse(args.resume_layout, "--resume-layout")
     save_at = args.save_at or max(1, train.steps // 2)
     require(save_at < train.steps, f"--save-at {save_at} must be before the run's --steps {train.steps}")
     tolerance = args.tolerance or (TOLERANCE_FLOAT64 if train.dtype == "float64" else TOLERANCE)
     with tempfile.TemporaryDirectory(prefix="verify-resume-") as tmp:
         meta = layout_meta(model, train, save_par)
         full = run_layout(RunSpec(model, train, save_par, collect_state=True,
-                                  checkpoint=CheckpointOptions(tmp, save_at, meta=meta)))
+                                  checkpoint=CheckpointOptions(tmp, save_at, meta=meta)), save_place)
         resume_from = str(Path(tmp) / f"step_{save_at}")
         resumed = run_layout(RunSpec(model, train2, resume_par, collect_state=True,
-                                     checkpoint=CheckpointOptions(resume=resume_from, meta=meta)))
+                                     checkpoint=CheckpointOptions(resume=resume_from, meta=meta)), resume_place)
     losses = [(a - b) / max(abs(a), 1e-30) for a, b in zip(full["losses"][save_at:], resumed["losses"])]
     params = {name: ((resumed["state"][name].double() - t.double()).norm() / t.double().norm().clamp_min(1e-30)).item()
               for name, t in full["state"].items()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import torch
 from torch import nn
@@ -245,6 +246,9 @@ def run_zero_bench(name: str, args) -> dict:
                             grad_clip=0.0)
     train_cfg.validate(model_cfg, dp=args.world)
     why_not = deepspeed_status()
+    if why_not is not None:  # the optional peer: one line naming the extra that adds it
+        print(f"note: DeepSpeed left out ({why_not}); pip install 'parallelisms[deepspeed]' to compare with it",
+              file=sys.stderr)
     per_rank = launch(_bench_rank, args.world, name, model_cfg, train_cfg, args.steps, args.rounds,
                       why_not is None, backend="gloo", threads=1)
     ours_labels, peer_labels = per_rank[0][1], per_rank[0][2]

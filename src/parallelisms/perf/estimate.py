@@ -27,7 +27,7 @@ class Hardware:
     gpus_per_node: int
 
 
-# Datasheets (shared/references/published-numbers.md); latencies are typical NCCL figures, an assumption.
+# Datasheets (NVIDIA's published peak figures); latencies are typical NCCL figures, an assumption.
 HARDWARE = {
     "a100": Hardware("A100 SXM 80GB", 312e12, 80e9, AlphaBeta(10e-6, 1 / 300e9), AlphaBeta(20e-6, 1 / 25e9), 8),
     "h100": Hardware("H100 SXM 80GB", 989e12, 80e9, AlphaBeta(10e-6, 1 / 450e9), AlphaBeta(20e-6, 1 / 50e9), 8),
@@ -75,7 +75,7 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, har
         schedule = build_schedule(parallel.schedule, dims.pp, m, chunks)
         bubble = simulate(schedule, Times(1.0, 1.0, 1.0, 0.0)).bubble_rate
         step_s /= 1 - bubble
-    return {"hardware": hw.name, "layout": dims.describe(), "params": cfg.num_params(),
+    return {"hardware": hw.name, "layout": parallel.label(), "params": cfg.num_params(),
             "memory_per_rank": memory, "fits": memory["total"] <= hw.memory_bytes,
             "comm_bytes_per_rank": {f"{v.kind}/{v.dim}": v.bytes_per_rank for v in volumes},
             "comm_s": comm_s, "flops_per_rank": flops, "compute_s": compute_s, "exposed_comm_s": exposed_s,

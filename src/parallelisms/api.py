@@ -1,0 +1,129 @@
+"""The Python API (``docs/api.md``): the command line's verbs as functions, and the pieces of a training loop
+for a ``torchrun`` script of your own.
+
+``train``, ``verify``, ``estimate`` and ``simulate`` take the command line's options as keyword arguments
+(``--dp-shard 2`` is ``dp_shard=2``, a switch such as ``--sp`` is ``sp=True``), check them with the same
+parser, run the same code and return the dict that ``--json`` prints; bad input raises
+:class:`parallelisms.errors.ConfigError` with the command line's one-line message, before any process starts.
+
+For a loop of your own: ``configure(**options)`` gives the validated configs, ``build_model`` the full seeded
+model, ``parallelize(model, layout, train)`` applies the layout (process group and meshes included) and returns
+the :class:`~parallelisms.train.Trainer` whose ``train_step(inputs, targets)`` is one optimizer step, and
+``batches(train, layout)`` yields this rank's share of each global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, NamedTuple
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.model import build_model
+
+__all__ = ["train", "verify", "estimate", "simulate", "configure", "build_model", "parallelize", "batches"]
+
+
+def _args(command: str, options: dict, argv: list[str] = ()):
+    """``options`` (then the flags in ``argv``) parsed as the command line's ``command`` would parse them: the
+    same checks, the same defaults."""
+    from parallelisms.cli import build_parser
+
+    flags = [command]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags += [flag, str(value)]
+    return build_parser().parse_args([*flags, *argv])
+
+
+def train(**options) -> dict:
+    """Train as ``parallelisms train`` does (options: its flags, e.g. ``dp=2, steps=50, trace="t.json"``); the
+    report ``--json`` prints (losses, speed, communication, ``device``, ``backend``). Under ``torchrun``, ranks
+    other than 0 return None."""
+    from parallelisms.cli import train_report
+
+    return train_report(_args("train", options))
+
+
+def verify(**options) -> dict:
+    """Compare a layout with single-process training as ``parallelisms verify`` does; its ``--json`` result
+    (``ok``, the largest relative differences, the tolerance)."""
+    from parallelisms.cli import verify_result
+
+    return verify_result(_args("verify", options))
+
+
+def estimate(**options) -> dict:
+    """Memory per rank, communication per step and step time of a layout, as ``parallelisms estimate``."""
+    from parallelisms.cli import estimate_result
+
+    return estimate_result(_args("estimate", options))
+
+
+def simulate(**options) -> dict:
+    """Simulate a pipeline schedule as ``parallelisms simulate`` (``schedule="zb-v", pp=4, microbatches=8``)."""
+    from parallelisms.parallel.pipeline.cli import simulate_result
+
+    return simulate_result(_args("simulate", options))
+
+
+class Configs(NamedTuple):
+    """What ``configure`` returns: the model's shape, the training settings and the layout."""
+
+    model: ModelConfig
+    train: TrainConfig
+    layout: ParallelConfig
+
+
+def configure(argv: list[str] = (), **options) -> Configs:
+    """The model, training and layout configs of ``parallelisms train`` with these options and then the flags in
+    ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
+    ``torchrun``: against the world size too)."""
+    from parallelisms.cli import build_configs
+
+    return Configs(*build_configs(_args("train", options, argv)))
+
+
+def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str = "auto"):
+    """Apply ``layout`` to the full seeded ``model`` (from :func:`build_model`) on this rank and return its
+    :class:`~parallelisms.train.Trainer`. Starts the process group if none is (NCCL on CUDA, gloo on the CPU;
+    ``device`` as ``--device``) and moves the model to this rank's device. One process without ``torchrun``
+    runs the single-process layout."""
+    import torch
+    import torch.distributed as dist
+
+    from parallelisms.comm import CommLedger, Comms, Timeline
+    from parallelisms.device import choose
+    from parallelisms.train import parallelize as apply_layout
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = layout.dims.check_world_size(world)
+    placement = choose(device, world)
+    target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if placement.device == "cuda" else None
+    if target is not None:
+        torch.cuda.set_device(target)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(placement.backend, device_id=target)
+    rank = dist.get_rank() if world > 1 else 0
+    meshes = dims.build_meshes(placement.device) if world > 1 else {}
+    model = model.to(target or "cpu")
+    return apply_layout(model, layout, train, Comms(meshes, CommLedger(), Timeline(rank, enabled=False)))
+
+
+def batches(train: TrainConfig, layout: ParallelConfig, steps: int | None = None,
+            device=None) -> Iterator[tuple]:
+    """This rank's (inputs, targets) for each step (``train.steps`` unless ``steps``): the rows of the built-in
+    corpus's global batch that its data-parallel coordinate owns, as ``parallelisms train`` feeds them."""
+    import torch.distributed as dist
+
+    from parallelisms.data import BatchLoader, load_corpus
+
+    dims = layout.dims
+    coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
+    dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
+    loader = BatchLoader(load_corpus(), train.global_batch, train.seq_len, train.seed)
+    for step in range(train.steps if steps is None else steps):
+        inputs, targets = loader.shard(step, dp_rank, dims.dp)
+        yield (inputs, targets) if device is None else (inputs.to(device), targets.to(device))

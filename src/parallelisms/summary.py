@@ -1,0 +1,90 @@
+"""What ``parallelisms train`` prints at the end: a few readable lines (what ran and on what, the loss, the speed,
+the communication and how much of it was exposed, where the trace is) and one line on what to try next.
+Numbers are shown at a size people read (``1.2 M`` parameters, ``180.7 kB``), never ``0.00 B``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from parallelisms.device import Placement
+
+# options of train that do not change the layout: left out of the commands suggested next
+_NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default"}
+
+
+def count(n: float) -> str:
+    """``n`` with a K, M or B suffix (parameters, tokens)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n:g}"
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB, whichever reads best."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes:,.0f} B"
+
+
+def seconds(t: float) -> str:
+    """``t`` seconds in s, ms or µs, whichever reads best."""
+    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if abs(t) >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t * 1e9:.3g} ns" if t else "0 s"
+
+
+def layout_flags(args, defaults: dict) -> str:
+    """The flags of ``args`` that shape the layout and model and differ from ``defaults`` (for suggestions)."""
+    flags = []
+    for name, value in vars(args).items():
+        if name in _NOT_LAYOUT or name not in defaults or value == defaults[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(flags)
+
+
+def next_step(report: dict, args, defaults: dict) -> str:
+    """One suggestion: see the timeline when there is none, else check the layout against single-process training
+    (``defaults``: verify's parsed defaults, to name only the flags that differ)."""
+    flags = layout_flags(args, defaults)
+    if not report.get("trace"):
+        return (f"next: see when each rank computes and communicates: parallelisms train {flags} --trace trace.json, "
+                f"then parallelisms plot-trace trace.json --out trace.png").replace("  ", " ")
+    return f"next: check {report['layout']} against single-process training: parallelisms verify {flags}".rstrip()
+
+
+def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
+    """The end of ``train``: see the module docstring (``defaults`` as :func:`next_step`)."""
+    out = out or sys.stdout
+    world = report["world_size"]
+    model = args.config or args.preset
+    lines = [
+        f"ran:   {report['layout']} on {world} rank{'s' if world > 1 else ''}, "
+        f"{Placement(report['device'], report['backend']).describe()}; model {model}, {report['steps']} steps of {args.global_batch} x {args.seq_len} tokens",
+        f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}",
+        f"speed: {report['step_time_s'] * 1e3:.1f} ms per step (median), {report['tokens_per_s']:,.0f} tokens/s",
+    ]
+    comm = ", ".join(f"{k} {v['calls']:g} calls {size(v['bytes_per_rank'])}" for k, v in report["comm"].items())
+    predicted = ", ".join(f"{k} {size(v)}" for k, v in report.get("predicted_comm", {}).items())
+    lines.append(f"comm:  per step per rank {comm or 'none'}" + (f" (formulas: {predicted})" if predicted else "")
+                 + f"; exposed {report['exposed_comm_fraction']:.1%} of the step")
+    if "pipeline" in report:
+        pipe = report["pipeline"]
+        lines.append(f"pipe:  {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
+                     f"{pipe['measured_bubble_rate']:.3f}, simulated {pipe['simulated_bubble_rate']:.3f} from measured "
+                     f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per "
+                     f"stage, {pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
+    if report.get("trace"):
+        from parallelisms.comm.trace import format_summary
+
+        lines.append(format_summary(report["overlap_per_rank"]))
+        picture = str(Path(report["trace"]).with_suffix(".png"))
+        lines.append(f"trace: {report['trace']} (open in https://ui.perfetto.dev, or draw it: parallelisms plot-trace "
+                     f"{report['trace']} --out {picture})")
+    lines.append(next_step(report, args, defaults))
+    print("\n".join(lines), file=out)
