@@ -136,9 +136,10 @@ def test_cross_layout_resume_matches_the_uninterrupted_run(name):
 
 def test_single_process_resumes_a_sharded_save():
     from parallelisms.cli import run_layout
+    from parallelisms.device import choose
 
     full = _report("zero3_dp2")
-    resumed = run_layout(_spec(MODEL, ParallelConfig(), resume=_saved_at("zero3_dp2")))
+    resumed = run_layout(_spec(MODEL, ParallelConfig(), resume=_saved_at("zero3_dp2")), choose("cpu", 1))
     assert max(_rel(resumed["state"][k], t) for k, t in full["state"].items()) < TOLERANCE_FLOAT64
 
 
@@ -244,9 +245,9 @@ def _free_port() -> int:
 
 def _poison_step(monkeypatch, at: int) -> None:
     """The ``at``-th step's loss and gradients become NaN (in-process runs: --dp 1)."""
-    from parallelisms import train as train_module
+    from parallelisms.train import MicrobatchLoop
 
-    original, calls = train_module.MicrobatchLoop.__call__, []
+    original, calls = MicrobatchLoop.__call__, []
 
     def poisoned(self, inputs, targets, grad_sync):
         loss = original(self, inputs, targets, grad_sync)
@@ -256,7 +257,7 @@ def _poison_step(monkeypatch, at: int) -> None:
                 p.grad.fill_(float("nan"))
             return loss * float("nan")
         return loss
-    monkeypatch.setattr(train_module.MicrobatchLoop, "__call__", poisoned)
+    monkeypatch.setattr(MicrobatchLoop, "__call__", poisoned)
 
 
 def test_a_nonfinite_step_stops_the_run_naming_step_and_rank(monkeypatch, capsys, tmp_path):

@@ -409,11 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model FLOPs utilisation assumed for compute")
     p.set_defaults(func=cmd_estimate)
 
-def cmd_verify_resume(args) -> int:
-    from parallelisms.verify_resume import verify_resume
-
-    return verify_resume(args, lambda argv: prepare(build_parser().parse_args(["verify", *argv])), run_layout)
-
+    add_verify_resume_parser(sub)
+    sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
 
     from parallelisms.plot_trace import add_parser as add_plot_trace_parser
     add_plot_trace_parser(sub)
