@@ -296,3 +296,22 @@ def test_verify_resume_prints_ok(capsys, tmp_path):
     result = _last_json(out)
     assert result["ok"] and result["save_at"] == 2 and result["max_param_rel_diff"] < TOLERANCE_FLOAT64
     assert ": ok" in out.splitlines()[-2]
+
+
+def test_export_writes_a_checkpoint_as_a_hugging_face_llama(tmp_path, capsys):
+    """``export`` of a pipeline's (zb-v) checkpoint: transformers loads it and computes our logits."""
+    transformers = pytest.importorskip("transformers")
+    from parallelisms.checkpoint import load_full_state
+    from parallelisms.model import build_model
+
+    _report("pp2_zbv")
+    out = tmp_path / "hf"
+    assert main(["export", str(ROOT / "pp2_zbv" / "step_4"), "--out", str(out)]) == 0
+    assert "exported" in capsys.readouterr().out
+    ours = build_model(MODEL, 0)
+    ours.load_state_dict({k: t.float() for k, t in load_full_state(ROOT / "pp2_zbv" / "step_4").items()})
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(hf(tokens).logits, ours(tokens)) < 1e-5
+    assert main(["export", str(ROOT / "pp2_zbv" / "step_2.tmp"), "--out", str(out)]) == 2

@@ -40,10 +40,12 @@ def test_estimate_labels_and_small_models(capsys):
     assert main(["estimate", "--preset", "tiny", "--dp", "2"]) == 0
     out = capsys.readouterr().out
     assert "106.82 K parameters" in out and "0.00 B" not in out and "0.00 GiB" not in out, out
-    # an estimate only computes: a pair this runtime does not run yet is still estimated
-    result = _estimate(capsys, "--pp", "2", "--schedule", "pipedream", "--mixed-precision", "bf16")
-    assert result["layout"] == "pp2 pipedream bf16"
-    assert main(["train", "--pp", "2", "--schedule", "pipedream", "--mixed-precision", "bf16"]) == 2
+    assert _estimate(capsys, "--pp", "2", "--schedule", "pipedream", "--mixed-precision", "bf16")["layout"] == \
+        "pp2 pipedream bf16"
+    # an estimate only computes: it does not consult the runtime's support table
+    assert _estimate(capsys, "--pp", "2", "--dp", "2", "--schedule", "pipedream", "--zero", "1")["layout"] == \
+        "pp2 x dpshard2 zero1 pipedream"
+    assert main(["train", "--pp", "2", "--dp", "2", "--schedule", "pipedream", "--zero", "1"]) == 2
 
 
 def test_train_and_verify_share_defaults():

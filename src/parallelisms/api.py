@@ -91,39 +91,52 @@ def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str =
     :class:`~parallelisms.train.Trainer`. Starts the process group if none is (NCCL on CUDA, gloo on the CPU;
     ``device`` as ``--device``) and moves the model to this rank's device. One process without ``torchrun``
     runs the single-process layout."""
-    import torch
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from parallelisms.comm import CommLedger, Comms, Timeline
-    from parallelisms.device import choose
     from parallelisms.train import parallelize as apply_layout
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = layout.dims.check_world_size(world)
-    placement = choose(device, world)
-    target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if placement.device == "cuda" else None
-    if target is not None:
+    placement, target = _placement(device)
+    if target.type == "cuda":
+        import torch
+
         torch.cuda.set_device(target)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(placement.backend, device_id=target)
+        dist.init_process_group(placement.backend, timeout=timedelta(seconds=train.timeout_s),
+                                device_id=target if target.type == "cuda" else None)
     rank = dist.get_rank() if world > 1 else 0
     meshes = dims.build_meshes(placement.device) if world > 1 else {}
-    model = model.to(target or "cpu")
-    return apply_layout(model, layout, train, Comms(meshes, CommLedger(), Timeline(rank, enabled=False)))
+    return apply_layout(model.to(target), layout, train, Comms(meshes, CommLedger(), Timeline(rank, enabled=False)))
+
+
+def _placement(device: str):
+    """This process's placement (``--device``'s rule) and its torch device (``cuda:LOCAL_RANK`` or cpu)."""
+    import torch
+
+    from parallelisms.device import choose
+
+    placement = choose(device, int(os.environ.get("WORLD_SIZE", "1")))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return placement, torch.device("cuda", local) if placement.device == "cuda" else torch.device("cpu")
 
 
 def batches(train: TrainConfig, layout: ParallelConfig, steps: int | None = None,
-            device=None) -> Iterator[tuple]:
-    """This rank's (inputs, targets) for each step (``train.steps`` unless ``steps``): the rows of the built-in
-    corpus's global batch that its data-parallel coordinate owns, as ``parallelisms train`` feeds them."""
+            device: str = "auto") -> Iterator[tuple]:
+    """This rank's (inputs, targets) for each step (``train.steps`` unless ``steps``): the rows of the run's
+    data's global batch that its data-parallel coordinate owns, as ``parallelisms train`` feeds them, on the
+    device :func:`parallelize` puts the model on (``device`` as there)."""
     import torch.distributed as dist
 
-    from parallelisms.data import BatchLoader, load_corpus
+    from parallelisms.data.sources import training_loader
 
     dims = layout.dims
     coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
-    loader = BatchLoader(load_corpus(), train.global_batch, train.seq_len, train.seed)
+    loader = training_loader(train)  # the built-in corpus, or the data of ``data=`` (``--data``)
+    target = _placement(device)[1]
     for step in range(train.steps if steps is None else steps):
-        inputs, targets = loader.shard(step, dp_rank, dims.dp)
-        yield (inputs, targets) if device is None else (inputs.to(device), targets.to(device))
+        yield tuple(t.to(target) for t in loader.shard(step, dp_rank, dims.dp))

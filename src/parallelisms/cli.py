@@ -15,9 +15,11 @@ import sys
 from parallelisms.support import validate_layout
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
 from parallelisms.errors import ConfigError, require
+from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
 from parallelisms.mesh import ParallelDims
+from parallelisms.export import add_export_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
@@ -115,20 +117,33 @@ def _add_device_arg(p: argparse.ArgumentParser) -> None:
 def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError); ``runtime`` False: only what an
     estimate needs (see ``validate_layout``)."""
-    model = load_hf_config(args.config) if args.config else preset(args.preset).validate()
+    model = _model_config(args)
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
-                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype)
+                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype,
+                        **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, **options)
     parallel = validate_layout(model, train, parallel, runtime)
+    if hasattr(args, "data"):
+        check_data_args(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
         dims.check_world_size(int(os.environ["WORLD_SIZE"]))
     return model, train, parallel
+
+
+def _model_config(args) -> ModelConfig:
+    """--init-from's config.json, else --config, else --preset."""
+    if getattr(args, "init_from", None):
+        from parallelisms.hf import load_hf_model_config
+        require(not args.config, f"--config with --init-from {args.init_from!r}: the model is the checkpoint's; "
+                                 f"drop --config")
+        return load_hf_model_config(args.init_from)
+    return load_hf_config(args.config) if args.config else preset(args.preset).validate()
 
 
 def _degree_options(args) -> dict:
@@ -189,16 +204,24 @@ def train_report(args, announce: bool = False) -> dict | None:
     """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.train import RunSpec
 
+    from parallelisms.metrics import default_metrics_path
     from parallelisms.resume import checkpoint_options
 
-    model, train, parallel, placement = prepare(args, announce)
     if args.trace:
         check_writable("--trace", args.trace)
+    check_output_args(args)
+    model, train, parallel, placement = prepare(args, announce)
     train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
-    spec = RunSpec(model, train, parallel, progress=True, checkpoint=checkpoint_options(args, model, train, parallel))
+    checkpoint = checkpoint_options(args, model, train, parallel)
+    metrics = args.metrics or (default_metrics_path(args.save) if args.save else None)  # next to the checkpoints
+    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf), metrics_path=metrics,
+                   tensorboard_dir=args.tensorboard, init_from=args.init_from, checkpoint=checkpoint)
     report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
+    if args.export_hf:
+        from parallelisms.hf import export_hf
+        report["exported_hf"] = str(export_hf(report.pop("state"), model, args.export_hf))
     spans = report.pop("spans")
     if args.trace:
         from parallelisms.comm.trace import Timeline, write_chrome_trace
@@ -224,6 +247,8 @@ def cmd_train(args) -> int:
     if report is None:
         return 0
     print_train_summary(report, args, vars(build_parser().parse_args(["verify"])))
+    if "exported_hf" in report:
+        print(f"exported to {report['exported_hf']} (Hugging Face Llama)")
     if args.json:
         print(json_line(report))
     return _diverged(report, args.lr, args.skip_nonfinite)
@@ -312,12 +337,15 @@ def verify_result(args, announce: bool = False) -> dict | None:
 
 
 def cmd_verify(args) -> int:
+    from parallelisms.device import Placement
+
     result = verify_result(args, announce=True)
     if result is None:
         return 0
     norms = ("n/a (per-stage updates)" if result["max_grad_norm_rel_diff"] is None
              else f"{result['max_grad_norm_rel_diff']:.2e}")
-    print(f"{result['layout']} vs single process over {result['steps']} steps ({result['dtype']}): max loss rel diff "
+    print(f"{result['layout']} on {Placement(result['device'], result['backend']).describe()} vs single process over "
+          f"{result['steps']} steps ({result['dtype']}): max loss rel diff "
           f"{result['max_loss_rel_diff']:.2e}, max grad norm rel diff {norms}, max param rel diff "
           f"{result['max_param_rel_diff']:.2e} ({result['worst_param']}), tolerance {result['tolerance']:.0e}: "
           f"{'ok' if result['ok'] else 'MISMATCH'}"
@@ -386,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=DEFAULT_TRAIN["steps"])
+    add_data_args(p)
+    add_output_args(p)
     _add_device_arg(p)
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto; "
                                                    "parallelisms plot-trace draws it)")
@@ -396,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p, dp_default=DEFAULT_TRAIN["dp"])
     _add_train_args(p, steps=5)
+    add_data_args(p, evaluation=False)
     _add_device_arg(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
@@ -411,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_verify_resume_parser(sub)
     sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
+    add_export_parser(sub)
 
     from parallelisms.plot_trace import add_parser as add_plot_trace_parser
     add_plot_trace_parser(sub)

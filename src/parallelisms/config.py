@@ -125,6 +125,10 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
     values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}
     values.setdefault("n_kv_heads", values["n_heads"])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 keeps rope_theta in it
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in raw:
+        values["rope_theta"] = rope["rope_theta"]
+    _check_llama_variant(path, raw, rope)
     for name, value in values.items():
         field_name = _HF_FIELDS[name][0]
         if name in ("rope_theta", "norm_eps"):
@@ -140,11 +144,44 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     return ModelConfig(**values).validate()
 
 
+def _check_llama_variant(path: Path, raw: dict, rope) -> None:
+    """One line for a config.json this model would compute differently: another activation, biases, scaled
+    rotary positions, or a head size other than hidden_size / num_attention_heads."""
+    where = f"--config {str(path)!r}"
+    require(raw.get("hidden_act", "silu") == "silu", f"{where} has hidden_act {raw.get('hidden_act')!r}; this model "
+                                                     f"is SwiGLU (silu) only")
+    for name in ("attention_bias", "mlp_bias"):
+        require(not raw.get(name), f"{where} has {name} true; this model has no biases")
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    require(kind in ("default", None), f"{where} has rope_type {kind!r}; only unscaled rotary positions (default) "
+                                       f"are implemented")
+    heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
+    require(raw.get("head_dim") in (None, hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                    and heads > 0 else None),
+            f"{where} has head_dim {raw.get('head_dim')!r}, not hidden_size / num_attention_heads; this model "
+            f"derives it")
+
+
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
 DTYPES = ("float32", "float64")  # parameter dtypes a run can train in
+LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup (parallelisms.schedule)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from (``parallelisms.data.sources``): the built-in corpus (``path`` None), a text
+    file, a directory of ``.txt`` files or a pre-tokenized ``.bin``; the held-out split and how often it is
+    evaluated. Checked before launch by ``sources.check_data``."""
+
+    path: str | None = None        # None: the built-in corpus
+    bin_dtype: str = "uint16"      # element type of a pre-tokenized .bin (uint16 or uint32)
+    tokenizer: str | None = None   # a Hugging Face tokenizer.json; None: UTF-8 bytes
+    eval_split: float = 0.0        # fraction of the tokens held out (the last ones) for validation
+    eval_every: int = 0            # steps between validation losses (0: never)
+    eval_batches: int = 4          # global batches each validation averages over
 
 
 @dataclass(frozen=True)
@@ -164,6 +201,10 @@ class TrainConfig:
     timeout_s: float = 300.0       # collective timeout
     dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
     nonfinite: str = "continue"    # a non-finite loss or gradient: continue (verify finds where), stop or skip
+    warmup: int = 0                # linear warmup steps of the learning rate
+    lr_schedule: str = "constant"  # after warmup: constant, cosine or linear decay to min_lr at the last step
+    min_lr: float = 0.0            # the decay's floor
+    data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
@@ -181,6 +222,9 @@ class TrainConfig:
         require_finite("--bucket-mb", self.bucket_mb, above=0)
         require_finite("--timeout (seconds)", self.timeout_s, above=0)
         require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {' or '.join(DTYPES)}")
+        require(self.lr_schedule in LR_SCHEDULES, f"unknown --lr-schedule {self.lr_schedule!r}; choose one of "
+                                                  f"{', '.join(LR_SCHEDULES)}")
+        require(self.min_lr <= self.lr, f"--min-lr {self.min_lr:g} exceeds --lr {self.lr:g}; use at most --lr")
         return self
 
     @property

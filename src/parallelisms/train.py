@@ -20,11 +20,14 @@ from torch import nn
 
 from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.data import BatchLoader
+from parallelisms.data.sources import train_and_eval_tokens
 from parallelisms.data.loader import microbatches
 from parallelisms.launch import RankInfo
 from parallelisms.model import build_model
 from parallelisms.model.numerics import upcast
+from parallelisms.lr_schedule import make_scheduler
+from parallelisms.metrics import MetricsWriter
 from parallelisms.optim import make_optimizer
 from parallelisms.parallel.common import clip_grad_norm_
 from parallelisms.parallel.context import apply_context_parallel
@@ -53,6 +56,9 @@ class RunSpec:
     progress: bool = False        # tqdm bar on rank 0
     collect_state: bool = False   # return the full final parameters (verify)
     checkpoint: CheckpointOptions | None = None  # --save / --resume (parallelisms.checkpoint)
+    metrics_path: str | None = None      # JSON lines per step, rank 0 (parallelisms.metrics)
+    tensorboard_dir: str | None = None   # TensorBoard scalars, rank 0
+    init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
 
 
 class MicrobatchLoop:
@@ -80,6 +86,19 @@ class MicrobatchLoop:
             total = loss.detach() if total is None else total + loss.detach()
         return upcast(total).cpu()
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The local mean loss of this rank's rows, forward only (sharded engines gather and free as usual)."""
+        total = None
+        for x, y in microbatches(inputs, targets, self.grad_accum):
+            if self.positions is None:
+                loss = self.model(x, y)
+            else:
+                pos = self.positions.to(x.device)
+                loss = self.model(x[:, pos], y[:, pos], positions=pos)
+            total = upcast(loss) if total is None else total + upcast(loss)
+        return (total / self.grad_accum).cpu()
+
     def report(self) -> dict:
         return {}
 
@@ -94,8 +113,10 @@ class Trainer:
         self.grad_sync, self.forward_backward, self.comms, self.cfg = grad_sync, forward_backward, comms, cfg
         self.optimizer = optimizer
         self.optimizers = [optimizer] if optimizer is not None else list(stage_optimizers)  # for the memory report
+        self.schedulers = [make_scheduler(o, cfg) for o in self.optimizers]  # one learning rate step per step
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
         self.skipped = False  # the last step's update was left out: its gradient norm was not finite
+        self.lr = cfg.lr  # the learning rate of the last step
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.grad_sync.zero_grad()
@@ -104,7 +125,17 @@ class Trainer:
             self.grad_sync.finish()
         if self.optimizer is not None:
             self.optimizer_step()
+        self.lr = self.optimizers[0].param_groups[0]["lr"]
+        for scheduler in self.schedulers:
+            scheduler.step()
         return loss
+
+    def evaluate(self, batches) -> torch.Tensor:
+        """The mean loss over ``batches`` (this rank's rows of each), averaged over every rank that holds
+        other tokens (dp x cp); no gradient, no update. Its collectives are ledger phase ``eval``."""
+        with self.comms.ledger.in_phase("eval"):
+            local = torch.stack([self.forward_backward.evaluate(x, y) for x, y in batches]).mean()
+            return self.comms["dp_cp"].all_reduce(local.reshape(1)) / self.comms["dp_cp"].size
 
     def optimizer_step(self) -> None:
         """Measure the global gradient norm (reported every step, clipping or not), clip by it when asked,
@@ -231,11 +262,19 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
+    if spec.init_from:
+        from parallelisms.hf import load_hf
+        model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
-    loader = BatchLoader(load_corpus(), spec.train.global_batch, spec.train.seq_len, spec.train.seed)
-
+    train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
+    loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed)
+    data = spec.train.data
+    evaluation = None
+    if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
+        held = BatchLoader(eval_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed)
+        evaluation = [tuple(t.to(info.device) for t in held.shard(b, dp_rank, dims.dp)) for b in range(data.eval_batches)]
     saver, first = None, 0  # first: the step a resumed run continues from
     if spec.checkpoint is not None:
         from parallelisms.checkpoint import Saver, load
@@ -248,6 +287,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         if spec.checkpoint.save_dir:
             saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
                           info.rank, spec.checkpoint.meta, info.device)
+    metrics = (MetricsWriter(spec.metrics_path, spec.tensorboard_dir, keep_until=first if first else None)
+               if info.rank == 0 and (spec.metrics_path or spec.tensorboard_dir) else None)
+    logging = bool(spec.metrics_path or spec.tensorboard_dir)  # every rank: the per-step loss is all-reduced
     steps = range(first, spec.train.steps)
     if spec.progress and info.rank == 0:
         import sys
@@ -257,10 +299,10 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
                      disable=not sys.stderr.isatty())
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
-    losses, grad_norms, step_times, step_windows, ledger_marks = [], [], [], [], []
+    losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
     nonfinite, skipped, save_times = None, 0, []
     for step in steps:
-        inputs, targets = (t.to(info.device) for t in loader.shard(step, dp_rank, dims.dp))
+        inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
         start = Timeline.now()
         loss = trainer.train_step(inputs, targets)
@@ -269,6 +311,13 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
+        eval_loss = None
+        if evaluation is not None and (step + 1 == spec.train.steps or data.eval_every and
+                                       (step + 1) % data.eval_every == 0):
+            eval_loss = trainer.evaluate(evaluation).item()
+            eval_losses.append([step + 1, eval_loss])
+        if logging:
+            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end))
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -285,14 +334,16 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         _test_kill(info, step + 1)
     if saver is not None:
         saver.close()
+    if metrics is not None:
+        metrics.close()
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
         losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
-        # training only: one-off setup (DDP's bucket rebuild after the first step) and reporting left out
+        # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
-                                         exclude_phases=("report", "setup", "checkpoint"))
+                                         exclude_phases=("report", "setup", "eval", "checkpoint"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
@@ -307,6 +358,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
+        "lr_last": trainer.lr,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }
     report.update(extra)
@@ -314,6 +366,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         report.update(nonfinite=nonfinite, skipped_steps=skipped)
     if save_times:
         report["save_s"] = save_times
+    if eval_losses:
+        report["eval_losses"] = eval_losses  # [step, validation loss]
     if trace:
         per_rank = [_sum_stats(g["overlap"]) for g in gathered]
         report["overlap_per_rank"] = per_rank
@@ -346,6 +400,25 @@ def _test_kill(info: RankInfo, step: int) -> None:
     spec = os.environ.get("PARALLELISMS_TEST_KILL_AT")
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{info.rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, loss: torch.Tensor,
+              eval_loss: float | None, tokens: int, window: tuple[int, int]) -> None:
+    """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (an all-reduce outside the
+    timed step, phase report), learning rate, gradient norm, tokens/s, this rank's exposed communication (with a
+    timeline) and peak memory."""
+    from parallelisms.parallel.memory import process_peak_bytes
+
+    with comms.ledger.in_phase("report"):
+        mean = comms["dp_cp"].all_reduce(loss.reshape(1).clone()) / comms["dp_cp"].size
+    if metrics is None:
+        return
+    seconds = (window[1] - window[0]) / 1e9
+    exposed = comms.timeline.overlap_stats(*window)["exposed_ns"] / 1e9 if comms.timeline.enabled else None
+    metrics.write({"step": step + 1, "loss": mean.item(), "eval_loss": eval_loss, "lr": trainer.lr,
+                   "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
+                   "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
+                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped})
 
 
 def _sum_stats(stats: list[dict]) -> dict:

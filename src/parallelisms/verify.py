@@ -24,7 +24,8 @@ from torch import nn
 
 from parallelisms.config import ModelConfig, TrainConfig
 from parallelisms.errors import ConfigError
-from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.data.sources import training_loader
+from parallelisms.lr_schedule import make_scheduler
 from parallelisms.model import build_model
 
 TOLERANCE = 1e-5
@@ -125,15 +126,17 @@ def clip_grad_norm_float64(params, max_norm: float) -> torch.Tensor:
 
 def _train_reference(cfg: TrainConfig, params: list, accumulate, after_step=lambda: None):
     """The loop both references share: ``accumulate(loader, step)`` leaves the step's gradient in
-    ``params[i].grad`` and returns the loss; then the global norm (clipping when asked) and AdamW over
-    ``params``. Returns the per-step losses and gradient norms."""
+    ``params[i].grad`` and returns the loss; then the global norm (clipping when asked), AdamW over
+    ``params`` and the learning-rate schedule. Returns the per-step losses and gradient norms."""
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
-    loader = BatchLoader(load_corpus(), cfg.global_batch, cfg.seq_len, cfg.seed)
+    scheduler = make_scheduler(optimizer, cfg)
+    loader = training_loader(cfg)
     losses, norms = [], []
     for step in range(cfg.steps):
         losses.append(accumulate(loader, step))
         norms.append(clip_grad_norm_float64(params, cfg.grad_clip).item())
         optimizer.step()
+        scheduler.step()
         after_step()
     return losses, norms
 

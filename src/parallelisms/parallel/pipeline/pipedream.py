@@ -37,7 +37,8 @@ from torch.func import functional_call
 
 from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.config import ModelConfig, TrainConfig
-from parallelisms.data import BatchLoader, load_corpus
+from parallelisms.data.sources import training_loader
+from parallelisms.lr_schedule import make_scheduler
 from parallelisms.data.loader import microbatches
 from parallelisms.model import build_model
 from parallelisms.model.numerics import upcast
@@ -143,7 +144,8 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
     optimizers = {s: make_optimizer(list(g.values()), train_cfg) for s, g in groups.items()}
     one_rank = Comms({}, CommLedger(), Timeline(0))
     history = {s: [{n: p.detach().clone() for n, p in g.items()}] for s, g in groups.items()}  # by version
-    loader = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len, train_cfg.seed)
+    schedulers = [make_scheduler(o, train_cfg) for o in optimizers.values()]  # stepped once per step, as the Trainer
+    loader = training_loader(train_cfg)
     losses = []
     for step in range(train_cfg.steps):
         window = []
@@ -168,4 +170,6 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
                 optimizers[s].step()
                 history[s].append({n: p.detach().clone() for n, p in g.items()})
         losses.append((torch.stack(window).sum() / m).item())
+        for scheduler in schedulers:
+            scheduler.step()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -26,6 +26,7 @@ from torch import nn
 from parallelisms.comm import Comm, Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
+from parallelisms.model.numerics import upcast
 from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded, sharded_over
 from parallelisms.parallel.data import Bucket
 from parallelisms.parallel.grad_sync import LocalGradients
@@ -155,6 +156,30 @@ class PipelineSchedule:
                  else torch.zeros(1, dtype=torch.promote_types(self.executor.dtype, torch.float32)))
         with ledger.in_phase("report"):
             return self.pp_comm.all_reduce(local).reshape(())
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Validation, forward only: this rank's rows through the stages in order (the first path's placement),
+        hidden states sent to the next stage's rank and waited for, so no schedule is needed. Returns the mean
+        loss (the last stage's, plus the other stages' load-balancing terms), summed over pp."""
+        if self.positions is not None:
+            inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+        kwargs = {} if self.positions is None else {"positions": self.positions}
+        owner, rank, comm = self.schedule.placement[0], self.pp_comm.rank, self.pp_comm
+        shape = (inputs.shape[0], inputs.shape[1] // self.executor.seq_shards, self.hidden_dim)
+        x, total = inputs, torch.zeros(1, dtype=torch.promote_types(self.executor.dtype, torch.float32))
+        for stage in (s for s, holder in enumerate(owner) if holder == rank):
+            if stage > 0 and owner[stage - 1] != rank:
+                x = torch.empty(shape, dtype=self.executor.dtype)
+                comm.send_recv(recvs=[(x, owner[stage - 1])]).wait()
+            module = self.stages[stage]
+            out = module(x, targets if module.output is not None else None, **kwargs)
+            term = out if module.output is not None else module.aux_loss_term()
+            total += 0 if term is None else upcast(term)
+            if module.output is None and owner[stage + 1] != rank:
+                comm.send_recv(sends=[(out.to(self.executor.dtype).contiguous(), owner[stage + 1])]).wait()
+            x = out
+        return comm.all_reduce(total).reshape(())
 
     # -- reporting -------------------------------------------------------------------------------------
     def report(self) -> dict:
