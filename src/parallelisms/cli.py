@@ -20,6 +20,8 @@ from parallelisms.flags import DEGREE, check_writable, integer, json_line, numbe
 from parallelisms.launch import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
+from parallelisms.export import add_export_parser
+from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
 COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
@@ -212,6 +214,9 @@ def train_report(args, announce: bool = False) -> dict | None:
     """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.train import RunSpec
 
+    from parallelisms.metrics import default_metrics_path
+    from parallelisms.resume import checkpoint_options
+
     if args.trace:
         check_writable("--trace", args.trace)
     if args.predict:
@@ -219,8 +224,11 @@ def train_report(args, announce: bool = False) -> dict | None:
         hardware = load_hardware(args.predict)
     check_output_args(args)
     model, train, parallel, placement = prepare(args, announce)
-    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf),
-                   metrics_path=args.metrics, tensorboard_dir=args.tensorboard, init_from=args.init_from)
+    train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
+    checkpoint = checkpoint_options(args, model, train, parallel)
+    metrics = args.metrics or (default_metrics_path(args.save) if args.save else None)  # next to the checkpoints
+    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf), metrics_path=metrics,
+                   tensorboard_dir=args.tensorboard, init_from=args.init_from, checkpoint=checkpoint)
     report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
@@ -262,17 +270,30 @@ def cmd_train(args) -> int:
         print(f"exported to {report['exported_hf']} (Hugging Face Llama)")
     if args.json:
         print(json_line(report))
-    return _diverged(report["losses"], report["steps"], args.lr)
+    return _diverged(report, args.lr, args.skip_nonfinite)
 
 
-def _diverged(losses: list[float], steps: int, lr: float) -> int:
-    """Exit code 1 and one line naming the step where the loss went non-finite; 0 when it stayed finite."""
-    step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
-    if step is None:
+def _diverged(report: dict, lr: float, skip_nonfinite: bool = False) -> int:
+    """Exit code 1 and one line naming the step (and the rank) where the loss or the gradient went non-finite;
+    0 when it stayed finite."""
+    losses, first, where = report["losses"], report.get("first_step", 1), report.get("nonfinite")
+    if report.get("skipped_steps"):
+        print(f"warning: skipped {report['skipped_steps']} step(s) whose loss or gradient was not finite "
+              f"(--skip-nonfinite)", file=sys.stderr)
+    if skip_nonfinite:
         return 0
-    print(f"error: training diverged: the loss became {losses[step]} at step {step + 1} of {len(losses)}"
+    step = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if step is None and where is None:
+        return 0
+    if where is not None and where["what"] != "loss":
+        print(f"error: training stopped: the gradient norm became non-finite at step {where['step']} of "
+              f"{report['steps']}; lower --lr (got {lr:g}) or pass --skip-nonfinite", file=sys.stderr)
+        return 1
+    rank = f" on rank {where['rank']}" if where is not None else ""
+    print(f"error: training diverged: the loss became {losses[step]}{rank} at step {first + step} of {report['steps']}"
           + (f" (last finite loss {losses[step - 1]:.4f})" if step else "")
-          + f"; lower --lr (got {lr:g})", file=sys.stderr)
+          + f"; lower --lr (got {lr:g})" + (" or pass --skip-nonfinite" if where is not None else ""),
+          file=sys.stderr)
     return 1
 
 
@@ -356,6 +377,12 @@ def cmd_verify(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_verify_resume(args) -> int:
+    from parallelisms.verify_resume import verify_resume
+
+    return verify_resume(args, lambda argv: prepare(build_parser().parse_args(["verify", *argv])), run_layout)
+
+
 def estimate_result(args) -> dict:
     """The estimate ``args`` ask for (the ``--json`` object). It only computes, so layouts this runtime does
     not run yet are estimated all the same."""
@@ -404,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "parallelisms plot-trace draws it)")
     p.add_argument("--predict", nargs="?", const="cpu", metavar="HARDWARE",
                    help="print the step model's prediction against this run (hardware: cpu or a calibrate file)")
+    add_checkpoint_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("verify", help="check a layout against single-process training")
@@ -433,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from parallelisms.perf.calibrate import add_calibrate_parser
     add_calibrate_parser(sub)
+    add_verify_resume_parser(sub)
+    sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
+    add_export_parser(sub)
 
     from parallelisms.plot_trace import add_parser as add_plot_trace_parser
     add_plot_trace_parser(sub)

@@ -255,6 +255,7 @@ class TrainConfig:
     bucket_mb: float = 25.0        # data-parallel gradient bucket cap
     timeout_s: float = 300.0       # collective timeout
     dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
+    nonfinite: str = "continue"    # a non-finite loss or gradient: continue (verify finds where), stop or skip
     warmup: int = 0                # linear warmup steps of the learning rate
     lr_schedule: str = "constant"  # after warmup: constant, cosine or linear decay to min_lr at the last step
     min_lr: float = 0.0            # the decay's floor

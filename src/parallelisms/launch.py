@@ -76,7 +76,7 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)
+                            device_id=device if backend == "nccl" else None, store=_attempt_store(world, timeout_s))
     interrupt = signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends the rank at once, even inside a wait
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # its default, a named semaphore, would be reported leaked by a killed rank
@@ -86,6 +86,17 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
     finally:
         signal.signal(signal.SIGINT, interrupt)
         dist.destroy_process_group()
+
+
+def _attempt_store(world: int, timeout_s: float):
+    """Under torchrun's agent store, a prefix per restart attempt: torch's env:// rendezvous uses one prefix for
+    every attempt, so a restarted group would read the dead attempt's gloo addresses (connection refused).
+    None elsewhere (init_process_group's own env:// store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def _worker_pids(parent: int) -> list[int]:

@@ -43,6 +43,7 @@ from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
+from parallelisms.resume import CheckpointOptions
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class RunSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = False        # tqdm bar on rank 0
     collect_state: bool = False   # return the full final parameters (verify)
+    checkpoint: CheckpointOptions | None = None  # --save / --resume (parallelisms.checkpoint)
     metrics_path: str | None = None      # JSON lines per step, rank 0 (parallelisms.metrics)
     tensorboard_dir: str | None = None   # TensorBoard scalars, rank 0
     init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
@@ -113,6 +115,7 @@ class Trainer:
         self.optimizers = [optimizer] if optimizer is not None else list(stage_optimizers)  # for the memory report
         self.schedulers = [make_scheduler(o, cfg) for o in self.optimizers]  # one learning rate step per step
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
+        self.skipped = False  # the last step's update was left out: its gradient norm was not finite
         self.lr = cfg.lr  # the learning rate of the last step
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -139,6 +142,10 @@ class Trainer:
         step the optimizer, then the gradient sync's after-step (sharded engines refresh parameters)."""
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
             self.grad_norm = self.grad_sync.grad_norm()
+            # the same on every rank: under --skip-nonfinite or stop-on-non-finite, no rank applies the update
+            self.skipped = self.cfg.nonfinite != "continue" and not bool(torch.isfinite(self.grad_norm))
+            if self.skipped:
+                return
             if self.cfg.grad_clip > 0:
                 clip_grad_norm_(self.grad_sync.parameters(), self.cfg.grad_clip, self.comms, norm=self.grad_norm)
             self.optimizer.step()
@@ -268,11 +275,22 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
         held = BatchLoader(eval_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed)
         evaluation = [tuple(t.to(info.device) for t in held.shard(b, dp_rank, dims.dp)) for b in range(data.eval_batches)]
-    metrics = (MetricsWriter(spec.metrics_path, spec.tensorboard_dir)
+    saver, first = None, 0  # first: the step a resumed run continues from
+    if spec.checkpoint is not None:
+        from parallelisms.checkpoint import Saver, load
+
+        if spec.checkpoint.resume:
+            resumed = load(trainer, spec.checkpoint.resume, info.rank)
+            first = resumed.step
+            if resumed.data_state is not None and hasattr(loader, "load_state_dict"):
+                loader.load_state_dict(resumed.data_state)
+        if spec.checkpoint.save_dir:
+            saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
+                          info.rank, spec.checkpoint.meta, info.device)
+    metrics = (MetricsWriter(spec.metrics_path, spec.tensorboard_dir, keep_until=first if first else None)
                if info.rank == 0 and (spec.metrics_path or spec.tensorboard_dir) else None)
     logging = bool(spec.metrics_path or spec.tensorboard_dir)  # every rank: the per-step loss is all-reduced
-
-    steps = range(spec.train.steps)
+    steps = range(first, spec.train.steps)
     if spec.progress and info.rank == 0:
         import sys
 
@@ -282,6 +300,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                      disable=not sys.stderr.isatty())
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
+    nonfinite, skipped, save_times = None, 0, []
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
@@ -302,6 +321,19 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
+        if spec.train.nonfinite != "continue":
+            nonfinite = _nonfinite(loss, trainer, comms, step + 1, info)
+            if nonfinite is not None and spec.train.nonfinite == "skip":
+                nonfinite, skipped = None, skipped + 1
+            elif nonfinite is not None:
+                break  # stop: every rank agrees (one all-reduce); cmd_train names the step and the rank
+        if saver is not None and (saver.due(step + 1) or step + 1 == spec.train.steps):
+            began = Timeline.now()
+            saver.save(trainer, step + 1, getattr(loader, "state_dict", lambda: None)())
+            save_times.append((Timeline.now() - began) / 1e9)
+        _test_kill(info, step + 1)
+    if saver is not None:
+        saver.close()
     if metrics is not None:
         metrics.close()
 
@@ -311,7 +343,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
-                                         exclude_phases=("report", "setup", "eval"))
+                                         exclude_phases=("report", "setup", "eval", "checkpoint"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
@@ -322,6 +354,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     median = statistics.median(step_times[measured])
     report = {
         "world_size": info.world_size, "layout": spec.parallel.label(), "steps": spec.train.steps,
+        "first_step": first + 1,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
         "grad_norms": None if None in grad_norms else grad_norms,
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
@@ -329,6 +362,10 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
     }
     report.update(extra)
+    if spec.train.nonfinite != "continue":
+        report.update(nonfinite=nonfinite, skipped_steps=skipped)
+    if save_times:
+        report["save_s"] = save_times
     if eval_losses:
         report["eval_losses"] = eval_losses  # [step, validation loss]
     if trace:
@@ -339,6 +376,30 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if state is not None:
         report["state"] = state
     return report
+
+
+def _nonfinite(loss: torch.Tensor, trainer: Trainer, comms: Comms, step: int, info: RankInfo) -> dict | None:
+    """Where the step went non-finite, the same on every rank: the lowest rank whose loss is not finite (one
+    all-reduce over the world, outside the step's figures), or the gradient norm (global already); else None."""
+    bad = torch.tensor([info.rank if not bool(torch.isfinite(loss).all()) else info.world_size], device=info.device)
+    with comms.ledger.in_phase("report"):
+        rank = int(comms["world"].all_reduce(bad, op=torch.distributed.ReduceOp.MIN) if info.world_size > 1 else bad)
+    if rank < info.world_size:
+        return {"step": step, "rank": rank, "what": "loss"}
+    if trainer.skipped:
+        return {"step": step, "rank": None, "what": "gradient norm"}
+    return None
+
+
+def _test_kill(info: RankInfo, step: int) -> None:
+    """Tests only: ``PARALLELISMS_TEST_KILL_AT=RANK:STEP`` kills that rank after that step, in the first attempt
+    of a torchrun launch (a restart runs through)."""
+    import os
+    import signal
+
+    spec = os.environ.get("PARALLELISMS_TEST_KILL_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{info.rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, loss: torch.Tensor,
@@ -357,7 +418,7 @@ def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, ste
     metrics.write({"step": step + 1, "loss": mean.item(), "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
-                   "peak_memory_bytes": process_peak_bytes()})
+                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped})
 
 
 def _sum_stats(stats: list[dict]) -> dict:

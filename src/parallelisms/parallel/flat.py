@@ -47,6 +47,7 @@ from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward,
                                           squared_norms_of_pieces)
 from parallelisms.parallel.grad_sync import syncing_off
 from parallelisms.parallel.memory import engines_memory
+from parallelisms.parallel.placement import flat_pieces
 
 
 @dataclass(frozen=True)
@@ -432,6 +433,12 @@ class ShardedEngine:
     def memory(self, optimizers) -> dict:
         """:func:`parallelisms.parallel.memory.engines_memory` of this engine."""
         return engines_memory([self], optimizers)
+
+    def placements(self) -> list:
+        """Each unit's flat shard with the boxes of the parameters its range covers."""
+        return [(unit.shard, flat_pieces(names, unit.shapes, unit.marks, self.comms,
+                                         unit.comm.rank * unit.shard_numel, (unit.comm.rank + 1) * unit.shard_numel))
+                for unit, names in zip(self.units, self.names)]
 
     def counts(self) -> dict[str, int]:
         """The all-gathers that explain the gathered-parameter peak (prefetched ones hold two units at once)."""

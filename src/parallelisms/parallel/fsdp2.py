@@ -61,6 +61,7 @@ from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward,
                                           norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
 from parallelisms.parallel.flat import module_units, split_expert_units
 from parallelisms.parallel.memory import engines_memory
+from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.recompute import register_recompute_context
 
 
@@ -522,6 +523,11 @@ class PerParamSharding:
         return {name: gather_full(by_id[id(p)], self.comms,
                                   [m for m in getattr(p, SHARD_ATTR, ()) if m[0] != comm_of[id(p)]]).cpu().clone()
                 for name, p in self.model.named_parameters()}
+
+    def placements(self) -> list:
+        """Each parameter's dim-0 shard, placed by its marks (this engine's, tensor and expert parallelism's)."""
+        return [(p, tensor_pieces(name, p, self.comms)) for name, p in self.model.named_parameters()
+                if p.requires_grad]
 
     def memory(self, optimizers) -> dict:
         """Persistent bytes of parameter and gradient shards and optimizer state; the peaks of the

@@ -19,6 +19,7 @@ from torch import nn
 from parallelisms.comm import Comms
 from parallelisms.parallel.common import gather_full, global_grad_norm
 from parallelisms.parallel.memory import memory_report, tensor_bytes
+from parallelisms.parallel.placement import Piece, tensor_pieces
 
 
 class GradSync(Protocol):
@@ -50,6 +51,10 @@ class GradSync(Protocol):
 
     def memory(self, optimizers) -> dict:
         """Persistent bytes of parameters, gradients and optimizer state, transient peaks, process peak."""
+
+    def placements(self) -> list[tuple[torch.Tensor, list[Piece]]]:
+        """Each optimizer parameter with the boxes of the plain model's full parameters it holds
+        (:mod:`parallelisms.parallel.placement`): what a checkpoint saves and loads, in any layout."""
 
 
 class LocalGradients:
@@ -86,6 +91,11 @@ class LocalGradients:
 
     def memory(self, optimizers) -> dict:
         return memory_report(tensor_bytes(self.params), tensor_bytes(p.grad for p in self.params), optimizers)
+
+    def placements(self) -> list[tuple[torch.Tensor, list[Piece]]]:
+        """Every parameter whole, placed by its tensor/expert-parallel marks."""
+        return [(p, tensor_pieces(name, p, self.comms)) for name, p in self.module.named_parameters()
+                if p.requires_grad]
 
 
 @contextmanager

@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
-from parallelisms.parallel.common import mark_sharded
+from parallelisms.parallel.common import SHARD_ATTR, mark_sharded
 from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
+from parallelisms.parallel.placement import flat_pieces
 
 
 class ReuseSharding(PerParamSharding):
@@ -83,6 +84,18 @@ class ReuseSharding(PerParamSharding):
     def parameters(self) -> list[nn.Parameter]:
         """One flat shard per unit (sharing storage with the model's parameters)."""
         return [unit.flat_param for unit in self.units]
+
+    def placements(self) -> list:
+        """Each unit's flat shard with the boxes of the parameters its chunk covers (the flat layout's)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        out = []
+        for unit in self.units:
+            params = [p for _, _, p in unit.entries]
+            lo = unit.comm.rank * unit.shard.numel()
+            out.append((unit.flat_param, flat_pieces([names[id(p)] for p in params], unit.shapes,
+                                                     [getattr(p, SHARD_ATTR, ()) for p in params], self.comms,
+                                                     lo, lo + unit.shard.numel())))
+        return out
 
     def _attach_grads(self, unit: Unit) -> None:
         super()._attach_grads(unit)

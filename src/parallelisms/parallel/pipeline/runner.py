@@ -30,6 +30,7 @@ from parallelisms.model.numerics import upcast
 from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded, sharded_over
 from parallelisms.parallel.data import Bucket
 from parallelisms.parallel.grad_sync import LocalGradients
+from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
 from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
@@ -104,6 +105,11 @@ class StageGradients(LocalGradients):
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
                                  for p in st.parameters()], self.comms)
+
+    def placements(self) -> list:
+        """Every stage's parameters whole (stages name them as the plain model does)."""
+        return [(p, tensor_pieces(name, p, self.comms)) for st in self.stages.values()
+                for name, p in st.named_parameters() if p.requires_grad]
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -89,3 +89,7 @@ class StageSharding:
 
     def memory(self, optimizers) -> dict:
         return engines_memory(list(self.engines.values()), optimizers)
+
+    def placements(self) -> list:
+        """Every stage's engine's (DualPipe's second copies too: they load the same boxes)."""
+        return [entry for engine in self.engines.values() for entry in engine.placements()]

@@ -1,0 +1,33 @@
+"""``parallelisms export CHECKPOINT_DIR --out HF_DIR``: the full weights of a checkpoint saved by any layout
+(:func:`parallelisms.checkpoint.load_full_state`, one process) written as a Hugging Face Llama directory
+(:func:`parallelisms.hf.export_hf`: ``config.json`` and ``model.safetensors``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parallelisms.errors import require
+from parallelisms.resume import META
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a complete checkpoint (DIR/step_N)")
+    p.add_argument("--out", required=True, metavar="HF_DIR", help="directory for config.json and model.safetensors")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    path = Path(args.checkpoint)
+    require((path / META).is_file() and (path / ".metadata").is_file(),
+            f"{args.checkpoint!r} is not a complete checkpoint (no {META} or .metadata); give a DIR/step_N directory")
+    require(not Path(args.out).is_file(), f"--out {args.out!r} is a file; name a directory")
+    from parallelisms.checkpoint import load_full_state
+    from parallelisms.config import ModelConfig
+    from parallelisms.hf import export_hf
+
+    model = ModelConfig(**json.loads((path / META).read_text())["model"])
+    out = export_hf(load_full_state(path), model, args.out)
+    print(f"exported {path} (step {json.loads((path / META).read_text())['step']}) to {out} (Hugging Face Llama)")
+    return 0

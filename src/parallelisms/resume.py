@@ -1,0 +1,106 @@
+"""The command line of checkpoints: ``train --save DIR --save-every N [--async-save] --resume DIR|auto``,
+checked before any process starts, and ``verify-resume``, which saves in one layout, resumes in another and
+compares the continued run with the uninterrupted one. Imports no torch at module level (the CLI's start)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallelisms.errors import require
+from parallelisms.flags import integer
+
+META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What the training loop saves and resumes (picklable, part of ``RunSpec``)."""
+
+    save_dir: str | None = None
+    save_every: int = 0
+    async_save: bool = False
+    resume: str | None = None      # a complete checkpoint directory, resolved before launch
+    meta: dict = dataclasses.field(default_factory=dict)  # model shape and layout, written with every save
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints (torch.distributed.checkpoint; any layout loads any other's)")
+    g.add_argument("--save", metavar="DIR", help="save checkpoints into DIR/step_N")
+    g.add_argument("--save-every", type=integer(1, 10**9), metavar="N", help="save every N steps (and at the end)")
+    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    g.add_argument("--resume", metavar="DIR|auto", help="continue from a checkpoint; auto: the newest complete one "
+                                                        "in --save DIR (none: start from step 0)")
+    g.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient is not finite (default: stop, naming step and rank)")
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``step_N`` holding its metadata file), or None."""
+    done = [p for p in Path(root).glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / META).is_file()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def layout_meta(model, train, parallel) -> dict:
+    """What a checkpoint records of its run: the model's shape and the layout that saved it."""
+    dims = parallel.dims
+    return {"format": 1, "model": dataclasses.asdict(model), "layout": dims.describe(),
+            "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule == "pipedream",
+            "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed}
+
+
+def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None:
+    """The checkpoint flags, validated (one line each, before launch); None without any."""
+    save, resume = args.save, args.resume
+    require(save is not None or (args.save_every is None and not args.async_save),
+            f"--save-every/--async-save need --save DIR; add --save DIR")
+    require(resume != "auto" or save is not None, "--resume auto looks in --save DIR; add --save DIR")
+    if save is None and resume is None:
+        return None
+    meta = layout_meta(model, train, parallel)
+    if save is not None:
+        root = Path(save)
+        require(not root.exists() or root.is_dir(), f"--save {save!r} is a file; name a directory")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            require(False, f"--save {save!r} cannot be created ({exc.strerror}); choose a directory you can write")
+    path = None
+    if resume == "auto":
+        path = latest(save)
+    elif resume is not None:
+        path = Path(resume)
+        require(path.is_dir(), f"--resume {resume!r} does not exist; give a checkpoint directory (DIR/step_N) "
+                               f"or --resume auto")
+        require((path / META).is_file() and (path / ".metadata").is_file(),
+                f"--resume {resume!r} is not a complete checkpoint (no {META}"
+                f"{'' if (path / '.metadata').is_file() else ' nor .metadata'}: a save that did not finish, or not a "
+                f"checkpoint); choose a step_N directory")
+    if path is not None:
+        saved = json.loads((path / META).read_text())
+        diff = [k for k, v in meta["model"].items() if saved["model"].get(k) != v]
+        require(not diff, lambda: f"--resume {str(path)!r} holds a model with {diff[0]} {saved['model'].get(diff[0])}, "
+                                  f"this run's has {meta['model'][diff[0]]} ({len(diff)} field(s) differ); use the "
+                                  f"same --preset/--config")
+        require(saved["step"] < train.steps, f"--resume {str(path)!r} is at step {saved['step']}, not before --steps "
+                                             f"{train.steps}; --steps counts the run's total steps: raise it")
+        require(saved["pipedream"] == meta["pipedream"],
+                f"--resume {str(path)!r} was saved {'with' if saved['pipedream'] else 'without'} --schedule pipedream "
+                f"and this run is {'with' if meta['pipedream'] else 'without'}: its per-microbatch Adam steps do not "
+                f"carry over; resume with{'' if saved['pipedream'] else 'out'} pipedream")
+    return CheckpointOptions(save, args.save_every or 0, args.async_save, str(path) if path else None, meta)
+
+
+# -- verify-resume -----------------------------------------------------------------------------------------------
+def add_verify_resume_parser(sub) -> None:
+    p = sub.add_parser("verify-resume", help="save in one layout, resume in another, compare with an uninterrupted run")
+    p.add_argument("--save-layout", required=True, help='layout flags of the saving run, e.g. "--dp 2 --zero 3"')
+    p.add_argument("--resume-layout", required=True, help='layout flags of the resumed run, e.g. "--tp 2 --pp 2"')
+    p.add_argument("--save-at", type=integer(1, 10**9), help="the step to save at (default: half of --steps)")
+    p.add_argument("--run", default="--preset tiny --steps 4 --global-batch 8 --seq-len 32",
+                   help="model and training flags of both runs (default %(default)s)")
+    p.add_argument("--tolerance", type=float, help="relative tolerance (default verify's: 1e-5, float64 1e-10)")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
