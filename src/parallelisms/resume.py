@@ -56,7 +56,7 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
     """The checkpoint flags, validated (one line each, before launch); None without any."""
     save, resume = args.save, args.resume
     require(save is not None or (args.save_every is None and not args.async_save),
-            f"--save-every/--async-save need --save DIR; add --save DIR")
+            "--save-every/--async-save need --save DIR; add --save DIR")
     require(resume != "auto" or save is not None, "--resume auto looks in --save DIR; add --save DIR")
     if save is None and resume is None:
         return None

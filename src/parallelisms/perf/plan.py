@@ -12,7 +12,6 @@ none fits, the message says by how much the leanest misses.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
