@@ -315,3 +315,17 @@ def test_export_writes_a_checkpoint_as_a_hugging_face_llama(tmp_path, capsys):
     with torch.no_grad():
         assert _rel(hf(tokens).logits, ours(tokens)) < 1e-5
     assert main(["export", str(ROOT / "pp2_zbv" / "step_2.tmp"), "--out", str(out)]) == 2
+
+
+def test_resume_continues_the_schedule_the_data_and_the_metrics(tmp_path, capsys):
+    """In one process: warmup + cosine, saved at step 2 of 4; the resumed run's losses are the uninterrupted run's,
+    and the metrics file next to the checkpoints holds each step once."""
+    run = ["train", "--dp", "1", "--steps", "4", *_run_args(tmp_path), "--warmup", "1", "--lr-schedule", "cosine"]
+    assert main([*run, "--save", str(tmp_path / "a"), "--save-every", "2"]) == 0
+    full = _last_json(capsys.readouterr().out)
+    shutil.rmtree(tmp_path / "a" / "step_4")
+    assert main([*run, "--save", str(tmp_path / "a"), "--resume", "auto"]) == 0
+    resumed = _last_json(capsys.readouterr().out)
+    assert resumed["first_step"] == 3 and resumed["losses"] == full["losses"][2:]
+    from parallelisms.metrics import default_metrics_path, read_metrics
+    assert [r["step"] for r in read_metrics(default_metrics_path(str(tmp_path / "a")))] == [1, 2, 3, 4]
