@@ -9,7 +9,7 @@ from parallelisms.comm import CommLedger, Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
-from parallelisms.parallel.context import RingAttentionCore, UlyssesAttentionCore, shard_sequence
+from parallelisms.parallel.context import RingAttentionCore, UlyssesAttentionCore, block_plan, shard_sequence
 from parallelisms.model.transformer import CausalAttentionCore
 from parallelisms.train import RunSpec, train_rank
 from parallelisms.verify import compare, reference_train
@@ -33,11 +33,13 @@ def _attention_rank(info):
     comms = Comms(ParallelDims(cp=n).build_meshes(), CommLedger())
     (q, k, v, weight), ref_out, ref_grads = _full_attention_and_grads(seed=1)
     results = {}
-    for style in ("ring", "ulysses"):
-        pos = shard_sequence(S, info.rank, n, zigzag=style == "ring")
+    for style in ("ring", "ring_unfused", "ring_contiguous", "ulysses"):
+        pos = shard_sequence(S, info.rank, n, zigzag=style in ("ring", "ring_unfused"))
         local = [t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v)]
-        core = RingAttentionCore(comms["cp"], pos) if style == "ring" else UlyssesAttentionCore(comms["cp"],
-                                                                                               CausalAttentionCore())
+        if style == "ulysses":
+            core = UlyssesAttentionCore(comms["cp"], CausalAttentionCore())
+        else:  # the fused kernel (CPU flash attention, float64 too), the materialised fallback, no zigzag
+            core = RingAttentionCore(comms["cp"], pos, zigzag=style != "ring_contiguous", fused=style != "ring_unfused")
         mark = comms.ledger.mark()
         with comms.ledger.in_phase("forward"):
             out = core(*local)
@@ -56,17 +58,18 @@ def attention(request):
     return request.param, launch(_attention_rank, request.param, threads=1)
 
 
-@pytest.mark.parametrize("style", ["ring", "ulysses"])
+@pytest.mark.parametrize("style", ["ring", "ring_unfused", "ring_contiguous", "ulysses"])
 def test_matches_full_causal_attention_forward_and_backward(attention, style):
     _, per_rank = attention
     for result in per_rank:
         assert result[style]["out_err"] < 1e-12 and result[style]["grad_err"] < 1e-12  # float64: exact up to rounding
 
 
-def test_ring_sends_only_local_blocks(attention):
+@pytest.mark.parametrize("style", ["ring", "ring_unfused"])
+def test_ring_sends_only_local_blocks(attention, style):
     n, per_rank = attention
     block = B * HKV * (S // n) * D  # one rank's K (or V) block: no rank ever sends or holds more
-    records = per_rank[0]["ring"]["records"]
+    records = per_rank[0][style]["records"]
     forward_sends = [r for r in records if r[0] == "send" and r[2] == "forward"]
     backward_sends = [r for r in records if r[0] == "send" and r[2] == "backward"]
     assert len(forward_sends) == 2 * (n - 1)               # K and V, N-1 hops
@@ -90,6 +93,17 @@ def test_zigzag_shards_cover_the_sequence_and_balance_causal_work():
     assert len(set(work)) == 1
     contiguous = [sum(int(p) + 1 for p in shard_sequence(seq, r, n, zigzag=False)) for r in range(n)]
     assert max(contiguous) > 3 * min(contiguous)          # why zigzag: contiguous chunks are unbalanced
+
+
+def test_block_plan_skips_masked_blocks_and_masks_only_the_diagonal():
+    n, seq = 4, 32   # chunks of 4 positions; rank 1 holds chunks 1 and 6
+    q = shard_sequence(seq, 1, n, zigzag=True)
+    plans = {owner: block_plan(q, shard_sequence(seq, owner, n, zigzag=True)) for owner in range(n)}
+    assert plans[1] == [(slice(0, 8), slice(0, 8), True)]                  # its own block: one causal call
+    assert plans[0] == [(slice(0, 8), slice(0, 4), False)]                 # earlier rank: its first chunk, unmasked
+    assert plans[2] == plans[3] == [(slice(4, 8), slice(0, 8), False)]     # later ranks: the second chunk sees all
+    contiguous = [block_plan(shard_sequence(seq, 2, n, False), shard_sequence(seq, o, n, False)) for o in range(n)]
+    assert contiguous == [[(slice(0, 8), slice(0, 8), False)]] * 2 + [[(slice(0, 8), slice(0, 8), True)], []]
 
 
 MODEL = preset("tiny")

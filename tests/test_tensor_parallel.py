@@ -24,12 +24,14 @@ TINY = preset("tiny")
 # layers.1.w_down after 3 steps although every gradient agrees to 3e-7: that model's Adam noise floor is
 # high; merely summing the batch per sample in one process already moves it 5.3e-6. 127 sits at 2e-6.)
 ODD_VOCAB = ModelConfig(vocab_size=127, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+GELU = ModelConfig(vocab_size=127, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, mlp="gelu")  # GPT's MLP
 TRAIN = TrainConfig(steps=3, global_batch=4, seq_len=32)
 LAYOUTS = {  # name: (model, dims, sequence parallel, overlap)
     "tp4_odd_vocab": (ODD_VOCAB, ParallelDims(tp=4), False, False),   # KV heads replicated (tp 4 > 2 KV heads)
     "tp4_sp_overlap": (TINY, ParallelDims(tp=4), True, True),
     "dp2_tp2": (ODD_VOCAB, ParallelDims(dp_replicate=2, tp=2), False, True),
     "dp2_tp2_sp": (TINY, ParallelDims(dp_replicate=2, tp=2), True, False),
+    "dp2_tp2_sp_gelu": (GELU, ParallelDims(dp_replicate=2, tp=2), True, True),
 }
 BATCH, SEQ = 2, 32
 

@@ -33,18 +33,22 @@ def bench(name: str):
 # be silently ignored)
 PIPELINES = ("pipeline", "pipeline-balance")
 ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp": (("tp",), False),
-            "target": (("tp",), "block")}
+            "target": (("tp",), "block"), "hardware": (("predict",), "cpu"),
+            "seq_lens": (("cp",), [1024, 2048, 4096, 8192, 16384])}
+# Defaults that differ by benchmark (long sequences take a small batch; experts need an MoE model)
+DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}}
+GENERAL = {"preset": "small", "global_batch": 8}
 
 
 def add_bench_parser(sub) -> None:
-    from parallelisms.flags import DEGREE, integer, number
+    from parallelisms.flags import DEGREE, integer, integer_list, number
 
     count = integer(1, 10**9)
     p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
     p.add_argument("name", help="what to benchmark: " + ", ".join(BENCHES) if BENCHES else "benchmark name")
-    p.add_argument("--preset", default="small", help="model preset")
+    p.add_argument("--preset", help="model preset (default small; ep: tiny-moe)")
     p.add_argument("--world", type=DEGREE, default=2, help="ranks")
-    p.add_argument("--global-batch", type=count, default=8, help="sequences per step")
+    p.add_argument("--global-batch", type=count, help="sequences per step (default 8; cp: 2)")
     p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")
     p.add_argument("--steps", type=count, default=5, help="timed steps per round and implementation")
     p.add_argument("--rounds", type=count, default=3, help="alternating rounds")
@@ -53,6 +57,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
+    p.add_argument("--hardware", help="predict: the hardware preset or `calibrate` file (default cpu)")
+    p.add_argument("--seq-lens", type=integer_list(2, 10**6),
+                   help="cp: sequence lengths (default 1024,2048,4096,8192,16384)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 
@@ -62,10 +69,14 @@ def run_bench(args) -> dict:
     for name, (benches, default) in ONLY_FOR.items():
         value = getattr(args, name)
         if value is not None and args.name not in benches:
-            given = f"--{name}" if value is True else f"--{name} {value}"
-            raise ConfigError(f"{given} applies to bench {' and '.join(benches)} only, not {args.name}; "
-                              f"drop --{name}")
+            flag = "--" + name.replace("_", "-")
+            shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            given = flag if value is True else f"{flag} {shown}"
+            raise ConfigError(f"{given} applies to bench {' and '.join(benches)} only, not {args.name}; drop {flag}")
         setattr(args, name, default if value is None else value)
+    for name, general in GENERAL.items():
+        if getattr(args, name) is None:
+            setattr(args, name, DEFAULTS[name].get(args.name, general))
     result = BENCHES[args.name](args)
     print(f"bench {args.name}: ours {result['ours_s'] * 1e3:.1f} ms, {result['peer']} {result['peer_s'] * 1e3:.1f} ms "
           f"per step, ratio {result['ratio']:.3f}" + "".join(f", {k} {v:.3f}" for k, v in result.items()

@@ -18,6 +18,7 @@ from parallelisms.errors import ConfigError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
 from parallelisms.launch import under_torchrun
+from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
 from parallelisms.export import add_export_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
@@ -52,6 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
     g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
+    add_shape_args(g)
 
 
 def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
@@ -117,7 +119,7 @@ def _add_device_arg(p: argparse.ArgumentParser) -> None:
 def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     """Turn parsed arguments into validated configs (raises ConfigError); ``runtime`` False: only what an
     estimate needs (see ``validate_layout``)."""
-    model = _model_config(args)
+    model = _model(args)
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
@@ -144,6 +146,14 @@ def _model_config(args) -> ModelConfig:
                                  f"drop --config")
         return load_hf_model_config(args.init_from)
     return load_hf_config(args.config) if args.config else preset(args.preset).validate()
+
+
+def _model(args) -> ModelConfig:
+    """The model config, then the shape flags (--layers --hidden ...), which a checkpoint's model refuses."""
+    shaped = shape_from_args(_model_config(args), args)
+    require(not getattr(args, "init_from", None) or shaped == _model_config(args),
+            f"shape flags with --init-from {getattr(args, 'init_from', '')!r}: the model is the checkpoint's; drop them")
+    return shaped
 
 
 def _degree_options(args) -> dict:
@@ -209,6 +219,9 @@ def train_report(args, announce: bool = False) -> dict | None:
 
     if args.trace:
         check_writable("--trace", args.trace)
+    if args.predict:
+        from parallelisms.perf.hardware import load_hardware
+        hardware = load_hardware(args.predict)
     check_output_args(args)
     model, train, parallel, placement = prepare(args, announce)
     train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
@@ -233,6 +246,9 @@ def train_report(args, announce: bool = False) -> dict | None:
             timelines.append(t)
         write_chrome_trace(timelines, args.trace)
         report["trace"] = args.trace
+    if args.predict:
+        from parallelisms.perf.predict import compare
+        report["prediction"] = compare(model, parallel, train, report, hardware, spans[0])
     from parallelisms.perf.model import predicted_comm_by_kind
 
     report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train, dtype_bytes=2 if parallel.mixed_precision
@@ -247,6 +263,9 @@ def cmd_train(args) -> int:
     if report is None:
         return 0
     print_train_summary(report, args, vars(build_parser().parse_args(["verify"])))
+    if "prediction" in report:
+        from parallelisms.perf.predict import format_comparison
+        print(format_comparison(report["prediction"]))
     if "exported_hf" in report:
         print(f"exported to {report['exported_hf']} (Hugging Face Llama)")
     if args.json:
@@ -367,28 +386,19 @@ def cmd_verify_resume(args) -> int:
 def estimate_result(args) -> dict:
     """The estimate ``args`` ask for (the ``--json`` object). It only computes, so layouts this runtime does
     not run yet are estimated all the same."""
-    from parallelisms.perf.estimate import HARDWARE, estimate
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
 
-    require(args.hardware in HARDWARE, f"unknown --hardware {args.hardware!r}; choose one of {', '.join(HARDWARE)}")
+    hw = load_hardware(args.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return estimate(model, parallel, train, args.hardware, args.mfu)
+    return estimate(model, parallel, train, hw, args.attention)
 
 
 def cmd_estimate(args) -> int:
-    from parallelisms.summary import count, seconds, size
+    from parallelisms.perf.estimate import explain
 
     result = estimate_result(args)
-    mem = result["memory_per_rank"]
-    print(f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters")
-    print("memory per rank: " + ", ".join(f"{k} {size(mem[k])}" for k in
-                                          ("params", "grads", "optimizer", "activations", "total"))
-          + (" (fits)" if result["fits"] else " (DOES NOT FIT)"))
-    print("communication per step per rank: " + (", ".join(
-        f"{k} {size(v)} ({seconds(result['comm_s'][k])})" for k, v in result["comm_bytes_per_rank"].items())
-        or "none"))
-    print(f"step: compute {seconds(result['compute_s'])} at MFU {args.mfu}, exposed comm "
-          f"{seconds(result['exposed_comm_s'])}, bubble {result['pipeline_bubble']:.3f} -> {seconds(result['step_s'])}, "
-          f"{result['tokens_per_s']:,.0f} tokens/s")
+    print("\n".join(explain(result)))
     if args.json:
         print(json_line(result))
     return 0
@@ -419,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(p)
     p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto; "
                                                    "parallelisms plot-trace draws it)")
+    p.add_argument("--predict", nargs="?", const="cpu", metavar="HARDWARE",
+                   help="print the step model's prediction against this run (hardware: cpu or a calibrate file)")
     add_checkpoint_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -435,11 +447,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     _add_train_args(p, steps=1)
-    p.add_argument("--hardware", default="h100", help="a100, h100, h200 or cpu (this machine, measured alpha-beta)")
-    p.add_argument("--mfu", type=number(0, 1, above=True), default=0.45,
-                   help="model FLOPs utilisation assumed for compute")
+    add_hardware_args(p)
     p.set_defaults(func=cmd_estimate)
 
+    p = sub.add_parser("plan", help="search the fastest layout of --gpus N that fits (given layout flags are fixed)")
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_train_args(p, steps=1)
+    add_hardware_args(p)
+    from parallelisms.perf.plan import add_plan_args, run_plan
+    add_plan_args(p)
+    p.set_defaults(func=lambda args: run_plan(args, _model(args)))
+
+    from parallelisms.perf.calibrate import add_calibrate_parser
+    add_calibrate_parser(sub)
     add_verify_resume_parser(sub)
     sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
     add_export_parser(sub)

@@ -15,12 +15,13 @@ from parallelisms.errors import ConfigError, divisors, require, require_finite
 from parallelisms.mesh import ParallelDims
 
 
-MAX_MODEL_INT = 2**31 - 1  # a model dimension beyond int32 is a typo, and keeps every size a finite float
+MAX_MODEL_INT = 2**31 - 1
+MLPS = ("swiglu", "gelu")  # a model dimension beyond int32 is a typo, and keeps every size a finite float
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama family: RMSNorm, RoPE, GQA, SwiGLU, untied head)."""
+    """Shape of a decoder-only transformer (Llama family: RMSNorm, RoPE, GQA, SwiGLU or GELU MLP, untied head)."""
 
     vocab_size: int = 256
     dim: int = 64
@@ -36,10 +37,16 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float = 0.0       # 0: no capacity limit
     aux_loss_coef: float = 0.01
+    mlp: str = "swiglu"                # swiglu (three matrices, Llama) or gelu (two matrices, GPT-2/3)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP: gate, up and down (SwiGLU), or up and down (GELU)."""
+        return 3 if self.mlp == "swiglu" else 2
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -51,12 +58,14 @@ class ModelConfig:
         require(self.n_heads % self.n_kv_heads == 0,
                 lambda: f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}; "
                         f"try n_kv_heads in {divisors(self.n_heads)}")
+        require(self.mlp in MLPS, f"unknown --mlp {self.mlp!r}; choose {' or '.join(MLPS)}")
         require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} (dim/n_heads) must be even for rotary positions")
         for name in ("rope_theta", "norm_eps"):
             require_finite(f"model {name}", getattr(self, name), above=0)
         if self.n_experts:
             require(isinstance(self.n_experts, int) and self.n_experts >= 2,
                     f"n_experts must be 0 (dense) or at least 2, got {self.n_experts}")
+            require(self.mlp == "swiglu", f"--mlp {self.mlp} with experts: the experts are SwiGLU; use --mlp swiglu")
             require(1 <= self.top_k <= self.n_experts,
                     f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
             require_finite("capacity_factor", self.capacity_factor, at_least=0)
@@ -64,11 +73,16 @@ class ModelConfig:
         return self
 
     def num_params(self) -> int:
-        """Parameter count (embedding, attention, SwiGLU MLP, two norms per block, final norm, head)."""
+        """Parameter count (embedding, attention, MLP, two norms per block, final norm, head)."""
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
-        mlp = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
+        mlp = self.mlp_matrices * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         return 2 * self.vocab_size * self.dim + self.n_layers * (attn + mlp + 2 * self.dim) + self.dim
+
+
+def _gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
+    return ModelConfig(vocab_size=51200, dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_dim=4 * hidden, max_seq_len=2048, mlp="gelu")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -85,7 +99,43 @@ PRESETS: dict[str, ModelConfig] = {
                              max_seq_len=8192, rope_theta=500000.0),
     "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                               max_seq_len=8192, rope_theta=500000.0),
+    "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                               max_seq_len=8192, rope_theta=500000.0),
+    # GPT-3 (Brown et al. 2020) and the Megatron shapes of Korthikanti et al. 2023 (Table 3): GELU MLP of 4h,
+    # Megatron's padded vocabulary of 51,200.
+    "gpt3-175b": _gpt(96, 12288, 96),
+    "megatron-22b": _gpt(48, 6144, 64),
+    "megatron-530b": _gpt(105, 20480, 128),
+    "megatron-1t": _gpt(128, 25600, 160),
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2),
+    # DeepSeek-V3's sizes (61 layers, h 7168, 256 routed experts of width 2048, top 8), with plain multi-head
+    # attention instead of MLA and no shared expert: the shape, not the architecture.
+    "deepseek-v3-moe": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                                   ffn_dim=2048, max_seq_len=4096, n_experts=256, top_k=8),
 }
+
+
+def default_ffn(hidden: int, mlp: str) -> int:
+    """The MLP width when only the hidden size is given: 4h for GELU (GPT), 8h/3 rounded up to a multiple of
+    64 for SwiGLU (the same parameters as 4h with a third matrix; Shazeer 2020, Llama)."""
+    return 4 * hidden if mlp == "gelu" else -(-8 * hidden // 3 // 64) * 64 if hidden >= 64 else -(-8 * hidden // 3)
+
+
+def with_shape(base: ModelConfig, seq_len: int = 0, layers=None, hidden=None, heads=None, kv_heads=None, ffn=None,
+               vocab=None, mlp=None, experts=None, topk=None) -> ModelConfig:
+    """``base`` with the shape flags given (None: keep the base's). A new hidden size without ``ffn`` takes the
+    MLP's default width; new heads without ``kv_heads`` are plain multi-head attention; ``max_seq_len`` grows
+    to ``seq_len``."""
+    given = {k: v for k, v in dict(n_layers=layers, dim=hidden, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
+                                   vocab_size=vocab, mlp=mlp, n_experts=experts, top_k=topk).items() if v is not None}
+    if not given:
+        return base
+    if heads is not None and kv_heads is None:
+        given["n_kv_heads"] = heads
+    if ffn is None and (hidden is not None or mlp is not None):
+        given["ffn_dim"] = default_ffn(given.get("dim", base.dim), given.get("mlp", base.mlp))
+    return dataclasses.replace(base, max_seq_len=max(base.max_seq_len, seq_len), **given).validate()
 
 
 def preset(name: str) -> ModelConfig:
@@ -108,6 +158,9 @@ _HF_FIELDS = {  # our name: (Hugging Face name, required)
 }
 
 
+_HF_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a Llama-family Hugging Face ``config.json`` into a :class:`ModelConfig`."""
     path = Path(path)
@@ -125,6 +178,10 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
     values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}
     values.setdefault("n_kv_heads", values["n_heads"])
+    act = raw.get("hidden_act", raw.get("activation_function", "silu"))
+    require(isinstance(act, str) and act in _HF_ACTS, f"--config {str(path)!r}: hidden_act {act!r} is not supported; "
+                             f"choose one of {', '.join(_HF_ACTS)}")
+
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 keeps rope_theta in it
     if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in raw:
         values["rope_theta"] = rope["rope_theta"]
@@ -141,15 +198,13 @@ def load_hf_config(path: str | Path) -> ModelConfig:
             require(whole and low <= value <= MAX_MODEL_INT, f"config field {field_name} must be an integer from "
                                                              f"{low} to {MAX_MODEL_INT:,}, got {value!r}")
             values[name] = int(value)
-    return ModelConfig(**values).validate()
+    return ModelConfig(**values, mlp=_HF_ACTS[act]).validate()
 
 
 def _check_llama_variant(path: Path, raw: dict, rope) -> None:
-    """One line for a config.json this model would compute differently: another activation, biases, scaled
+    """One line for a config.json this model would compute differently: biases, scaled
     rotary positions, or a head size other than hidden_size / num_attention_heads."""
     where = f"--config {str(path)!r}"
-    require(raw.get("hidden_act", "silu") == "silu", f"{where} has hidden_act {raw.get('hidden_act')!r}; this model "
-                                                     f"is SwiGLU (silu) only")
     for name in ("attention_bias", "mlp_bias"):
         require(not raw.get(name), f"{where} has {name} true; this model has no biases")
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope

@@ -41,6 +41,19 @@ def integer(low: int, high: int):
 DEGREE = integer(1, 2**16)  # a parallel degree (--dp, --tp, --pp, ..., bench --world)
 
 
+def integer_list(low: int, high: int):
+    """A flag parser for comma-separated integers, each in [low, high] (``1024,2048``)."""
+    one = integer(low, high)
+
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        if not all(p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers from {low} to {high:,}, got "
+                                             f"{shown(text, False)}")
+        return [one(p.strip()) for p in parts]
+    return parse
+
+
 def _num(x: float) -> str:
     return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 

@@ -75,6 +75,8 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], model_config: ModelConf
 
     require(not model_config.n_experts, "exporting a mixture-of-experts model to Hugging Face is not implemented; "
                                         "export a dense model")
+    require(model_config.mlp == "swiglu", "exporting a GELU-MLP model to Hugging Face is not implemented; export a "
+                                          "SwiGLU (Llama) model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -106,6 +108,8 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     cfg = load_hf_model_config(hf_dir)
     require(not cfg.n_experts, f"--init-from {str(hf_dir)!r} is a mixture of experts; only dense Llama checkpoints "
                                f"are read")
+    require(cfg.mlp == "swiglu", f"--init-from {str(hf_dir)!r} has hidden_act 'gelu' (a GELU MLP); only SwiGLU "
+                                 f"Llama checkpoints are read")
     path = Path(hf_dir) / WEIGHTS_FILE
     try:
         weights = load_file(str(path))

@@ -62,11 +62,12 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
     """The end of ``train``: see the module docstring (``defaults`` as :func:`next_step`)."""
     out = out or sys.stdout
     world = report["world_size"]
-    model = args.config or args.preset
+    model = getattr(args, "init_from", None) or args.config or args.preset
     lines = [
         f"ran:   {report['layout']} on {world} rank{'s' if world > 1 else ''}, "
         f"{Placement(report['device'], report['backend']).describe()}; model {model}, {report['steps']} steps of {args.global_batch} x {args.seq_len} tokens",
-        f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}",
+        f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}" + "".join(
+            f"; validation {loss:.4f} at step {step}" for step, loss in report.get("eval_losses", [])[-1:]),
         f"speed: {report['step_time_s'] * 1e3:.1f} ms per step (median), {report['tokens_per_s']:,.0f} tokens/s",
     ]
     comm = ", ".join(f"{k} {v['calls']:g} calls {size(v['bytes_per_rank'])}" for k, v in report["comm"].items())

@@ -2,7 +2,7 @@
 
 Token embedding, pre-norm blocks of RMSNorm, causal self-attention with rotary positions
 (Su et al. 2021) and optional grouped key/value heads (Ainslie et al. 2023), a SwiGLU MLP
-(Shazeer 2020) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an untied output head. Parallelisms swap its modules
+(Shazeer 2020), a GELU MLP (GPT-2/3) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an untied output head. Parallelisms swap its modules
 (`wq`, `w_up`, `output`, `loss`, `core`, ...) for parallel ones; every shape the forward needs is read
 from the tensors themselves, so a module holding a shard of the heads or of the FFN width still works.
 """
@@ -85,15 +85,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w_down(silu(w_gate x) * w_up x)."""
+    """SwiGLU MLP, w_down(silu(w_gate x) * w_up x), or (``cfg.mlp == "gelu"``, GPT-2/3) w_down(gelu(w_up x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate is None:
+            return self.w_down(F.gelu(self.w_up(x)))
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 

@@ -46,27 +46,105 @@ def shard_sequence(seq_len: int, rank: int, size: int, zigzag: bool) -> torch.Te
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """Masked scores [B, H, Sq, Sk] of one query block against one key block (GQA heads expanded)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+def _segments(positions: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions as (local start, first position, length)."""
+    runs = []
+    for i, p in enumerate(positions):
+        if runs and p == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, p, 1))
+    return runs
+
+
+def block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, slice, bool]]:
+    """The attention calls one (query block, key block) pair needs under the causal mask, as (query rows, key
+    rows, causal): one causal call when both hold the same positions (the diagonal block), unmasked calls
+    for key runs every query of a run sees, nothing for runs no query sees (ring-flash-attention's zigzag
+    cases fall out: the own block causal, an earlier rank's first chunk to all queries, a later rank's
+    whole block to the second chunk). Layouts of contiguous runs only (zigzag or contiguous chunks)."""
+    if torch.equal(q_pos, k_pos):
+        return [(slice(0, q_pos.numel()), slice(0, k_pos.numel()), True)]
+    k_runs = _segments(k_pos.tolist())
+    calls = []
+    for q_start, q_first, q_len in _segments(q_pos.tolist()):
+        for k_start, k_first, k_len in k_runs:
+            if k_first + k_len - 1 <= q_first:        # every query of the run sees every key of this run
+                calls.append((slice(q_start, q_start + q_len), slice(k_start, k_start + k_len), False))
+            else:
+                require(k_first > q_first + q_len - 1, "ring attention: a key run partly visible to a query run; "
+                        "shard the sequence in zigzag or contiguous chunks (shard_sequence)")
+    merged = []  # adjacent calls sharing their keys (or their queries) become one call
+    for q, k, causal in calls:
+        if merged and merged[-1][1] == k and merged[-1][0].stop == q.start:
+            merged[-1] = (slice(merged[-1][0].start, q.stop), k, False)
+        elif merged and merged[-1][0] == q and merged[-1][1].stop == k.start:
+            merged[-1] = (q, slice(merged[-1][1].start, k.stop), False)
+        else:
+            merged.append((q, k, causal))
+    return merged
+
+
+# -- one attention call returning its log-sum-exp: the fused kernels, and the materialised fallback -------
+
+def fused_available(q: torch.Tensor) -> bool:
+    """Whether torch has a fused attention kernel returning log-sum-exp for this device and dtype."""
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    return q.device.type == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _attention_forward(q, k, v, causal: bool, scale: float, fused: bool):
+    """(output, log-sum-exp per query) of softmax attention of q over k, v (GQA: fewer k/v heads)."""
+    if fused and q.device.type == "cpu":  # FlashAttention-2 tiling on CPU, grouped-query heads native
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    if fused:  # CUDA: the memory-efficient kernel (fp32 too); its log-sum-exp is padded to a multiple of 32 rows
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                                 scale=scale)
+        return out, lse[..., :q.shape[2]]
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def _attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, fused: bool):
+    """(dq, dk, dv) of one call, given the final output and log-sum-exp of the rows (FlashAttention-2's backward:
+    probabilities recomputed from the log-sum-exp, D = rowsum(dO * O))."""
+    if fused and q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    if fused:
+        rows = -(-q.shape[2] // 32) * 32
+        seed = offset = torch.zeros((), dtype=torch.int64)  # what the forward returns without dropout (unread)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, torch.nn.functional.pad(lse, (0, rows - lse.shape[-1])).contiguous(),
+            seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    else:
+        probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+        dscores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - (grad_out * out).sum(-1, keepdim=True))
+        dq = torch.matmul(dscores, k) * scale
+        dk = torch.matmul(dscores.transpose(-1, -2), q) * scale
+        dv = torch.matmul(probs.transpose(-1, -2), grad_out)
+    return dq, dk.unflatten(1, (-1, groups)).sum(2), dv.unflatten(1, (-1, groups)).sum(2)
+
+
+def _scores(q, k, causal: bool, scale: float):
+    """Scaled scores [B, H, Sq, Sk], the upper triangle at -inf when causal (the fallback only)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
-
-
-def _attend_block(q, k, v, q_pos, k_pos, scale):
-    """Unnormalised block attention: (softmax-weighted values, log-sum-exp per query) for one block."""
-    scores = _block_scores(q, k, q_pos, k_pos, scale)
-    lse = torch.logsumexp(scores, dim=-1)                               # -inf where the block is all masked
-    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])           # zero on masked entries
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.matmul(probs, v), lse
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    return scores
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Combine two normalised partial attentions by their log-sum-exps (exact softmax over the union)."""
+    """Combine two normalised partial attentions by their log-sum-exps (exact softmax over the union), in place."""
     new_lse = torch.logaddexp(lse, block_lse)
-    safe = new_lse.clamp_min(-1e30)[..., None]
-    return out * torch.exp(lse[..., None] - safe) + block_out * torch.exp(block_lse[..., None] - safe), new_lse
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out * torch.exp(block_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
 
 
 def _ring_pass(comm: Comm, tensors: list[torch.Tensor]):
@@ -78,72 +156,81 @@ def _ring_pass(comm: Comm, tensors: list[torch.Tensor]):
 
 
 class _RingAttention(torch.autograd.Function):
+    """``plans[step]``: the calls of this rank's queries against the K/V block held at ``step`` (block_plan)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, positions, comm: Comm, zigzag: bool):
+    def forward(ctx, q, k, v, comm: Comm, plans, fused: bool):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        seq = positions.numel() * comm.size
         acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in fp32 at least
-        out = torch.zeros_like(q, dtype=acc)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc)
+        out = lse = None
         k_cur, v_cur = k, v
-        for step in range(comm.size):
+        for step, plan in enumerate(plans):
             pending = _ring_pass(comm, [k_cur, v_cur]) if step < comm.size - 1 else None
-            owner = (comm.rank - step) % comm.size
-            k_pos = shard_sequence(seq, owner, comm.size, zigzag).to(q.device)
-            block_out, block_lse = _attend_block(q.to(acc), k_cur.to(acc), v_cur.to(acc), positions, k_pos, scale)
-            out, lse = _merge(out, lse, block_out, block_lse)
+            for rows, keys, causal in plan:
+                block_out, block_lse = _attention_forward(q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys],
+                                                          causal, scale, fused)
+                if out is None:  # the first call is the own block's diagonal: every row
+                    out, lse = block_out.to(acc), block_lse.to(acc)
+                else:
+                    _merge(out[:, :, rows], lse[:, :, rows], block_out.to(acc), block_lse.to(acc))
             if pending is not None:
                 pending[0].wait()
                 k_cur, v_cur = pending[1]
-        ctx.save_for_backward(q, k, v, out, lse, positions)
-        ctx.comm, ctx.zigzag, ctx.scale = comm, zigzag, scale
-        return out.to(q.dtype)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.plans, ctx.scale, ctx.fused = comm, plans, scale, fused
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, positions = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         comm, scale = ctx.comm, ctx.scale
-        seq = positions.numel() * comm.size
-        groups = q.shape[1] // k.shape[1]
-        acc = out.dtype
-        q_acc, grad_out = q.to(acc), grad_out.to(acc)
-        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O), FlashAttention-2's D
+        acc = lse.dtype
+        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q, dtype=acc)
         k_cur, v_cur = k, v
-        dk_cur, dv_cur = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-        for step in range(comm.size):
-            owner = (comm.rank - step) % comm.size
-            k_pos = shard_sequence(seq, owner, comm.size, ctx.zigzag).to(q.device)
-            scores = _block_scores(q_acc, k_cur.to(acc), positions, k_pos, scale)
-            probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])
-            v_full = v_cur.to(acc).repeat_interleave(groups, dim=1)
-            dprobs = torch.matmul(grad_out, v_full.transpose(-1, -2))
-            dscores = probs * (dprobs - delta)
-            dq += torch.matmul(dscores, k_cur.to(acc).repeat_interleave(groups, dim=1)) * scale
-            dk_full = torch.matmul(dscores.transpose(-1, -2), q_acc) * scale
-            dv_full = torch.matmul(probs.transpose(-1, -2), grad_out)
-            dk_cur = dk_cur + dk_full.unflatten(1, (-1, groups)).sum(2)
-            dv_cur = dv_cur + dv_full.unflatten(1, (-1, groups)).sum(2)
-            # K/V go on to the next rank for its step; dK/dV travel with them and, after the last step,
-            # one hop more brings every block's gradient home to its owner.
-            tensors = [dk_cur, dv_cur] + ([k_cur, v_cur] if step < comm.size - 1 else [])
-            pending, received = _ring_pass(comm, tensors)
-            pending.wait()
-            dk_cur, dv_cur = received[0], received[1]
-            if step < comm.size - 1:
-                k_cur, v_cur = received[2], received[3]
-        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None
+        grads = None  # the (dK, dV) accumulators travelling with their blocks, in flight
+        for step, plan in enumerate(ctx.plans):
+            last = step == comm.size - 1
+            kv = None if last else _ring_pass(comm, [k_cur, v_cur])
+            dk_blk, dv_blk = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+            for rows, keys, causal in plan:
+                dq_c, dk_c, dv_c = _attention_backward(grad_out[:, :, rows], q[:, :, rows], k_cur[:, :, keys],
+                                                       v_cur[:, :, keys], out[:, :, rows],
+                                                       lse[:, :, rows].contiguous(), causal, scale, ctx.fused)
+                dq[:, :, rows] += dq_c
+                dk_blk[:, :, keys] += dk_c
+                dv_blk[:, :, keys] += dv_c
+            # dK/dV of this block so far arrive from the previous rank (which held it one step earlier); after
+            # this rank adds its share they go on with the block, and one hop after the last step they are home.
+            if grads is not None:
+                grads[0].wait()
+                dk_blk += grads[1][0]
+                dv_blk += grads[1][1]
+            grads = _ring_pass(comm, [dk_blk, dv_blk])
+            if kv is not None:
+                kv[0].wait()
+                k_cur, v_cur = kv[1]
+        grads[0].wait()
+        dk, dv = grads[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class RingAttentionCore(nn.Module):
-    """Replaces the model's causal attention core; q/k/v are [batch, heads, local sequence, head_dim]."""
+    """Replaces the model's causal attention core; q/k/v are [batch, heads, local sequence, head_dim].
+    ``fused``: each block pair through torch's fused attention kernel (None: where one exists for the
+    device and dtype), else the materialised fallback, which the tests use to cross-check."""
 
-    def __init__(self, comm: Comm, positions: torch.Tensor, zigzag: bool = True):
+    def __init__(self, comm: Comm, positions: torch.Tensor, zigzag: bool = True, fused: bool | None = None):
         super().__init__()
-        self.comm, self.positions, self.zigzag = comm, positions, zigzag
+        self.comm, self.positions, self.zigzag, self.fused = comm, positions, zigzag, fused
+        seq = positions.numel() * comm.size
+        self.plans = [block_plan(positions, shard_sequence(seq, (comm.rank - step) % comm.size, comm.size, zigzag))
+                      for step in range(comm.size)]
 
     def forward(self, q, k, v):
-        return _RingAttention.apply(q, k, v, self.positions.to(q.device), self.comm, self.zigzag)
+        fused = fused_available(q) if self.fused is None else self.fused
+        return _RingAttention.apply(q, k, v, self.comm, self.plans, fused)
 
 
 class UlyssesAttentionCore(nn.Module):

@@ -218,17 +218,19 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelFeedForward(nn.Module):
-    """SwiGLU with gate/up one column-parallel region, the activation on the local FFN shard, and a
-    row-parallel down projection."""
+    """SwiGLU with gate/up one column-parallel region (GELU: up alone), the activation on the local FFN
+    shard, and a row-parallel down projection."""
 
     def __init__(self, plain: nn.Module, region: Region):
         super().__init__()
         self.region = region
-        self.w_gate = ColumnParallelLinear(plain.w_gate, region)
+        self.w_gate = None if plain.w_gate is None else ColumnParallelLinear(plain.w_gate, region)
         self.w_up = ColumnParallelLinear(plain.w_up, region)
         self.w_down = RowParallelLinear(plain.w_down, region)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate is None:
+            return self.w_down(F.gelu(column_parallel(x, self.region, self.w_up.weight)[0]))
         gate, up = column_parallel(x, self.region, self.w_gate.weight, self.w_up.weight)
         return self.w_down(F.silu(gate) * up)
 

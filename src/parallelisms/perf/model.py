@@ -39,7 +39,7 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     kv = cfg.n_kv_heads * cfg.head_dim
     attention = cfg.dim * (2 * cfg.dim + 2 * kv)
     experts_used = cfg.top_k if cfg.n_experts else 1
-    mlp = 3 * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
+    mlp = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
     matmul_params = cfg.n_layers * (attention + mlp) + cfg.dim * cfg.vocab_size
     return 6 * matmul_params + 12 * cfg.n_layers * seq * cfg.dim
 
@@ -47,18 +47,24 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 # -- memory --------------------------------------------------------------------------------------------
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+                               sequence_parallel: bool = False, recompute: str = "none", kv_heads: int | None = None,
+                               ffn: int | None = None, mlp_matrices: int = 2) -> float:
     """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
 
     ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept).
+    Table 2's terms: 10sbh replicated across tp (norm inputs, the QKV and MLP inputs, two dropout masks),
+    24sbh/t sharded (Q, K, V and the projection input: 8; the MLP's 4h-wide tensors: 16) and 5as^2b/t for
+    the attention scores. With ``kv_heads`` (GQA) and an MLP of width ``ffn`` and ``mlp_matrices`` matrices,
+    the sharded terms become 4 + 4 kv/a and 2 x (matrices) x ffn/h; the defaults give Table 2 exactly.
     """
     sbh = seq * batch * hidden
+    sharded = 4 + 4 * (kv_heads or heads) / heads + 2 * mlp_matrices * (ffn or 4 * hidden) / hidden
     attention = 5 * heads * seq / (hidden * tp)
     if recompute == "full":
         return 2 * sbh
     if sequence_parallel:
-        return sbh * (34 / tp + (attention if recompute == "none" else 0))
-    return sbh * (10 + 24 / tp + (attention if recompute == "none" else 0))
+        return sbh * ((10 + sharded) / tp + (attention if recompute == "none" else 0))
+    return sbh * (10 + sharded / tp + (attention if recompute == "none" else 0))
 
 
 def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
@@ -68,17 +74,23 @@ def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
     return 1.0 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
 
 
-def model_state_bytes(num_params: int, parallel: ParallelConfig) -> dict:
+def model_state_bytes(num_params: int, parallel: ParallelConfig, expert_params: int = 0) -> dict:
     """Parameters, gradients and optimizer state per rank (ZeRO's accounting); parameters are first divided
-    by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree."""
+    by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree. Of them,
+    ``expert_params`` are divided by pp x ep instead (experts replicate over tp) and shard over the ranks holding
+    the same experts."""
     dims = parallel.dims
-    local = num_params / (dims.tp * dims.pp)
     stage = parallel.zero or {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "hybrid_shard_zero2": 2,
                               "no_shard": 0, None: 0}[parallel.fsdp]
     shard = dims.dp_shard if parallel.fsdp else dims.dp
     bf16 = parallel.mixed_precision == "bf16"
-    return zero_formula(int(local), shard if stage else 1, stage, param_bytes=2 if bf16 else 4,
-                        grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
+    sizes = dict(param_bytes=2 if bf16 else 4, grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
+    dense = zero_formula(int((num_params - expert_params) / (dims.tp * dims.pp)), shard if stage else 1, stage, **sizes)
+    if not expert_params:
+        return dense
+    experts = zero_formula(int(expert_params / (dims.pp * dims.ep)), max(1, shard // dims.ep) if stage else 1, stage,
+                           **sizes)
+    return {k: dense[k] + experts[k] for k in dense}
 
 
 # -- communication -------------------------------------------------------------------------------------
@@ -90,7 +102,8 @@ class CommVolume:
     bytes_per_rank: float   # per optimizer step
 
 
-def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4) -> list[CommVolume]:
+def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int = 4,
+                  pipeline: bool = True) -> list[CommVolume]:
     """Bytes rank 0 sends per step, by collective and mesh dimension, from the spec's formulas.
 
     Main terms only: the per-block TP/SP collectives (not the embedding, head and loss ones, nor SP's
@@ -136,7 +149,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             q_block = tokens * cfg.dim // dims.tp * dtype_bytes
             per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
             out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
-    if dims.pp > 1:  # the schedule says how many activations and gradients rank 0 sends
+    if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
         m = parallel.microbatches or 2 * dims.pp

@@ -1,0 +1,160 @@
+"""Compute time of one transformer layer per pass, from its GEMM shapes and the bytes its elementwise kernels
+move; nothing is fitted to a step time.
+
+* FLOPs per layer per pass: each linear layer is one GEMM forward, two backward (input gradient, weight
+  gradient: Narayanan et al. SC'21, Sec. 5.1); attention's QK^T and AV are batched GEMMs; recomputation
+  repeats the forward of the block (full) or of the attention core (selective, Korthikanti et al. MLSys'23).
+* GEMM time: the roofline (Williams et al. 2009) on the GEMM's arithmetic intensity, with an efficiency that
+  depends on its shape: a short reduction dimension k (prologue/epilogue cost: k / (k + k_half)), tile
+  quantisation and wave quantisation over the streaming multiprocessors (NVIDIA's "Matrix multiplication
+  background" guide). Tensor parallelism slices n or k by t, which is where tp-sliced GEMMs lose efficiency.
+* Elementwise kernels (norms, residual adds, activation, softmax, dropout) are memory-bound: bytes read and
+  written over the HBM bandwidth; backward moves about twice the forward's bytes.
+* Attention: ``flash`` (fused, causal half of the scores, nothing materialised; Dao et al. 2022) or
+  ``fused-softmax`` (Megatron-LM 2021-22: scores materialised, one scale/mask/softmax kernel, then dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parallelisms.config import ModelConfig
+from parallelisms.perf.hardware import Hardware
+
+ATTENTION_KERNELS = ("flash", "fused-softmax")
+# Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
+# Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``: on a CPU
+# in addition to its work, on a GPU hidden behind the kernels unless they are shorter (launch-bound models).
+BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
+HEAD_OPS = (21, 34)
+
+
+def with_dispatch(hw: Hardware, seconds: float, ops: int) -> float:
+    """A pass of ``seconds`` of work that dispatches ``ops`` operators."""
+    host = ops * hw.op_overhead_us * 1e-6
+    return seconds + host if hw.cores else max(seconds, host)
+
+
+def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Share of peak a GEMM [m, k] x [k, n] (``batch`` of them) reaches before the memory roofline."""
+    eff = hw.gemm_fraction * k / (k + hw.gemm_k_half)
+    if hw.tile:
+        tiles_m, tiles_n = math.ceil(m / hw.tile), math.ceil(n / hw.tile)
+        eff *= m * n / (tiles_m * tiles_n * hw.tile**2)
+        if hw.sms:
+            tiles = tiles_m * tiles_n * batch
+            eff *= tiles / (math.ceil(tiles / hw.sms) * hw.sms)
+    return eff
+
+
+def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Seconds for ``batch`` GEMMs [m, k] x [k, n]: compute at the shape's efficiency, or memory if slower."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    flops = 2 * m * n * k * batch
+    traffic = (m * k + k * n + m * n) * batch * hw.bytes_per_element
+    return max(flops / (hw.peak_flops * gemm_efficiency(hw, m, n, k, batch)), traffic / hw.memory_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One rank's share of one layer for one microbatch: ``tokens`` = b x s/cp rows, tp/sp/ep sharding."""
+    cfg: ModelConfig
+    batch: int          # sequences per microbatch
+    seq: int            # full sequence length
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    attention: str = "flash"
+
+    @property
+    def tokens(self) -> float:
+        return self.batch * self.seq / self.cp
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds per layer per microbatch: forward, input gradient, weight gradient, and the forward of the
+    attention core alone (what selective recomputation repeats); FLOPs of the forward; the input- and
+    weight-gradient GEMMs of the two column-parallel layers (QKV, MLP in), which tp collectives overlap."""
+    forward: float
+    input_grad: float
+    weight_grad: float
+    attention_core: float
+    forward_flops: float
+    column_input_grads: tuple = (0.0, 0.0)
+    column_weight_grads: tuple = (0.0, 0.0)
+
+
+def _linears(shape: LayerShape) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, batch) of each linear layer's forward GEMM on one rank: QKV, output projection, (router,)
+    MLP in, MLP out."""
+    cfg, t, T = shape.cfg, shape.tp, shape.tokens
+    kv = cfg.n_kv_heads * cfg.head_dim
+    out = [(T, (cfg.dim + 2 * kv) / t, cfg.dim, 1), (T, cfg.dim, cfg.dim / t, 1)]
+    if cfg.n_experts:  # uniform routing: each local expert gets tokens x top_k / experts x ep rows; experts
+        local = cfg.n_experts / shape.ep  # replicate over tp, and each tp rank routes the tp-gathered tokens
+        rows = T * cfg.top_k / cfg.n_experts * shape.ep
+        out += [(T, cfg.n_experts, cfg.dim, 1), (rows, 2 * cfg.ffn_dim, cfg.dim, local),
+                (rows, cfg.dim, cfg.ffn_dim, local)]
+    else:
+        out += [(T, (cfg.mlp_matrices - 1) * cfg.ffn_dim / t, cfg.dim, 1), (T, cfg.dim, cfg.ffn_dim / t, 1)]
+    return out
+
+
+def _attention_core(hw: Hardware, shape: LayerShape) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, forward FLOPs) of QK^T, softmax, (dropout) and AV."""
+    cfg = shape.cfg
+    heads = shape.batch * cfg.n_heads / shape.tp
+    s_q, s_kv, d = shape.seq / shape.cp, shape.seq, cfg.head_dim
+    flops = 4 * heads * s_q * s_kv * d
+    if shape.attention == "flash":  # causal: half the score blocks computed; nothing materialised
+        fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / 2
+        return fwd, 2.5 * fwd, flops
+    scores = heads * s_q * s_kv
+    e = hw.bytes_per_element
+    fwd = gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)
+    fwd_elementwise = scores * (2 * e + 2 * e + 1) / hw.memory_bytes_per_s   # softmax r/w; dropout r/w + mask
+    return fwd + fwd_elementwise, 2 * fwd + 2 * fwd_elementwise, flops
+
+
+def _elementwise_bytes(shape: LayerShape) -> float:
+    """Bytes the forward's memory-bound kernels move: two norms (read, write), two residual adds with dropout
+    (read two, write one, a mask byte), the activation (GELU read, write; SwiGLU read two, write one)."""
+    cfg, T, e = shape.cfg, shape.tokens, 2
+    residual = T * cfg.dim / (shape.tp if shape.sp else 1)
+    width = cfg.ffn_dim * cfg.top_k if cfg.n_experts else cfg.ffn_dim / shape.tp
+    activation = (2 if cfg.mlp == "gelu" else 3) * T * width * e
+    return 2 * 2 * residual * e + 2 * (3 * e + 1) * residual + activation
+
+
+def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
+    """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
+    fwd = dgrad = wgrad = flops = 0.0
+    linears = _linears(shape)
+    dgrads = [gemm_time(hw, m, k, n, b) for m, n, k, b in linears]
+    wgrads = [gemm_time(hw, k, n, m, b) for m, n, k, b in linears]
+    for m, n, k, b in linears:
+        fwd += gemm_time(hw, m, n, k, b)
+        flops += 2 * m * n * k * b
+    dgrad, wgrad = sum(dgrads), sum(wgrads)
+    core_f, core_b, core_flops = _attention_core(hw, shape)
+    elementwise = _elementwise_bytes(shape) * hw.bytes_per_element / 2 / hw.memory_bytes_per_s
+    column = (0, len(linears) - 2)  # QKV and the MLP's input projection
+    ops_f, ops_b = BLOCK_OPS[shape.cfg.mlp]
+    return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),
+                     with_dispatch(hw, dgrad + core_b + 2 * elementwise, ops_b), wgrad, core_f,
+                     flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
+
+
+def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int) -> PassTimes:
+    """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits."""
+    v = cfg.vocab_size / tp
+    fwd = gemm_time(hw, tokens, v, cfg.dim)
+    loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
+    return PassTimes(with_dispatch(hw, fwd + loss, HEAD_OPS[0]),
+                     with_dispatch(hw, gemm_time(hw, tokens, cfg.dim, v) + loss, HEAD_OPS[1]),
+                     gemm_time(hw, cfg.dim, v, tokens), 0.0,
+                     2 * tokens * v * cfg.dim)

@@ -1,0 +1,134 @@
+"""Hardware a step is predicted on: presets from datasheets (and, for ``cpu``, this machine measured by
+``parallelisms calibrate``), or a JSON file with the same keys.
+
+Required keys: ``name``, ``peak_tflops`` (dense 16-bit; fp32 for ``cpu``), ``hbm_gb``, ``hbm_tbps``,
+``gpus_per_node``, ``intra_node_gbps`` and ``inter_node_gbps`` (GB/s per GPU, one direction),
+``intra_latency_us``, ``inter_latency_us``. Optional keys describe the GEMM engine (defaults: public cuBLAS
+characteristics, NVIDIA's "Matrix multiplication background" guide): ``gemm_fraction`` (the share of peak a
+large GEMM reaches), ``gemm_k_half`` (the reduction length at which a GEMM runs at half that: its
+prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 turns it off), ``hbm_fraction``
+(the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
+NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
+``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
+(host time per dispatched operator), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
+kind, and ``measurements`` (what ``calibrate`` measured; not read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from parallelisms.errors import ConfigError, require
+
+REQUIRED = ("name", "peak_tflops", "hbm_gb", "hbm_tbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps",
+            "intra_latency_us", "inter_latency_us")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float
+    hbm_gb: float
+    hbm_tbps: float
+    gpus_per_node: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+    intra_latency_us: float
+    inter_latency_us: float
+    gemm_fraction: float = 0.8
+    gemm_k_half: float = 64.0
+    sms: int = 108
+    tile: int = 128
+    hbm_fraction: float = 0.8
+    link_fraction: float = 0.8
+    bytes_per_element: int = 2
+    cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
+    op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
+    collectives: dict = field(default_factory=dict, hash=False)
+    measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.hbm_gb * 1e9
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12 * self.hbm_fraction
+
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""
+        if crosses_nodes:
+            return self.inter_latency_us * 1e-6, self.inter_node_gbps * 1e9 * self.link_fraction
+        return self.intra_latency_us * 1e-6, self.intra_node_gbps * 1e9 * self.link_fraction
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+OP_US = 5.0  # `parallelisms calibrate` here (4.9-5.2 us in two of three runs; 50 us in one taken while other jobs ran)
+
+PRESETS = {
+    # datasheets: A100 SXM 80GB 312 TFLOP/s bf16, 2.0 TB/s, NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR per node
+    "a100": Hardware("A100 SXM 80GB", 312, 80, 2.039, 8, 300, 25, 8, 15, sms=108),
+    # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
+    "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
+    "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
+    # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians, measured while other jobs shared the
+    # cores; rerun it on a quiet or another machine and pass the file)
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.03, 16, 0.0099, 1024, 0.49, 0.49, 472, 472, gemm_fraction=1.0,
+                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2, op_overhead_us=OP_US,
+                    collectives={"all_reduce": {"alpha_us": 472, "gbps": 0.49}, "all_gather": {"alpha_us": 398, "gbps": 0.85},
+                                 "reduce_scatter": {"alpha_us": 459, "gbps": 0.54},
+                                 "all_to_all": {"alpha_us": 250, "gbps": 0.99}, "send": {"alpha_us": 1841, "gbps": 1.3}}),
+}
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A preset name, or a JSON file with the keys in the module docstring (one line when it is not)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    require(spec.endswith(".json") or path.is_file(),
+            f"unknown --hardware {spec!r}; choose one of {', '.join(PRESETS)} or pass a JSON file")
+    require(path.is_file(), f"--hardware {spec!r} does not exist; pass a JSON file with keys {', '.join(REQUIRED)}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--hardware {spec!r} is not a readable JSON file ({exc.__class__.__name__}); "
+                          f"write an object with keys {', '.join(REQUIRED)}") from None
+    require(isinstance(raw, dict), f"--hardware {spec!r} must hold a JSON object, got {type(raw).__name__}")
+    missing = [k for k in REQUIRED if k not in raw]
+    require(not missing, f"--hardware {spec!r} lacks {', '.join(missing)}; each of {', '.join(REQUIRED)} is needed")
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(raw) - known)
+    require(not unknown, f"--hardware {spec!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key, value in raw.items():
+        if key == "name":
+            require(isinstance(value, str), f"--hardware {spec!r}: name must be a string, got {value!r}")
+        elif key == "measurements":
+            continue
+        elif key == "collectives":
+            require(isinstance(value, dict) and all(isinstance(v, dict) and _positive(v.get("gbps")) and
+                                                    _positive(v.get("alpha_us"), zero=True) for v in value.values()),
+                    f"--hardware {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
+        else:
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores")
+            require(_positive(value, zero), f"--hardware {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
+                                            f" finite number, got {value!r}")
+    require(all(raw.get(k, 1) <= 1 for k in ("gemm_fraction", "hbm_fraction", "link_fraction")),
+            f"--hardware {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
+    ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
+    require(ints.get("gpus_per_node", 1) >= 1, f"--hardware {spec!r}: gpus_per_node must be at least 1")
+    return Hardware(**{**raw, **ints})
+
+
+def _positive(value, zero: bool = False) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value >= 0 if zero else value > 0)

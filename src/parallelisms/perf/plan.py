@@ -1,0 +1,192 @@
+"""``parallelisms plan --gpus N``: search the layouts of N GPUs for the fastest that fits, with the step model.
+
+Every layout flag given is fixed; the rest are searched: tp (within a node), pp, cp, dp, ep (MoE), sequence
+parallelism, ZeRO stage, recompute mode, pipeline schedule and chunks, microbatches (or gradient accumulation
+without a pipeline). Two passes keep the search fast: every candidate is priced with the pipeline's closed forms
+(bubble (p-1)(F+B+W)/v, zero-bubble's (p-1)(F+B-W) and (p-1)(F+B-2W), in-flight microbatches p, 2p-1, m), the
+fitting ones are sorted, and the best are re-priced with the schedule simulator and checked against the
+support table (support.validate_layout) until enough pass. Only layouts that fit and run are proposed; when
+none fits, the message says by how much the leanest misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.errors import ConfigError, divisors, require
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.estimate import estimate
+from parallelisms.perf.hardware import Hardware
+from parallelisms.perf.step import predict_step
+
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1))
+RECOMPUTE = ("none", "selective", "full")
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule", "chunks", "microbatches",
+               "grad_accum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """The layout flags the user gave (None: searched)."""
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    sp: bool | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    chunks: int | None = None
+    microbatches: int | None = None
+    grad_accum: int | None = None
+
+
+def _pick(fixed, options):
+    return [fixed] if fixed is not None else list(options)
+
+
+def _degrees(gpus: int, cfg: ModelConfig, train: TrainConfig, hw: Hardware, fixed: Fixed):
+    """(dp, tp, pp, cp, ep) whose product is ``gpus``, each dividing what it splits."""
+    for tp in _pick(fixed.tp, [d for d in divisors(gpus) if d <= hw.gpus_per_node]):
+        for pp in _pick(fixed.pp, [d for d in divisors(gpus // tp) if d <= cfg.n_layers]):
+            for cp in _pick(fixed.cp, [d for d in (1, 2, 4, 8) if train.seq_len % (2 * d) == 0 or d == 1]):
+                rest, left = divmod(gpus, tp * pp * cp)
+                dp = rest if fixed.dp is None else fixed.dp
+                if left or dp != rest or train.global_batch % dp:
+                    continue
+                eps = [d for d in divisors(dp * cp) if cfg.n_experts % d == 0] if cfg.n_experts else [1]
+                for ep in _pick(fixed.ep, eps):
+                    yield dp, tp, pp, cp, ep
+
+
+def _variants(cfg: ModelConfig, train: TrainConfig, dims, fixed: Fixed):
+    dp, tp, pp, cp, ep = dims
+    per_rank = train.global_batch // dp
+    splits = [m for m in divisors(per_rank) if m & (m - 1) == 0 or m == per_rank]
+    for sp in _pick(fixed.sp, (True, False) if tp > 1 else (False,)):
+        for zero in _pick(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
+            for recompute in _pick(fixed.recompute, RECOMPUTE):
+                if pp == 1:
+                    for accum in _pick(fixed.grad_accum, splits):
+                        yield dict(sp=sp, zero=zero, recompute=recompute, schedule=None, chunks=1, microbatches=0,
+                                   grad_accum=accum)
+                    continue
+                for schedule, chunks in SCHEDULES:
+                    if (fixed.schedule not in (None, schedule) or fixed.chunks not in (None, chunks)
+                            or cfg.n_layers % (pp * chunks)):
+                        continue
+                    for m in _pick(fixed.microbatches, [m for m in splits if m % pp == 0]):
+                        yield dict(sp=sp, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
+                                   microbatches=m, grad_accum=1)
+
+
+def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
+    dp, tp, pp, cp, ep = dims
+    sharded = v["zero"] > 0
+    mesh = ParallelDims(dp_shard=dp if sharded else 1, dp_replicate=1 if sharded else dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    options = dict(schedule=v["schedule"], chunks=v["chunks"], microbatches=v["microbatches"]) if pp > 1 else {}
+    return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=v["zero"], recompute=v["recompute"],
+                               fsdp=None, **options)
+
+
+def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
+         attention: str = "flash", top: int = 10) -> list[dict]:
+    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first."""
+    from parallelisms.support import validate_layout
+
+    if all(getattr(fixed, k) is not None for k in ("dp", "tp", "pp", "cp")):
+        product = fixed.dp * fixed.tp * fixed.pp * fixed.cp
+        require(product == gpus, f"--dp {fixed.dp} x --tp {fixed.tp} x --pp {fixed.pp} x --cp {fixed.cp} = {product}, "
+                                 f"not --gpus {gpus}; give degrees whose product is {gpus}, or leave some out")
+    given = {k: getattr(fixed, k) for k in ("tp", "pp", "cp", "dp") if getattr(fixed, k)}
+    product = 1
+    for value in given.values():
+        product *= value
+    require(gpus % product == 0, f"{' x '.join(f'--{k} {v}' for k, v in given.items())} = {product} does not divide "
+                                 f"--gpus {gpus}; choose degrees that divide it")
+    fits, leanest, cache = [], None, {}
+    for dims in _degrees(gpus, cfg, train, hw, fixed):
+        for v in _variants(cfg, train, dims, fixed):
+            parallel = _config(dims, v, base)
+            run = train.replace(grad_accum=v["grad_accum"])
+            try:
+                result = predict_step(cfg, parallel, run, hw, attention, simulate_schedule=False, cache=cache)
+            except (ConfigError, ValueError, ZeroDivisionError):  # a shape this layout cannot split
+                continue
+            if result["fits"]:
+                fits.append((result["step_s"], dims, v))
+            elif leanest is None or result["memory_per_rank"]["total"] < leanest[0]:
+                leanest = (result["memory_per_rank"]["total"], dims, v)
+    if not fits:
+        need = "no layout could be formed" if leanest is None else (
+            f"the leanest ({_flags(leanest[1], leanest[2])}) needs {leanest[0] / 2**30:,.1f} GiB per GPU, "
+            f"{(leanest[0] - hw.memory_bytes) / 2**30:,.1f} GiB more than the {hw.memory_bytes / 2**30:,.1f} GiB of {hw.name}")
+        raise ConfigError(f"no layout of {gpus} GPUs fits this model and batch: {need}; use more GPUs, a smaller "
+                          f"--global-batch or --seq-len, or hardware with more memory")
+    fits.sort(key=lambda f: f[0])
+    plans = []
+    for _, dims, v in fits:
+        if len(plans) >= top:
+            break
+        parallel = _config(dims, v, base)
+        run = train.replace(grad_accum=v["grad_accum"])
+        try:
+            parallel = validate_layout(cfg, run, parallel)
+        except ConfigError:
+            continue
+        result = estimate(cfg, parallel, run, hw, attention)
+        if result["fits"]:
+            dp, tp, pp, cp, ep = dims
+            plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v), **result})
+    plans.sort(key=lambda p: p["step_s"])
+    return plans
+
+
+def _flags(dims, v: dict) -> str:
+    dp, tp, pp, cp, ep = dims
+    out = [f"--dp {dp}", f"--tp {tp}", f"--pp {pp}", f"--cp {cp}"] + ([f"--ep {ep}"] if ep > 1 else [])
+    out += ["--sp"] if v["sp"] else []
+    out += [f"--zero {v['zero']}"] if v["zero"] else []
+    out += [f"--recompute {v['recompute']}"] if v["recompute"] != "none" else []
+    if pp > 1:
+        out += [f"--schedule {v['schedule']}", f"--microbatches {v['microbatches']}"]
+        out += [f"--chunks {v['chunks']}"] if v["schedule"] == "interleaved" else []
+    elif v["grad_accum"] > 1:
+        out.append(f"--grad-accum {v['grad_accum']}")
+    return " ".join(out)
+
+
+def add_plan_args(p) -> None:
+    """plan's own flags; the layout flags it shares default to None (searched) and bf16 mixed precision."""
+    from parallelisms.flags import integer
+
+    p.add_argument("--gpus", type=integer(1, 2**20), required=True, help="GPUs to lay the run out on")
+    p.add_argument("--top", type=integer(1, 1000), default=10, help="plans to print, best first")
+    p.set_defaults(tp=None, pp=None, cp=None, ep=None, sp=None, zero=None, recompute=None, grad_accum=None,
+                   mixed_precision="bf16")
+
+
+def run_plan(args, model: ModelConfig) -> int:
+    """The plan verb: search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
+    from parallelisms.flags import json_line
+    from parallelisms.perf.hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    require(args.fsdp is None, f"--fsdp {args.fsdp}: plan searches ZeRO stages (--zero 3 is --fsdp full_shard); "
+                               f"drop --fsdp or give --zero")
+    train = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb,
+                        grad_accum=args.grad_accum or 1).validate(model)
+    fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
+                                                   "chunks", "microbatches", "grad_accum")})
+    base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
+                          cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
+    plans = plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)
+    for i, p in enumerate(plans):
+        print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
+              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU")
+    if args.json:
+        print(json_line({"plans": plans}))
+    return 0

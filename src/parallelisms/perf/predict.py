@@ -1,0 +1,101 @@
+"""Predicted against measured on this machine: ``train --predict`` (the run just done) and
+``parallelisms bench predict`` (six layouts: dp, tp with sp, pp 1f1b, ZeRO-3, cp ring, a 3-D mix), each
+predicted by perf/step.py on the ``cpu`` hardware (or ``--hardware FILE`` from ``parallelisms calibrate``).
+
+Measured step time: the train report's median (first step left out); phase times: rank 0's forward,
+backward and optimizer spans per step (the pipeline runtime records its own phases); bytes: the ledger."""
+
+from __future__ import annotations
+
+import statistics
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.hardware import Hardware
+from parallelisms.perf.model import predicted_comm_by_kind
+from parallelisms.perf.step import predict_step
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _measured_phases(report: dict, spans: list) -> dict:
+    steps = max(1, report["steps"] - 1)
+    out = {}
+    for name in PHASES:
+        durations = [(s.end - s.start) / 1e9 for s in spans if getattr(s, "name", None) == name]
+        if durations:
+            out[name] = sum(durations[-steps * (len(durations) // report["steps"] or 1):]) / steps
+    return out
+
+
+def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, report: dict, hw: Hardware,
+            spans: list = ()) -> dict:
+    """Predicted and measured step time, phases (from rank 0's timeline ``spans``), bytes per collective kind
+    and memory of one run."""
+    predicted = predict_step(cfg, parallel, train, hw)
+    stage = predicted["per_microbatch_stage_s"]
+    m = parallel.microbatches or 2 * parallel.dims.pp if parallel.dims.pp > 1 else train.grad_accum
+    phases = {"forward": m * stage["forward"], "backward": m * (stage["input_grad"] + stage["weight_grad"]),
+              "optimizer": predicted["time_breakdown"]["optimizer"]}
+    measured_phases = _measured_phases(report, spans)
+    comm = predicted_comm_by_kind(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4)
+    ranks = report.get("memory_per_rank") or [report.get("memory") or {}]
+    mem = predicted["memory_per_rank"]
+    return {
+        "layout": parallel.dims.describe(), "predicted_s": predicted["step_s"], "measured_s": report["step_time_s"],
+        "error": predicted["step_s"] / report["step_time_s"] - 1,
+        "phases": {k: {"predicted_s": phases[k], "measured_s": measured_phases.get(k)} for k in PHASES},
+        "bytes": {k: {"predicted": v, "measured": report["comm"].get(k, {}).get("bytes_per_rank")} for k, v in comm.items()},
+        "memory": {"predicted_model_states": mem["params"] + mem["grads"] + mem["optimizer"],
+                   "measured_model_states": max(r.get("persistent", 0) for r in ranks),
+                   "predicted_total": mem["total"], "measured_process_peak": max(r.get("process_peak") or 0 for r in ranks)},
+    }
+
+
+def format_comparison(c: dict) -> str:
+    phases = ", ".join(f"{k} {v['predicted_s'] * 1e3:.1f}/{v['measured_s'] * 1e3:.1f} ms" if v["measured_s"] is not None
+                       else f"{k} {v['predicted_s'] * 1e3:.1f}/- ms" for k, v in c["phases"].items())
+    kinds = ", ".join(f"{k} {v['predicted'] / 1e3:,.1f}/{(v['measured'] or 0) / 1e3:,.1f} kB" for k, v in c["bytes"].items())
+    mem = {k: v / 2**20 for k, v in c["memory"].items()}
+    return (f"predicted/measured: step {c['predicted_s'] * 1e3:.1f}/{c['measured_s'] * 1e3:.1f} ms ({c['error']:+.1%}); "
+            f"{phases}; {kinds or 'no communication'}; model states {mem['predicted_model_states']:,.1f}/"
+            f"{mem['measured_model_states']:,.1f} MiB; peak {mem['predicted_total']:,.1f} MiB predicted, process "
+            f"{mem['measured_process_peak']:,.1f} MiB (with the interpreter)")
+
+
+# name: (dims, options); the small preset, global batch 8, sequence 128
+CASES = {
+    "dp2": (ParallelDims(dp_replicate=2), {}),
+    "tp2_sp": (ParallelDims(tp=2), {"sequence_parallel": True}),
+    "pp2_1f1b": (ParallelDims(pp=2), {"schedule": "1f1b", "microbatches": 4}),
+    "zero3_dp2": (ParallelDims(dp_shard=2), {"zero": 3}),
+    "cp2_ring": (ParallelDims(cp=2), {"cp_attention": "ring"}),
+    "dp2_tp2_pp2": (ParallelDims(dp_replicate=2, tp=2, pp=2), {"sequence_parallel": True, "microbatches": 4}),
+}
+
+
+def bench_predict(args) -> dict:
+    """Run every case, predict it, and report errors (``bench predict``)."""
+    from parallelisms.cli import run_layout
+    from parallelisms.device import choose
+    from parallelisms.config import preset
+    from parallelisms.perf.hardware import load_hardware
+    from parallelisms.support import validate_layout
+    from parallelisms.train import RunSpec
+
+    hw = load_hardware(getattr(args, "hardware", None) or "cpu")
+    cfg = preset(args.preset)
+    train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+    cases = []
+    for name, (dims, options) in CASES.items():
+        parallel = validate_layout(cfg, train, ParallelConfig(dims, **options))
+        report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
+        c = compare(cfg, parallel, train, report, hw, report["spans"][0])
+        print(f"{name}: {format_comparison(c)}", flush=True)
+        cases.append({"layout": name, "predicted_s": c["predicted_s"], "measured_s": c["measured_s"], "error": c["error"]})
+    errors = [abs(c["error"]) for c in cases]
+    mean = statistics.mean(errors)
+    return {"bench": "predict", "cases": cases, "mean_error": mean, "max_error": max(errors),
+            "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
+            "peer_s": statistics.mean(c["measured_s"] for c in cases),
+            "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}

@@ -1,0 +1,275 @@
+"""One training step, predicted from its mechanisms: per-layer compute (compute.py), each collective where it
+sits on the critical path (network.py), the pipeline schedule simulated with the stage's own F/B/W and p2p
+times, the optimizer, and the memory per rank.
+
+Where each collective goes (spec: "Critical path and latency hiding"):
+
+* tensor/sequence parallel: two collectives per block forward and two backward, on the critical path;
+  ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
+  that GEMM lasts;
+* data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
+  last microbatch; only what exceeds it, and the last bucket, is exposed. ZeRO-3/FSDP gather each layer's
+  parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
+  the updated parameters after the optimizer, exposed;
+* context parallel: ring attention sends one K/V block per hop while the previous block's attention runs
+  (Liu et al. 2023: hidden when the block's compute outlasts the hop); Ulysses' all-to-alls are exposed;
+* expert parallel: dispatch and combine all-to-alls, two each way per MoE layer, exposed (DualPipe: under the
+  paired chunk's compute);
+* pipeline: the schedule simulator (Qi et al. 2024's cost model) with these F, B, W and p2p times gives the
+  makespan, so interleaved, zero-bubble and DualPipe schedules come out of their own orders;
+* optimizer: Adam reads and writes its fp32 state once per step (memory-bound).
+
+Memory per rank: model states per ZeRO stage / FSDP strategy (Rajbhandari et al. 2020), activations per
+layer per recompute mode (Korthikanti et al. 2023, Table 2, with the MLP's own width and GQA) times the
+microbatches in flight on the busiest rank (from the simulator), gradient buckets, ZeRO-3's gathered layers
+and the fp32 logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.perf.compute import LayerShape, PassTimes, head_times, layer_times
+from parallelisms.perf.hardware import Hardware
+from parallelisms.perf.model import activation_bytes_per_layer, comm_per_step, model_flops_per_token, model_state_bytes
+from parallelisms.perf.network import collective_time
+
+CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes derived from a layout: microbatches, sequences per microbatch, layers per stage, group strides."""
+    m: int
+    batch: int
+    layers: int
+    dp: int
+
+    @staticmethod
+    def of(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> "Layout":
+        dims = parallel.dims
+        m = (parallel.microbatches or 2 * dims.pp) if dims.pp > 1 else train.grad_accum
+        return Layout(m, max(1, train.global_batch // (dims.dp * m)), math.ceil(cfg.n_layers / dims.pp), dims.dp)
+
+
+def group(parallel: ParallelConfig, dim: str) -> tuple[int, int]:
+    """(ranks, stride) of a mesh dimension's group (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
+    d = parallel.dims
+    table = {"tp": (d.tp, 1), "cp": (d.cp, d.tp), "dp": (d.dp * d.cp, d.tp), "dp_cp": (d.dp * d.cp, d.tp),
+             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp),
+             "ep_replicate": (d.dp * d.cp // d.ep, d.ep * d.tp), "pp": (d.pp, d.dp * d.cp * d.tp)}
+    return table[dim]
+
+
+def _comm(hw, parallel, kind, dim, full_bytes, calls=1):
+    n, stride = group(parallel, dim)
+    return collective_time(hw, kind, full_bytes, n, stride, calls)
+
+
+def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
+    """Exposed seconds per layer per microbatch of tp, cp and ep collectives: {(kind/dim): (forward, backward)}."""
+    dims, e, out = parallel.dims, hw.bytes_per_element, {}
+    activation = shape.tokens * cfg.dim * e
+    if dims.tp > 1:  # per sublayer (attention, MLP): Megatron's f and g (Shoeybi et al. 2019)
+        forward = backward = 0.0
+        for dgrad, wgrad in zip(times.column_input_grads, times.column_weight_grads):
+            overlap = (dgrad, wgrad) if parallel.tp_overlap else (0.0, 0.0)
+            if parallel.sequence_parallel:  # g: reduce-scatter / all-gather; f: all-gather / reduce-scatter
+                gather = _comm(hw, parallel, "all_gather", "tp", activation)
+                scatter = _comm(hw, parallel, "reduce_scatter", "tp", activation)
+                forward += gather + scatter
+                # backward: g's all-gather of the output gradient; the input re-gathered for the weight
+                # gradient (behind the input-gradient GEMM); f's reduce-scatter (behind the weight gradient)
+                backward += gather + max(0.0, gather - overlap[0]) + max(0.0, scatter - overlap[1])
+            else:  # g all-reduces forward, f backward (behind the weight gradient)
+                reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
+                forward += reduce
+                backward += max(0.0, reduce - overlap[1])
+        name = "all_gather+reduce_scatter/tp" if parallel.sequence_parallel else "all_reduce/tp"
+        out[name] = (forward, backward)
+    if dims.cp > 1:
+        kv = shape.tokens * cfg.n_kv_heads * cfg.head_dim / dims.tp * e
+        if parallel.cp_attention == "ring":  # hop h overlaps the attention of block h
+            hop_f = _comm(hw, parallel, "send", "cp", 2 * kv)
+            hop_b = _comm(hw, parallel, "send", "cp", 4 * kv)
+            forward = hop_f + (dims.cp - 2) * max(0.0, hop_f - times.attention_core / dims.cp)
+            backward = hop_b + (dims.cp - 1) * max(0.0, hop_b - 2.5 * times.attention_core / dims.cp)
+        else:
+            q = shape.tokens * cfg.dim / dims.tp * e
+            forward = backward = _comm(hw, parallel, "all_to_all", "cp", 2 * q + 2 * kv, calls=4)
+        out[f"{'send' if parallel.cp_attention == 'ring' else 'all_to_all'}/cp"] = (forward, backward)
+    if dims.ep > 1 and cfg.n_experts:
+        routed = shape.tokens * cfg.top_k * cfg.dim * e
+        a2a = _comm(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
+        if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
+            # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
+            # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
+            out["all_to_all/ep"] = (max(0.0, a2a - times.input_grad - times.weight_grad), max(0.0, a2a - times.forward))
+        else:
+            out["all_to_all/ep"] = (a2a, a2a)
+    return out
+
+
+def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float, t_comm: float,
+            simulate_schedule: bool) -> tuple[float, float, float]:
+    """(pipeline seconds, bubble fraction, microbatches in flight on the busiest rank) for m microbatches."""
+    pp, name = parallel.dims.pp, parallel.schedule
+    busy = m * (t_f + t_b + t_w)
+    if pp == 1:
+        return busy, 0.0, 1.0
+    chunks = parallel.chunks if name == "interleaved" else (2 if name in ("zb-v", "dualpipev") else 1)
+    if not simulate_schedule and name in CLOSED_FORM_PEAK:  # the closed forms (plan's first pass)
+        bubble = (pp - 1) * ({"zb-h1": t_f + t_b - t_w, "zb-h2": t_f + t_b - 2 * t_w}.get(name, t_f + t_b + t_w)
+                             / chunks + 2 * t_comm)
+        bubble = max(bubble, 0.0)
+        peak = m if name == "gpipe" else CLOSED_FORM_PEAK[name] * pp * (1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1)
+        return busy + bubble, bubble / (busy + bubble), min(peak, m)
+    from parallelisms.parallel.pipeline.schedules import build_schedule
+    from parallelisms.parallel.pipeline.simulate import Times, simulate
+
+    result = simulate(build_schedule(name, pp, m, parallel.chunks if name == "interleaved" else None),
+                      Times(t_f, t_b, t_w, t_comm))
+    span = max(result.spans)
+    return span, result.bubble_rate, max(result.peak_activations)
+
+
+def _cached(cache: dict | None, key, compute):
+    """``compute()``, remembered in ``cache`` under ``key`` (plan prices thousands of similar layouts)."""
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
+                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None) -> dict:
+    """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
+    across calls with the same model and hardware) reuses per-layer and data-parallel times."""
+    dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
+    if hw.cores and dims.world_size > hw.cores:  # ranks sharing a CPU's cores share its compute and memory
+        share = hw.cores / dims.world_size
+        hw = dataclasses.replace(hw, peak_tflops=hw.peak_tflops * share, hbm_tbps=hw.hbm_tbps * share)
+    shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
+
+    def per_layer():
+        layer = layer_times(hw, shape)
+        return layer, head_times(hw, cfg, shape.tokens, dims.tp), _layer_comm(cfg, parallel, hw, shape, layer)
+    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
+    recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
+    comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
+    n = lay.layers  # the busiest stage: L/p layers and the head
+    t_f = n * (layer.forward + comm_f) + head.forward
+    t_b = n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
+    t_w = n * layer.weight_grad + head.weight_grad
+    p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
+    t_comm = _comm(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
+    pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
+
+    exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
+    traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
+                              train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
+    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w))
+    optimizer_s = _optimizer_time(cfg, parallel, hw)
+    step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
+    compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
+
+    tokens = train.global_batch * train.seq_len
+    world = dims.world_size
+    model_flops = model_flops_per_token(cfg, train.seq_len) * tokens
+    extra = {"full": layer.forward_flops, "selective": 4 * cfg.n_heads / dims.tp * shape.tokens *
+             train.seq_len * cfg.head_dim}.get(parallel.recompute, 0.0)
+    hardware_flops = model_flops + extra * dims.tp * dims.cp * cfg.n_layers * lay.m * lay.dp
+    memory = memory_per_rank(cfg, parallel, train, hw, lay, in_flight, attention)
+    return {
+        "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "mfu": model_flops / (step_s * world * hw.peak_flops),
+        "hfu": hardware_flops / (step_s * world * hw.peak_flops),
+        "model_tflops_per_gpu": model_flops / step_s / world / 1e12,
+        "hardware_tflops_per_gpu": hardware_flops / step_s / world / 1e12,
+        "bubble_fraction": bubble, "memory_per_rank": memory, "fits": memory["total"] <= hw.memory_bytes,
+        "time_breakdown": {"compute": compute_s, "exposed_comm": exposed, "bubble": pipeline_s - lay.m * (t_f + t_b + t_w),
+                           "optimizer": optimizer_s},
+        "per_microbatch_stage_s": {"forward": t_f, "input_grad": t_b, "weight_grad": t_w, "p2p": t_comm},
+        "layer_s": {"forward": layer.forward, "backward": layer.input_grad + layer.weight_grad + recompute,
+                    "tp_comm_forward": comm_f, "tp_comm_backward": comm_b},
+    }
+
+
+def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
+    """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
+    ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
+    ``update`` (ZeRO-1/2's gather after the optimizer) or ``reduce`` (gradients, bucket by bucket)."""
+    out = []
+    bucket = train.bucket_mb * 2**20
+    sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+    for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
+        if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
+            continue
+        n, stride = group(parallel, v.dim)
+        if n <= 1:
+            continue
+        full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
+        per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per layer and pass
+        calls = 1 if full < 64 else (cfg.n_layers + 1) * (2 if v.kind == "all_gather" else 1) if per_unit \
+            else max(1, math.ceil(full / bucket))
+        role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
+                else "update" if v.kind == "all_gather" else "reduce")
+        out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
+    return out
+
+
+def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw) -> dict:
+    """Exposed seconds of each data-parallel collective (see the module docstring)."""
+    out = {}
+    for name, role, t, calls in traffic:
+        if role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
+            exposed = t / (2 * cfg.n_layers) + max(0.0, t - lay.m * (t_f + t_bw))
+        elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
+            exposed = t / calls + max(0.0, t - t_bw)
+        else:
+            exposed = t
+        out[name] = out.get(name, 0.0) + exposed
+    return out
+
+
+def _states(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    experts = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts * cfg.n_layers
+    return model_state_bytes(cfg.num_params(), parallel, experts)
+
+
+def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
+    """Adam over this rank's optimizer shard: fp32 master, gradient, two moments read and written (~36 bytes
+    per parameter), memory-bound."""
+    states = _states(cfg, parallel)
+    return states["optimizer"] / 8 * 36 / hw.memory_bytes_per_s if states["optimizer"] else 0.0
+
+
+def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,
+                    in_flight: float, attention: str = "flash") -> dict:
+    """Bytes per rank (module docstring); flash attention keeps no scores (Table 2's 5as/h term drops)."""
+    dims = parallel.dims
+    states = _states(cfg, parallel)
+    kept = "selective" if attention == "flash" and parallel.recompute == "none" else parallel.recompute
+    per_layer = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
+                                           parallel.sequence_parallel, kept, kv_heads=cfg.n_kv_heads,
+                                           ffn=cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1),
+                                           mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
+    working = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
+                                         parallel.sequence_parallel, "selective" if attention == "flash" else "none",
+                                         kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_dim, mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
+    activations = per_layer * lay.layers * in_flight
+    logits = lay.batch * train.seq_len / dims.cp * cfg.vocab_size / dims.tp * 4 * 2
+    gathered = 0.0
+    if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
+        gathered = 2 * cfg.num_params() / cfg.n_layers / (dims.tp * dims.pp) * hw.bytes_per_element
+    recomputed = working if parallel.recompute == "full" else 0.0  # the block being recomputed
+    buckets = 2 * train.bucket_mb * 2**20 if dims.dp * dims.cp > 1 else 0.0  # one filling, one in flight
+    buffers = buckets + gathered + logits + recomputed
+    out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+           "activations": activations, "buffers": buffers}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,50 @@
+"""``bench cp`` and ``bench ep`` at a tiny size: the JSON's shape only (benchmarks are not tests: no timing
+asserts), and their flags' one-line errors."""
+
+import json
+
+import pytest
+
+from parallelisms.cli import main
+
+PHASES = {"forward_s", "backward_s", "optimizer_s", "exposed_comm_s"}
+COMMON = {"bench", "world_size", "ours_s", "peer", "peer_s", "ratio", "phases", "one_process_s",
+          "ours_scaling_efficiency", "peer_scaling_efficiency"}
+
+
+def _bench(capsys, argv) -> dict:
+    assert main(["bench", *argv, "--steps", "1", "--rounds", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert COMMON <= set(result)
+    assert set(result["phases"]) == {"ours", "peer", "one_process"}
+    assert all(set(phases) == PHASES for phases in result["phases"].values())
+    assert result["ratio"] == pytest.approx(result["ours_s"] / result["peer_s"])
+    return result
+
+
+def test_bench_cp_reports_ring_and_ulysses_against_one_process(capsys):
+    result = _bench(capsys, ["cp", "--preset", "tiny", "--seq-lens", "64"])
+    (row,) = result["lengths"]
+    assert row["seq_len"] == result["seq_len"] == 64
+    for style in ("ring", "ulysses"):
+        assert {"step_s", "peak_bytes", "speedup", "peak_memory_vs_one_process", "scaling_efficiency"} <= set(row[style])
+    assert "send" in row["ring"]["comm_per_step"] and "all_to_all" in row["ulysses"]["comm_per_step"]
+    assert row["one_process"]["peak_bytes"] > 0
+
+
+def test_bench_ep_reports_sharded_against_replicated_experts(capsys):
+    result = _bench(capsys, ["ep", "--seq-len", "16", "--global-batch", "4"])
+    assert result["ep"]["all_to_all_bytes_per_rank"] > 0 and result["replicated"]["all_to_all_bytes_per_rank"] == 0
+    assert {"tokens_per_s", "peak_bytes", "exposed_comm_s"} <= set(result["ep"]) & set(result["replicated"])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "cp", "--seq-lens", "1024,,2048"], "argument --seq-lens: must be comma-separated integers"),
+    (["bench", "cp", "--seq-lens", "1"], "argument --seq-lens: must be an integer from 2"),
+    (["bench", "ddp", "--seq-lens", "64"], "--seq-lens 64 applies to bench cp only, not ddp; drop --seq-lens"),
+    (["bench", "ep", "--preset", "tiny"], "bench ep needs a mixture-of-experts model"),
+])
+def test_bad_bench_flags(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err

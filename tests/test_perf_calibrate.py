@@ -1,0 +1,20 @@
+"""``parallelisms calibrate`` writes a hardware file that estimate, plan and train --predict read back; the
+fitted alpha-beta lines describe their own measurements (R^2) and the GEMM rows give a positive peak."""
+
+import json
+
+from parallelisms.cli import main
+from parallelisms.perf.hardware import load_hardware
+
+
+def test_calibrate_writes_a_loadable_hardware_file(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--out", str(out), "--quick"]) == 0
+    hw = load_hardware(str(out))
+    assert hw.peak_tflops > 0 and hw.hbm_tbps > 0 and hw.cores >= 1
+    assert set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
+    raw = json.loads(out.read_text())
+    assert all(len(v["rows"]) >= 5 for v in raw["measurements"]["collectives"].values())
+    capsys.readouterr()
+    assert main(["estimate", "--preset", "tiny", "--dp", "2", "--hardware", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_s"] > 0
