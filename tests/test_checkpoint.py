@@ -6,6 +6,7 @@ bit-identical to the uninterrupted run's. Another layout: within verify's float6
 launch per world size trains the scenarios in order (each save before the resumes that read it).
 """
 
+import atexit
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,8 @@ MODEL = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
 MOE = dataclasses.replace(MODEL, n_experts=4, top_k=2)
 TRAIN = TrainConfig(steps=4, global_batch=8, seq_len=16, dtype="float64", grad_clip=0.5)
 SAVE_AT = 2
-ROOT = Path(__import__("tempfile").mkdtemp(prefix="test-checkpoint-"))
+ROOT = Path(tempfile.mkdtemp(prefix="test-checkpoint-"))
+atexit.register(shutil.rmtree, ROOT, True)  # the saves every test reads, removed when the session ends
 
 
 def _layout(**kw) -> ParallelConfig:
