@@ -209,7 +209,7 @@ def train_report(args, announce: bool = False) -> dict | None:
         check_writable("--trace", args.trace)
     if args.predict:
         from parallelisms.perf.hardware import load_hardware
-        hardware = load_hardware(args.predict)
+        hardware = load_hardware(args.predict, "--predict")
     check_output_args(args)
     model, train, parallel, placement = prepare(args, announce)
     train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
