@@ -94,6 +94,40 @@ BENCH_CASES = [
     (["bench", "ddp", "--world", "3"], "--global-batch"),
 ]
 
+# The verbs around a run (plan, calibrate, verify-resume, export, plot-trace) and train's flags for data,
+# schedules, checkpoints, devices and model shapes.
+RUN_CASES = [
+    (["plan"], "--gpus"), (["plan", "--gpus", "0"], "--gpus"), (["plan", "--gpus", "x"], "--gpus"),
+    (["plan", "--gpus", "8", "--top", "0"], "--top"), (["plan", "--gpus", "8", "--hardware", "tpu"], "--hardware"),
+    (["plan", "--gpus", "8", "--hardware", "@list.json"], "--hardware"),
+    (["plan", "--gpus", "8", "--hardware", "@broken.json"], "--hardware"),
+    (["plan", "--gpus", "6", "--dp", "4"], "--gpus"), (["plan", "--gpus", "8", "--fsdp", "full_shard"], "--fsdp"),
+    (["plan", "--gpus", "8", "--layers", "0"], "--layers"), (["plan", "--gpus", "8", "--preset", "nope"], "--preset"),
+    (["calibrate"], "--out"), (["calibrate", "--out", "/nonexistent/dir/hw.json"], "--out"),
+    (["calibrate", "--out", "@dir"], "--out"),
+    (["verify-resume"], "--save-layout"), (["verify-resume", "--save-layout", "--dp 2"], "--resume-layout"),
+    (["verify-resume", "--save-layout", "--dp 0", "--resume-layout", "--dp 2"], "--save-layout"),
+    (["verify-resume", "--save-layout", "--dp 2", "--resume-layout", "--tp 3"], "--resume-layout"),
+    (["verify-resume", "--save-layout", "--dp 2", "--resume-layout", "--dp 1", "--save-at", "0"], "--save-at"),
+    (["verify-resume", "--save-layout", "--dp 2", "--resume-layout", "--dp 1", "--save-at", "99"], "--save-at"),
+    (["verify-resume", "--save-layout", "--dp 2", "--resume-layout", "--dp 1", "--tolerance", "nan"], "--tolerance"),
+    (["export", "@dir", "--out", "@hf"], "checkpoint"), (["export", "/nonexistent", "--out", "@hf"], "checkpoint"),
+    (["export", "@dir"], "--out"),
+    (["plot-trace", "/nonexistent/trace.json", "--out", "@t.png"], "trace"),
+    (["plot-trace", "@list.json", "--out", "out.txt"], "--out"),
+    (["plot-trace", "@list.json", "--out", "@t.png", "--skip-steps", "-1"], "--skip-steps"),
+    *((["train", flag, value], flag) for flag, values in {
+        "--device": ["tpu"], "--save-every": ["0", "2"], "--resume": ["/nonexistent/ckpt", "auto", "@dir"],
+        "--data": ["/nonexistent/corpus.txt", "@dir"], "--tokenizer": ["/nonexistent/tokenizer.json", "@list.json"],
+        "--eval-every": ["-1", "5"], "--eval-split": ["1.5", "nan"], "--warmup": ["-1"], "--lr-schedule": ["step"],
+        "--min-lr": ["-1", "inf"], "--init-from": ["/nonexistent/hf", "@dir"], "--export-hf": ["@list.json"],
+        "--predict": ["tpu"], "--layers": ["0"], "--hidden": ["7"], "--heads": ["0", "3"], "--kv-heads": ["3"],
+        "--mlp": ["relu"], "--experts": ["1"], "--topk": ["0"], "--vocab": ["0"], "--ffn": ["-4"]}.items()
+      for value in values),
+    (["train", "--async-save"], "--async-save"), (["verify", "--device", "tpu"], "--device"),
+    (["verify", "--layers", "0"], "--layers"), (["estimate", "--experts", "8", "--topk", "9"], "--topk"),
+]
+
 CASES = [
     *(([verb, flag, value], flag) for verb in LAYOUT_VERBS for flag, values in SHARED_NUMERIC.items()
       for value in values),
@@ -111,6 +145,7 @@ CASES = [
     (["train", "--tolerance", "1e-3"], "--tolerance"), (["estimate", "--trace", "t.json"], "--trace"),
     *SIMULATE_CASES,
     *BENCH_CASES,
+    *RUN_CASES,
 ]
 
 
@@ -127,6 +162,9 @@ def tripwire(monkeypatch):
     monkeypatch.setattr(importlib.import_module("parallelisms.train"), "train_rank", started)
     monkeypatch.setattr(importlib.import_module("parallelisms.verify"), "check_reference", started)
     monkeypatch.setattr(parallelisms.parallel.pipeline.cli, "simulate", started)
+    for module, work in (("parallelisms.perf.plan", "plan"), ("parallelisms.perf.calibrate", "calibrate"),
+                         ("parallelisms.checkpoint", "load_full_state"), ("parallelisms.plot_trace", "plot_trace")):
+        monkeypatch.setattr(importlib.import_module(module), work, started)
 
 
 @pytest.fixture
@@ -170,7 +208,9 @@ def _one_line(capsys, argv, flag):
 
 
 def test_the_table_is_large():
-    assert len(CASES) >= 120 and {argv[0] for argv, _ in CASES} == {"train", "verify", "estimate", "simulate", "bench"}
+    verbs = {"train", "verify", "estimate", "simulate", "bench", "plan", "calibrate", "verify-resume", "export",
+             "plot-trace"}
+    assert len(CASES) >= 120 and {argv[0] for argv, _ in CASES} == verbs
 
 
 @pytest.mark.parametrize("argv, flag", CASES, ids=[" ".join(argv) for argv, _ in CASES])

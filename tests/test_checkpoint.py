@@ -6,6 +6,7 @@ bit-identical to the uninterrupted run's. Another layout: within verify's float6
 launch per world size trains the scenarios in order (each save before the resumes that read it).
 """
 
+import atexit
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,8 @@ MODEL = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
 MOE = dataclasses.replace(MODEL, n_experts=4, top_k=2)
 TRAIN = TrainConfig(steps=4, global_batch=8, seq_len=16, dtype="float64", grad_clip=0.5)
 SAVE_AT = 2
-ROOT = Path(__import__("tempfile").mkdtemp(prefix="test-checkpoint-"))
+ROOT = Path(tempfile.mkdtemp(prefix="test-checkpoint-"))
+atexit.register(shutil.rmtree, ROOT, True)  # the saves every test reads, removed when the session ends
 
 
 def _layout(**kw) -> ParallelConfig:
@@ -315,3 +318,17 @@ def test_export_writes_a_checkpoint_as_a_hugging_face_llama(tmp_path, capsys):
     with torch.no_grad():
         assert _rel(hf(tokens).logits, ours(tokens)) < 1e-5
     assert main(["export", str(ROOT / "pp2_zbv" / "step_2.tmp"), "--out", str(out)]) == 2
+
+
+def test_resume_continues_the_schedule_the_data_and_the_metrics(tmp_path, capsys):
+    """In one process: warmup + cosine, saved at step 2 of 4; the resumed run's losses are the uninterrupted run's,
+    and the metrics file next to the checkpoints holds each step once."""
+    run = ["train", "--dp", "1", "--steps", "4", *_run_args(tmp_path), "--warmup", "1", "--lr-schedule", "cosine"]
+    assert main([*run, "--save", str(tmp_path / "a"), "--save-every", "2"]) == 0
+    full = _last_json(capsys.readouterr().out)
+    shutil.rmtree(tmp_path / "a" / "step_4")
+    assert main([*run, "--save", str(tmp_path / "a"), "--resume", "auto"]) == 0
+    resumed = _last_json(capsys.readouterr().out)
+    assert resumed["first_step"] == 3 and resumed["losses"] == full["losses"][2:]
+    from parallelisms.metrics import default_metrics_path, read_metrics
+    assert [r["step"] for r in read_metrics(default_metrics_path(str(tmp_path / "a")))] == [1, 2, 3, 4]

@@ -192,22 +192,10 @@ def prepare(args, announce: bool = False):
 
 
 def run_layout(spec, placement, trace: bool = False):
-    """Run ``train_rank`` for ``spec`` on its world size; rank 0's report (or None on other torchrun ranks),
-    with the ``device`` and ``backend`` it ran on."""
-    from parallelisms.launch import RankInfo, launch, under_torchrun
-    from parallelisms.train import train_rank
+    """:func:`parallelisms.train.run_layout`, imported when first used (torch loads with it)."""
+    from parallelisms.train import run_layout as run
 
-    world = spec.parallel.dims.world_size
-    if world == 1 and not under_torchrun():
-        import torch
-
-        device = torch.device("cuda", 0) if placement.device == "cuda" else torch.device("cpu")
-        report = train_rank(RankInfo(0, 1, 0, device), spec, trace)
-    else:
-        report = launch(train_rank, world, spec, trace, backend=placement.backend, timeout_s=spec.train.timeout_s)[0]
-    if report is not None:
-        report.update(device=placement.device, backend=placement.backend)
-    return report
+    return run(spec, placement, trace)
 
 
 def train_report(args, announce: bool = False) -> dict | None:
@@ -221,7 +209,7 @@ def train_report(args, announce: bool = False) -> dict | None:
         check_writable("--trace", args.trace)
     if args.predict:
         from parallelisms.perf.hardware import load_hardware
-        hardware = load_hardware(args.predict)
+        hardware = load_hardware(args.predict, "--predict")
     check_output_args(args)
     model, train, parallel, placement = prepare(args, announce)
     train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallelisms.errors import require
-from parallelisms.flags import integer
+from parallelisms.flags import integer, number
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
 
@@ -56,7 +56,7 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
     """The checkpoint flags, validated (one line each, before launch); None without any."""
     save, resume = args.save, args.resume
     require(save is not None or (args.save_every is None and not args.async_save),
-            f"--save-every/--async-save need --save DIR; add --save DIR")
+            "--save-every/--async-save need --save DIR; add --save DIR")
     require(resume != "auto" or save is not None, "--resume auto looks in --save DIR; add --save DIR")
     if save is None and resume is None:
         return None
@@ -102,5 +102,5 @@ def add_verify_resume_parser(sub) -> None:
     p.add_argument("--save-at", type=integer(1, 10**9), help="the step to save at (default: half of --steps)")
     p.add_argument("--run", default="--preset tiny --steps 4 --global-batch 8 --seq-len 32",
                    help="model and training flags of both runs (default %(default)s)")
-    p.add_argument("--tolerance", type=float, help="relative tolerance (default verify's: 1e-5, float64 1e-10)")
+    p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default verify's: 1e-5, float64 1e-10)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")

@@ -8,33 +8,10 @@ import sys
 from pathlib import Path
 
 from parallelisms.device import Placement
+from parallelisms.units import size
 
 # options of train that do not change the layout: left out of the commands suggested next
 _NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default"}
-
-
-def count(n: float) -> str:
-    """``n`` with a K, M or B suffix (parameters, tokens)."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{n:g}"
-
-
-def size(nbytes: float) -> str:
-    """``nbytes`` in B, KiB, MiB or GiB, whichever reads best."""
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:,.2f} {unit}"
-    return f"{nbytes:,.0f} B"
-
-
-def seconds(t: float) -> str:
-    """``t`` seconds in s, ms or µs, whichever reads best."""
-    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
-        if abs(t) >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t * 1e9:.3g} ns" if t else "0 s"
 
 
 def layout_flags(args, defaults: dict) -> str:

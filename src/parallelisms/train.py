@@ -23,7 +23,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data import BatchLoader
 from parallelisms.data.sources import train_and_eval_tokens
 from parallelisms.data.loader import microbatches
-from parallelisms.launch import RankInfo
+from parallelisms.launch import RankInfo, launch, under_torchrun
 from parallelisms.model import build_model
 from parallelisms.model.numerics import upcast
 from parallelisms.lr_schedule import make_scheduler
@@ -429,3 +429,17 @@ def _sum_stats(stats: list[dict]) -> dict:
 def _gather_objects(comms: Comms, obj, world_size: int) -> list:
     """Every rank's ``obj`` on every rank (for the report only)."""
     return comms["world"].all_gather_object(obj) if world_size > 1 else [obj]
+
+
+def run_layout(spec, placement, trace: bool = False):
+    """Run ``train_rank`` for ``spec`` on its world size; rank 0's report (or None on other torchrun ranks),
+    with the ``device`` and ``backend`` it ran on."""
+    world = spec.parallel.dims.world_size
+    if world == 1 and not under_torchrun():
+        device = torch.device("cuda", 0) if placement.device == "cuda" else torch.device("cpu")
+        report = train_rank(RankInfo(0, 1, 0, device), spec, trace)
+    else:
+        report = launch(train_rank, world, spec, trace, backend=placement.backend, timeout_s=spec.train.timeout_s)[0]
+    if report is not None:
+        report.update(device=placement.device, backend=placement.backend)
+    return report

@@ -148,7 +148,7 @@ def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's GEMMs, memory and collectives into a hardware file")
     p.add_argument("--out", required=True, metavar="FILE.json", help="the hardware file to write")
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a test's budget)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the measured hardware as one JSON object")
     p.set_defaults(func=run_calibrate)
 
 

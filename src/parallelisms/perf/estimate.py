@@ -8,6 +8,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.hardware import Hardware
 from parallelisms.perf.model import comm_per_step
 from parallelisms.perf.step import predict_step
+from parallelisms.units import count, seconds, size
 
 FIELDS = ("step_s", "tokens_per_s", "mfu", "hfu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
           "bubble_fraction", "memory_per_rank", "fits", "time_breakdown")
@@ -25,16 +26,15 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw:
 
 def explain(result: dict) -> list[str]:
     """A few lines: where the step's time and each rank's memory go."""
-    gib = 2**30
     mem, t = result["memory_per_rank"], result["time_breakdown"]
-    comm = ", ".join(f"{k} {v:.3f} s" for k, v in t["exposed_comm"].items() if v >= 5e-4) or "none"
+    comm = ", ".join(f"{k} {seconds(v)}" for k, v in t["exposed_comm"].items() if v >= 1e-3 * result["step_s"]) or "none"
     return [
-        f"{result['layout']} on {result['hardware']}: {result['params'] / 1e9:.3g} B parameters",
-        f"step {result['step_s']:.3f} s = compute {t['compute']:.3f} s + exposed communication {comm} + "
-        f"pipeline bubble {t['bubble']:.3f} s + optimizer {t['optimizer']:.3f} s",
+        f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters",
+        f"step {seconds(result['step_s'])} = compute {seconds(t['compute'])} + exposed communication {comm} + "
+        f"pipeline bubble {seconds(t['bubble'])} + optimizer {seconds(t['optimizer'])}",
         f"{result['tokens_per_s']:,.0f} tokens/s; MFU {result['mfu']:.1%} ({result['model_tflops_per_gpu']:.3g} TFLOP/s "
         f"per GPU), HFU {result['hfu']:.1%} ({result['hardware_tflops_per_gpu']:.3g}); bubble fraction "
         f"{result['bubble_fraction']:.3f}",
-        "memory per rank: " + ", ".join(f"{k} {mem[k] / gib:.2f} GiB" for k in mem)
+        "memory per rank: " + ", ".join(f"{k} {size(mem[k])}" for k in mem)
         + (" (fits)" if result["fits"] else " (DOES NOT FIT)"),
     ]

@@ -90,42 +90,43 @@ PRESETS = {
 }
 
 
-def load_hardware(spec: str) -> Hardware:
-    """A preset name, or a JSON file with the keys in the module docstring (one line when it is not)."""
+def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
+    """A preset name, or a JSON file with the keys in the module docstring (one line naming ``flag`` when it is
+    not)."""
     if spec in PRESETS:
         return PRESETS[spec]
     path = Path(spec)
     require(spec.endswith(".json") or path.is_file(),
-            f"unknown --hardware {spec!r}; choose one of {', '.join(PRESETS)} or pass a JSON file")
-    require(path.is_file(), f"--hardware {spec!r} does not exist; pass a JSON file with keys {', '.join(REQUIRED)}")
+            f"unknown {flag} {spec!r}; choose one of {', '.join(PRESETS)} or pass a JSON file")
+    require(path.is_file(), f"{flag} {spec!r} does not exist; pass a JSON file with keys {', '.join(REQUIRED)}")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--hardware {spec!r} is not a readable JSON file ({exc.__class__.__name__}); "
+        raise ConfigError(f"{flag} {spec!r} is not a readable JSON file ({exc.__class__.__name__}); "
                           f"write an object with keys {', '.join(REQUIRED)}") from None
-    require(isinstance(raw, dict), f"--hardware {spec!r} must hold a JSON object, got {type(raw).__name__}")
+    require(isinstance(raw, dict), f"{flag} {spec!r} must hold a JSON object, got {type(raw).__name__}")
     missing = [k for k in REQUIRED if k not in raw]
-    require(not missing, f"--hardware {spec!r} lacks {', '.join(missing)}; each of {', '.join(REQUIRED)} is needed")
+    require(not missing, f"{flag} {spec!r} lacks {', '.join(missing)}; each of {', '.join(REQUIRED)} is needed")
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(raw) - known)
-    require(not unknown, f"--hardware {spec!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    require(not unknown, f"{flag} {spec!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     for key, value in raw.items():
         if key == "name":
-            require(isinstance(value, str), f"--hardware {spec!r}: name must be a string, got {value!r}")
+            require(isinstance(value, str), f"{flag} {spec!r}: name must be a string, got {value!r}")
         elif key == "measurements":
             continue
         elif key == "collectives":
             require(isinstance(value, dict) and all(isinstance(v, dict) and _positive(v.get("gbps")) and
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
-                    f"--hardware {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
+                    f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
             zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores")
-            require(_positive(value, zero), f"--hardware {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
+            require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
     require(all(raw.get(k, 1) <= 1 for k in ("gemm_fraction", "hbm_fraction", "link_fraction")),
-            f"--hardware {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
+            f"{flag} {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
     ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
-    require(ints.get("gpus_per_node", 1) >= 1, f"--hardware {spec!r}: gpus_per_node must be at least 1")
+    require(ints.get("gpus_per_node", 1) >= 1, f"{flag} {spec!r}: gpus_per_node must be at least 1")
     return Hardware(**{**raw, **ints})
 
 

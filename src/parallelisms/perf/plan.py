@@ -12,7 +12,7 @@ none fits, the message says by how much the leanest misses.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import math
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
@@ -181,6 +181,10 @@ def run_plan(args, model: ModelConfig) -> int:
                         grad_accum=args.grad_accum or 1).validate(model)
     fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
                                                    "chunks", "microbatches", "grad_accum")})
+    given = {f"--{k}": getattr(fixed, k) for k in ("dp", "tp", "pp", "cp") if getattr(fixed, k) is not None}
+    product = math.prod(given.values())
+    require(args.gpus % product == 0, f"--gpus {args.gpus} is not a multiple of the fixed degrees "
+            f"{' x '.join(f'{k} {v}' for k, v in given.items())} = {product}; give --gpus a multiple of {product}")
     base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
     plans = plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)

@@ -76,12 +76,11 @@ CASES = {
 
 def bench_predict(args) -> dict:
     """Run every case, predict it, and report errors (``bench predict``)."""
-    from parallelisms.cli import run_layout
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.perf.hardware import load_hardware
     from parallelisms.support import validate_layout
-    from parallelisms.train import RunSpec
+    from parallelisms.train import RunSpec, run_layout
 
     hw = load_hardware(getattr(args, "hardware", None) or "cpu")
     cfg = preset(args.preset)

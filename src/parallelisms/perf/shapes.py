@@ -5,8 +5,10 @@ the hardware flags of the verbs that predict."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from parallelisms.config import MAX_MODEL_INT, MLPS, ModelConfig, with_shape
+from parallelisms.errors import ConfigError
 from parallelisms.flags import integer
 
 SHAPE_FLAGS = {  # flag: (with_shape keyword, help)
@@ -28,10 +30,21 @@ def add_shape_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--mlp", choices=MLPS, help="MLP: swiglu (Llama) or gelu (GPT, two matrices)")
 
 
+# the model's field names, as a message about them says them, and the flag that sets each
+_FIELD_FLAGS = {"model dim": "--hidden", "dim": "--hidden", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+                "n_layers": "--layers", "ffn_dim": "--ffn", "vocab_size": "--vocab", "n_experts": "--experts",
+                "top_k": "--topk"}
+_FIELDS = re.compile(r"\b(" + "|".join(map(re.escape, _FIELD_FLAGS)) + r")\b")
+
+
 def shape_from_args(base: ModelConfig, args) -> ModelConfig:
-    """``base`` with the shape flags given on the command line (validated: bad shapes are one line)."""
+    """``base`` with the shape flags given on the command line (validated: a bad shape is one line naming the
+    flags that would fix it)."""
     given = {key: getattr(args, key) for key, _ in SHAPE_FLAGS.values()}
-    return with_shape(base, getattr(args, "seq_len", 0), mlp=args.mlp, **given)
+    try:
+        return with_shape(base, getattr(args, "seq_len", 0), mlp=args.mlp, **given)
+    except ConfigError as exc:
+        raise ConfigError(_FIELDS.sub(lambda m: _FIELD_FLAGS[m[1]], str(exc))) from None
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
