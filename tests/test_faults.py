@@ -25,8 +25,11 @@ from parallelisms.launch import _worker_pids
 import parallelisms
 
 SRC = pathlib.Path(parallelisms.__file__).resolve().parents[1]
-PROGRESS = re.compile(r"train \S+:[^\r\n\]]*\]")  # one tqdm refresh of rank 0's bar
-STEPPED = re.compile(r"\| *[1-9]\d*/\d+ \[")  # a bar that has counted a step
+
+
+def _stepped(metrics: pathlib.Path) -> bool:
+    """Whether the run has finished a step (its metrics file holds a line; stderr is a pipe: no progress bar)."""
+    return metrics.is_file() and b"\n" in metrics.read_bytes()
 
 SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted on)
     "stop_shm": (["--preset", "small", "--dp", "2", "--timeout", "10"], {}, "stop", 1),
@@ -75,10 +78,12 @@ def _maps_shared_memory(pid: int) -> bool:
     return _maps(pid, "/dev/shm/parallelisms-")
 
 
-def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
-    """Train until a step is done, act, and time the rest: exit code, seconds, stderr without the progress bar,
+def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib.Path) -> dict:
+    """Train until a step is done, act, and time the rest: exit code, seconds, stderr,
     whether the ranks used shared memory, and the rank processes still alive afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *args, "--steps", "100000"],
+    metrics = tmp / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *args, "--steps", "100000",
+                             "--metrics", str(metrics)],
                             env={**os.environ, "PYTHONPATH": str(SRC), **env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     err = bytearray()
@@ -89,10 +94,10 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
     try:
         deadline = time.monotonic() + 90
         started = set()
-        while not (_importing_torch(proc.pid, started) if rank == "starting" else STEPPED.search(err.decode(errors="replace"))):
+        while not (_importing_torch(proc.pid, started) if rank == "starting" else _stepped(metrics)):
             assert proc.poll() is None and time.monotonic() < deadline, err.decode(errors="replace")
             time.sleep(0.01 if rank == "starting" else 0.1)
-        assert rank != "starting" or not STEPPED.search(err.decode(errors="replace")), "the ranks ran already"
+        assert rank != "starting" or not _stepped(metrics), "the ranks ran already"
         ranks = _ranks(proc.pid)
         shm = all(_maps_shared_memory(pid) for pid in ranks)
         start = time.monotonic()
@@ -106,7 +111,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
         gone = time.monotonic() + 5
         while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < gone:
             time.sleep(0.1)
-        text = PROGRESS.sub("", err.decode(errors="replace"))
+        text = err.decode(errors="replace")
         return {"code": code, "seconds": elapsed, "shm": shm, "lines": [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()],
                 "left": [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]}
     finally:
@@ -120,15 +125,16 @@ def _run(args: list[str], env: dict, action: str, rank: int | None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     if not os.path.isdir("/proc") or not hasattr(os, "killpg"):
         pytest.skip("needs Linux /proc and process groups to find and signal the ranks")
     shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("parallelisms-")}
     results = {}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}  # not in the threads: it numbers them
 
     def scenario(name):
         try:
-            results[name] = _run(*SCENARIOS[name])
+            results[name] = _run(*SCENARIOS[name], dirs[name])
         except Exception as exc:  # reported by the scenario's test
             results[name] = exc
     threads = [threading.Thread(target=scenario, args=(name,)) for name in SCENARIOS]
