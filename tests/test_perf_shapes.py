@@ -37,7 +37,7 @@ def test_hidden_act_selects_the_mlp(tmp_path):
         load_hf_config(path)
 
 
-@pytest.mark.parametrize("argv, match", [(["--heads", "5"], "divisible by n_heads"),
+@pytest.mark.parametrize("argv, match", [(["--heads", "5"], "divisible by --heads"),
                                          (["--experts", "4", "--mlp", "gelu"], "--mlp gelu with experts"),
                                          (["--hidden", "0"], "--hidden")])
 def test_bad_shapes_are_one_line(argv, match):

@@ -82,10 +82,13 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
     tqdm.set_lock(threading.RLock())  # its default, a named semaphore, would be reported leaked by a killed rank
     try:
         with Heartbeat(rank) as heartbeat:
-            return entry(RankInfo(rank, world, local, device, heartbeat), *args)
+            result = entry(RankInfo(rank, world, local, device, heartbeat), *args)
     finally:
         signal.signal(signal.SIGINT, interrupt)
-        dist.destroy_process_group()
+    # only after success: a failing rank keeps its group until it exits, once its error is recorded, so that its
+    # peers' broken collectives (which its exit causes) are seen after its own error
+    dist.destroy_process_group()
+    return result
 
 
 def _attempt_store(world: int, timeout_s: float):

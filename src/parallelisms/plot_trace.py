@@ -98,7 +98,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from parallelisms.flags import check_installed, check_writable
 
-    require(Path(args.trace).is_file(), f"trace {args.trace!r} is not a file; give a train --trace JSON file")
+    require(Path(args.trace).is_file(), f"trace {args.trace!r} is not a trace written by train --trace: no such file")
     require(args.out.lower().endswith((".png", ".svg")), f"--out must name a .png or .svg file, got {args.out!r}")
     check_installed("--out", "matplotlib", extra="plot")
     check_writable("--out", args.out)

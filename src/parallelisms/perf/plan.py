@@ -92,21 +92,24 @@ def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
                                fsdp=None, **options)
 
 
-def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
-         attention: str = "flash", top: int = 10) -> list[dict]:
-    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first."""
-    from parallelisms.support import validate_layout
-
+def check_degrees(gpus: int, fixed: Fixed) -> None:
+    """One line unless the fixed degrees can make ``gpus`` GPUs (before any search)."""
     if all(getattr(fixed, k) is not None for k in ("dp", "tp", "pp", "cp")):
         product = fixed.dp * fixed.tp * fixed.pp * fixed.cp
         require(product == gpus, f"--dp {fixed.dp} x --tp {fixed.tp} x --pp {fixed.pp} x --cp {fixed.cp} = {product}, "
                                  f"not --gpus {gpus}; give degrees whose product is {gpus}, or leave some out")
     given = {k: getattr(fixed, k) for k in ("tp", "pp", "cp", "dp") if getattr(fixed, k)}
-    product = 1
-    for value in given.values():
-        product *= value
+    product = math.prod(given.values())
     require(gpus % product == 0, f"{' x '.join(f'--{k} {v}' for k, v in given.items())} = {product} does not divide "
                                  f"--gpus {gpus}; choose degrees that divide it")
+
+
+def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
+         attention: str = "flash", top: int = 10) -> list[dict]:
+    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first."""
+    from parallelisms.support import validate_layout
+
+    check_degrees(gpus, fixed)
     fits, leanest, cache = [], None, {}
     for dims in _degrees(gpus, cfg, train, hw, fixed):
         for v in _variants(cfg, train, dims, fixed):
@@ -181,10 +184,7 @@ def run_plan(args, model: ModelConfig) -> int:
                         grad_accum=args.grad_accum or 1).validate(model)
     fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
                                                    "chunks", "microbatches", "grad_accum")})
-    given = {f"--{k}": getattr(fixed, k) for k in ("dp", "tp", "pp", "cp") if getattr(fixed, k) is not None}
-    product = math.prod(given.values())
-    require(args.gpus % product == 0, f"--gpus {args.gpus} is not a multiple of the fixed degrees "
-            f"{' x '.join(f'{k} {v}' for k, v in given.items())} = {product}; give --gpus a multiple of {product}")
+    check_degrees(args.gpus, fixed)
     base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
     plans = plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)
