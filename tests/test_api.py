@@ -51,8 +51,9 @@ def test_verify_as_its_cli_twin(capsys):
     ("estimate", dict(preset="llama3-8b", dp=8, tp=2, sp=True, global_batch=16)),
     ("estimate", dict(pp=2, dp=2, schedule="pipedream", zero=1)),  # estimated although the runtime refuses it
     ("simulate", dict(schedule="zb-v", pp=4, microbatches=8)),
+    ("plan", dict(gpus=8, preset="small", global_batch=16, top=3)),
 ])
-def test_estimate_and_simulate_as_their_cli_twins(capsys, verb, options):
+def test_estimate_plan_and_simulate_as_their_cli_twins(capsys, verb, options):
     _same(getattr(parallelisms, verb)(**options), _cli_json(capsys, verb, options))
 
 

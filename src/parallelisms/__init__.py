@@ -3,7 +3,8 @@
 The Python API (``docs/api.md``), each function loaded on first use so that ``import parallelisms`` stays
 light (the command line holds Ctrl-C while it imports):
 
-- ``train(**options)``, ``verify(**options)``, ``estimate(**options)``, ``simulate(**options)``: the verbs of
+- ``train(**options)``, ``verify(**options)``, ``estimate(**options)``, ``plan(**options)``,
+  ``simulate(**options)``: the verbs of
   the command line, taking its options as keyword arguments (``dp=2, tp=2, sp=True``) and returning the
   dict that ``--json`` prints.
 - ``configure(**options)``, ``build_model(...)``, ``parallelize(model, layout, train)``, ``batches(train,
@@ -14,7 +15,7 @@ import sys
 import types
 
 __version__ = "0.1.0"
-API = ("train", "verify", "estimate", "simulate", "configure", "build_model", "parallelize", "batches")
+API = ("train", "verify", "estimate", "plan", "simulate", "configure", "build_model", "parallelize", "batches")
 __all__ = [*API, "__version__"]
 
 

@@ -1,7 +1,7 @@
 """The Python API (``docs/api.md``): the command line's verbs as functions, and the pieces of a training loop
 for a ``torchrun`` script of your own.
 
-``train``, ``verify``, ``estimate`` and ``simulate`` take the command line's options as keyword arguments
+``train``, ``verify``, ``estimate``, ``plan`` and ``simulate`` take the command line's options as keyword arguments
 (``--dp-shard 2`` is ``dp_shard=2``, a switch such as ``--sp`` is ``sp=True``), check them with the same
 parser, run the same code and return the dict that ``--json`` prints; bad input raises
 :class:`parallelisms.errors.ConfigError` with the command line's one-line message, before any process starts.
@@ -20,7 +20,7 @@ from typing import Iterator, NamedTuple
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.model import build_model
 
-__all__ = ["train", "verify", "estimate", "simulate", "configure", "build_model", "parallelize", "batches"]
+__all__ = ["train", "verify", "estimate", "plan", "simulate", "configure", "build_model", "parallelize", "batches"]
 
 
 def _args(command: str, options: dict, argv: list[str] = ()):
@@ -60,6 +60,14 @@ def estimate(**options) -> dict:
     from parallelisms.cli import estimate_result
 
     return estimate_result(_args("estimate", options))
+
+
+def plan(**options) -> dict:
+    """The fastest layouts of ``gpus=N`` GPUs that fit, best first, as ``parallelisms plan`` (the layout options
+    given stay fixed): ``{"plans": [...]}``."""
+    from parallelisms.cli import plan_result
+
+    return plan_result(_args("plan", options))
 
 
 def simulate(**options) -> dict:

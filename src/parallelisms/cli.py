@@ -382,6 +382,13 @@ def estimate_result(args) -> dict:
     return estimate(model, parallel, train, hw, args.attention)
 
 
+def plan_result(args) -> dict:
+    """The plans ``args`` ask for (the ``--json`` object of ``parallelisms plan``)."""
+    from parallelisms.perf.plan import plan_result as plans
+
+    return plans(args, _model(args))
+
+
 def cmd_estimate(args) -> int:
     from parallelisms.perf.estimate import explain
 

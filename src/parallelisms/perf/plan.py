@@ -172,9 +172,8 @@ def add_plan_args(p) -> None:
                    mixed_precision="bf16")
 
 
-def run_plan(args, model: ModelConfig) -> int:
-    """The plan verb: search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
-    from parallelisms.flags import json_line
+def plan_result(args, model: ModelConfig) -> dict:
+    """The plans ``args`` ask for: ``{"plans": [...]}``, best first (the ``--json`` object)."""
     from parallelisms.perf.hardware import load_hardware
 
     hw = load_hardware(args.hardware)
@@ -187,7 +186,14 @@ def run_plan(args, model: ModelConfig) -> int:
     check_degrees(args.gpus, fixed)
     base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
-    plans = plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)
+    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)}
+
+
+def run_plan(args, model: ModelConfig) -> int:
+    """The plan verb: search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
+    from parallelisms.flags import json_line
+
+    plans = plan_result(args, model)["plans"]
     for i, p in enumerate(plans):
         print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
               f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU")
