@@ -38,6 +38,10 @@ SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted
     "kill": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "kill", 1),
     "interrupt": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", None),
     "interrupt_starting": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", "starting"),
+    "kill_forkserver": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {"PARALLELISMS_START_METHOD": "forkserver"},
+                        "kill", 0),
+    "interrupt_forkserver": (["--preset", "tiny", "--dp", "2", "--timeout", "10"],
+                             {"PARALLELISMS_START_METHOD": "forkserver"}, "interrupt", None),
 }
 
 
@@ -84,7 +88,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
     metrics = tmp / "metrics.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *args, "--steps", "100000",
                              "--metrics", str(metrics)],
-                            env={**os.environ, "PYTHONPATH": str(SRC), **env}, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(SRC), "PARALLELISMS_START_METHOD": "spawn", **env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     err = bytearray()
     reader = threading.Thread(target=lambda: [err.extend(chunk) for chunk in iter(lambda: os.read(
@@ -169,13 +173,14 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(runs, name)
     assert f"no heartbeat from rank {stopped}" in line and "stopped or dead" in line, line
 
 
-def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs):
-    result = _result(runs, "kill")
+@pytest.mark.parametrize("name", ["kill", "kill_forkserver"])
+def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs, name):
+    result = _result(runs, name)
     assert result["code"] == 1 and result["seconds"] < 8, result  # 0.5 s alone; more with the other runs
-    assert result["lines"][0].startswith("error: rank 1 failed (exit code -9)"), result["lines"]
+    assert result["lines"][0].startswith(f"error: rank {SCENARIOS[name][3]} failed (exit code -9)"), result["lines"]
 
 
-@pytest.mark.parametrize("name", ["interrupt", "interrupt_starting"])
+@pytest.mark.parametrize("name", ["interrupt", "interrupt_starting", "interrupt_forkserver"])
 def test_ctrl_c_ends_every_rank_with_one_line_and_exit_code_130(runs, name):
     result = _result(runs, name)
     assert result["code"] == 130 and result["seconds"] < 8, result

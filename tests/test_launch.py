@@ -54,3 +54,26 @@ def test_unmatched_collective_without_counts_times_out_with_the_waiting_rank_and
     message = str(info.value)
     assert message.startswith("rank 0 failed") and "CommError: rank 0: all_reduce" in message
     assert "last collectives:" in message
+
+
+def _environment_and_pid(info):
+    import os
+    return os.environ.get("PARALLELISMS_TEST_VALUE"), os.getpid(), info.rank
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_every_start_method_gives_the_ranks_the_launchers_environment(method, monkeypatch):
+    """Spawned ranks and ranks forked from a forkserver both see the environment the launcher has at launch
+    (a forkserver started under another one is restarted); the ranks are distinct processes."""
+    monkeypatch.setenv("PARALLELISMS_START_METHOD", method)
+    for value in ("one", "two"):
+        monkeypatch.setenv("PARALLELISMS_TEST_VALUE", value)
+        results = launch(_environment_and_pid, 2, threads=1)
+        assert [r[0] for r in results] == [value] * 2 and [r[2] for r in results] == [0, 1]
+        assert len({r[1] for r in results}) == 2
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv("PARALLELISMS_START_METHOD", "fork")
+    with pytest.raises(LaunchError, match="PARALLELISMS_START_METHOD='fork' is not one of spawn, forkserver"):
+        launch(_environment_and_pid, 2)

@@ -4,8 +4,6 @@ malformed hardware) is one line. The 1,024-GPU search just runs here (its speed 
 
 import json
 
-import pytest
-
 from parallelisms.cli import main
 from parallelisms.config import PRESETS, TrainConfig
 from parallelisms.mesh import ParallelDims
