@@ -61,6 +61,9 @@ def _check(results, reference):
         bubble = report["pipeline"]
         assert bubble["peak_held_per_rank"] == bubble["simulated_peak_per_rank"], (name, pp, dp, bubble)
         assert -1e-9 < bubble["simulated_bubble_rate"] < 1.0 and 0.0 < bubble["measured_bubble_rate"] < 1.0
+        # one host: the run's own latency and host time feed a third simulation
+        assert -1e-9 < bubble["simulated_bubble_rate_in_run"] < 1.0 and bubble["t_latency_in_run_s"] >= 0.0
+        assert len(bubble["stage_times_s"]) >= pp and all(f > 0 for f, _, _ in bubble["stage_times_s"])
 
 
 def test_every_schedule_pp2(reference):

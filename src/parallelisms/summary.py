@@ -56,7 +56,10 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
         lines.append(f"pipe:  {pipe['schedule']} pp {pipe['pp']} x {pipe['microbatches']} microbatches: measured bubble "
                      f"{pipe['measured_bubble_rate']:.3f}, simulated {pipe['simulated_bubble_rate']:.3f} from measured "
                      f"t_f {pipe['t_f_s'] * 1e3:.2f} t_b {pipe['t_b_s'] * 1e3:.2f} t_w {pipe['t_w_s'] * 1e3:.2f} ms per "
-                     f"stage, {pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms")
+                     f"rank, {pipe['simulated_bubble_rate_with_comm']:.3f} with t_comm {pipe['t_comm_s'] * 1e3:.2f} ms"
+                     + (f", {pipe['simulated_bubble_rate_in_run']:.3f} with the run's latency "
+                        f"{pipe['t_latency_in_run_s'] * 1e3:.2f} ms and host time {pipe['t_host_s'] * 1e3:.2f} ms"
+                        if pipe.get("simulated_bubble_rate_in_run") is not None else ""))
     if report.get("trace"):
         from parallelisms.comm.trace import format_summary
 

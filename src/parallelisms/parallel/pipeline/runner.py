@@ -16,7 +16,9 @@ under sequence parallelism, its sequence shard (1/tp of the bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import socket
 import statistics
 import time
 
@@ -33,7 +35,7 @@ from parallelisms.parallel.grad_sync import LocalGradients
 from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
-from parallelisms.parallel.pipeline.schedules import Schedule, build_schedule
+from parallelisms.parallel.pipeline.schedules import Action, Kind, Schedule, build_schedule, produces, requires
 from parallelisms.parallel.pipeline.simulate import Times, simulate
 from parallelisms.parallel.pipeline.stage import add_mirror_copies, build_stages
 
@@ -190,11 +192,12 @@ class PipelineSchedule:
         for records, peak in steps:
             compute = [r for r in records if r[0] in "FBIW"]
             mine.append({"span": compute[-1][4] - compute[0][3], "busy": sum(r[4] - r[3] for r in compute),
-                         "times": [(r[0], r[4] - r[3]) for r in compute], "peak_held": peak})
+                         "records": compute, "peak_held": peak})
         with self.comms.ledger.in_phase("report"):
             t_comm = self._message_seconds()
-            ranks = self.pp_comm.all_gather_object((mine, t_comm))
-        bubble = pipeline_bubble(self.schedule, [r for r, _ in ranks], max(t for _, t in ranks))
+            ranks = self.pp_comm.all_gather_object((mine, t_comm, socket.gethostname()))
+        one_clock = len({host for _, _, host in ranks}) == 1  # perf_counter is one clock within a host
+        bubble = pipeline_bubble(self.schedule, [r for r, _, _ in ranks], max(t for _, t, _ in ranks), one_clock)
         return {"pipeline": {**bubble, "stage_bounds": self.bounds}}
 
     def _message_seconds(self, repeats: int = 7) -> float:
@@ -227,31 +230,70 @@ def cut_stages(model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, com
     return stages, copies, bounds
 
 
-def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float = 0.0) -> dict:
+def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float = 0.0, one_clock: bool = False) -> dict:
     """Median over steps of the measured bubble rate (longest span minus mean busy time, over the longest
-    span) and the simulator's bubble rate for the measured mean per-action times, with t_comm = 0 and with
-    the measured one-way message time ``t_comm``; the peak activations held per rank, measured and
-    simulated."""
+    span) and the simulator's, fed with the measured mean time of each action kind on each stage (the first
+    stage holds the embedding, the last the head and loss): with nothing between actions, with the one-way
+    message time ``t_comm`` (ring exchanges after training), and, where every rank reads one clock
+    (``one_clock``), with the run's own dependency latency and host time between actions (see
+    :func:`run_latencies`); the peak activations held per rank, measured and simulated."""
     rates = []
     for step in zip(*ranks):
         cost = max(r["span"] for r in step)
         rates.append((cost - statistics.fmean(r["busy"] for r in step)) / cost)
-    by_kind: dict[str, list[int]] = {}
+    by_kind: dict[tuple[str, int], list[int]] = {}
     for rank in ranks:
         for step in rank:
-            for kind, ns in step["times"]:
-                by_kind.setdefault(kind, []).append(ns)
-    mean = {k: statistics.fmean(v) / 1e9 * schedule.chunks for k, v in by_kind.items()}  # one stage's share
-    if "I" in mean:
-        times = Times(mean["F"], mean["I"], mean.get("W", 0.0))
-    else:
-        times = Times(mean["F"], mean["B"], 0.0)
+            for kind, stage, _, start, end in step["records"]:
+                by_kind.setdefault((kind, stage), []).append(end - start)
+
+    def mean(kind: str, stages=range(schedule.num_stages)) -> float:
+        samples = [ns for s in stages for ns in by_kind.get((kind, s), [])]
+        return statistics.fmean(samples) / 1e9 if samples else 0.0
+    split = any(kind == "I" for kind, _ in by_kind)
+    backward = "I" if split else "B"
+    per_stage = tuple((mean("F", [s]), mean(backward, [s]), mean("W", [s]) if split else 0.0)
+                      for s in range(schedule.num_stages))
+    chunks = schedule.chunks  # one rank's share: a stage's mean times its chunks
+    times = Times(mean("F") * chunks, mean(backward) * chunks, mean("W") * chunks if split else 0.0, 0.0, per_stage)
     sim = simulate(schedule, times)
-    with_comm = simulate(schedule, Times(times.t_f, times.t_b, times.t_w, t_comm))
+    with_comm = simulate(schedule, dataclasses.replace(times, t_comm=t_comm))
+    latency, host = run_latencies(schedule, ranks) if one_clock else (None, None)
+    in_run = simulate(schedule, dataclasses.replace(times, t_comm=latency, t_host=host)) if one_clock else None
     return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
             "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
             "simulated_bubble_rate_with_comm": with_comm.bubble_rate,
+            "simulated_bubble_rate_in_run": in_run.bubble_rate if in_run else None,
             "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w, "t_comm_s": t_comm,
+            "t_latency_in_run_s": latency, "t_host_s": host,
+            "stage_times_s": [list(t) for t in per_stage],
             # activations held, in (stage, microbatch) units: measured by the executor, and the simulator's
             "peak_held_per_rank": [max(step["peak_held"] for step in rank) for rank in ranks],
             "simulated_peak_per_rank": [round(p * schedule.chunks) for p in sim.peak_activations]}
+
+
+def run_latencies(schedule: Schedule, ranks: list[list[dict]]) -> tuple[float, float]:
+    """(dependency latency, host time between actions) in seconds, medians over the run's steps, from each rank's
+    compute records on one clock. An action whose input from another rank was ready before the rank's previous
+    action ended started ``host`` after that action (posting sends and receives, bookkeeping); one whose input
+    came later started ``latency`` after the producing action ended (the message, its wait and the same
+    bookkeeping): what the simulator's ``t_comm`` and ``t_host`` stand for."""
+    latencies, hosts = [], []
+    for step in zip(*ranks):
+        done = {}  # (tag, stage, mb) -> (end, rank)
+        for r, rank_step in enumerate(step):
+            for kind, stage, mb, start, end in rank_step["records"]:
+                for tag in produces(Action(Kind(kind), stage, mb)):
+                    done[(tag, stage, mb)] = (end, r)
+        for r, rank_step in enumerate(step):
+            records = rank_step["records"]
+            for before, (kind, stage, mb, start, _) in zip(records, records[1:]):
+                inputs = [done[n] for n in requires(Action(Kind(kind), stage, mb), schedule.num_stages)
+                          if n in done and done[n][1] != r]
+                latest = max((end for end, _ in inputs), default=None)
+                if latest is not None and latest > before[4]:
+                    latencies.append(start - latest)
+                elif start >= before[4]:
+                    hosts.append(start - before[4])
+    median = (lambda xs: statistics.median(xs) / 1e9 if xs else 0.0)
+    return median(latencies), median(hosts)

@@ -6,16 +6,17 @@ Inputs are per-microbatch times of ONE STAGE, i.e. of one rank's whole share of 
 dependency.  A schedule with ``chunks`` stages per rank and microbatch (interleaved: v; ZB-V and
 DualPipeV: 2) spends ``t / chunks`` on each action.  A full backward costs ``t_b + t_w``.
 
-Every action starts when its rank is free and every input it needs is ready; an input computed on
-another rank is ready ``t_comm`` after it was computed.  Sends never block, receives wait for the
-data, optimizer steps take no time.  A DualPipe F&B chunk (``overlap``) starts when the inputs of
+Every action starts when its rank is free (``t_host`` after its previous action) and every input it
+needs is ready; an input computed on another rank is ready ``t_comm`` after it was computed.  Sends
+never block, receives wait for the data, optimizer steps take no time.  A DualPipe F&B chunk (``overlap``) starts when the inputs of
 both its forward and its backward are ready and lasts their sum (no overlap speed-up is assumed,
 so "F&B" = F + B in the DeepSeek-V3 formula).  Results:
 
 * ``timeline[r]``: (action, start, end) per compute action of rank ``r``;
 * ``makespan``: the end of the last action;
 * ``bubble_rate`` = (cost - m (T_F + T_B + T_W)) / cost, with cost the longest span (first start
-  to last end) over ranks: the paper's definition, which reproduces its Table 5;
+  to last end) over ranks: the paper's definition, which reproduces its Table 5 (with per-stage times, the
+  ranks' mean busy time in place of m (T_F + T_B + T_W), as a measured bubble is computed);
 * ``peak_activations[r]``: the most microbatches whose activations rank ``r`` holds at once.  A
   microbatch is held from the start of its forward until its backward is complete, i.e. the end
   of B, or of W when backward is split (the weight pass needs the stored inputs).  A chunk of an
@@ -33,15 +34,21 @@ from .schedules import Action, Kind, Schedule, produces, requires
 
 @dataclass(frozen=True)
 class Times:
+    """Per-microbatch times of one rank's share (``t_f``, ``t_b``, ``t_w``) and of a cross-rank dependency;
+    or, where the stages differ (the first holds the embedding, the last the head and loss), ``stages``: one
+    (forward, input gradient, weight gradient) per stage of the schedule, each the time of one action.
+    ``t_host``: host time between two actions of a rank (posting its sends and receives), 0 in the paper."""
     t_f: float = 1.0
     t_b: float = 1.0
     t_w: float = 1.0
     t_comm: float = 0.0
+    stages: tuple = ()
+    t_host: float = 0.0
 
-    def of(self, kind: Kind, chunks: int) -> float:
-        per_stage = {Kind.FORWARD: self.t_f, Kind.BACKWARD: self.t_b + self.t_w,
-                     Kind.BACKWARD_INPUT: self.t_b, Kind.BACKWARD_WEIGHT: self.t_w}.get(kind, 0.0)
-        return per_stage / chunks
+    def of(self, kind: Kind, chunks: int, stage: int = 0) -> float:
+        t_f, t_b, t_w = self.stages[stage] if self.stages else (self.t_f / chunks, self.t_b / chunks, self.t_w / chunks)
+        return {Kind.FORWARD: t_f, Kind.BACKWARD: t_b + t_w, Kind.BACKWARD_INPUT: t_b,
+                Kind.BACKWARD_WEIGHT: t_w}.get(kind, 0.0)
 
 
 @dataclass
@@ -61,8 +68,10 @@ class Simulation:
 
     @property
     def ideal(self) -> float:
-        """Busy time of one rank: m microbatches of its whole share."""
+        """Busy time of one rank: m microbatches of its whole share (with per-stage times, the ranks' mean)."""
         t = self.times
+        if t.stages:
+            return sum(end - start for row in self.timeline for _, start, end in row) / len(self.timeline)
         return self.schedule.microbatches * (t.t_f + t.t_b + t.t_w)
 
     @property
@@ -101,10 +110,11 @@ def simulate(schedule: Schedule, times: Times | None = None) -> Simulation:
                 needs = [n for x in chunk for n in requires(x, S) if n not in inside]
                 if any(n not in ready for n in needs):
                     break
-                start = max([free[r]] + [t + (times.t_comm if src != r else 0.0)
+                free_at = free[r] + (times.t_host if timeline[r] else 0.0)
+                start = max([free_at] + [t + (times.t_comm if src != r else 0.0)
                                          for t, src in (ready[n] for n in needs)])
                 for x in chunk:
-                    end = start + times.of(x.kind, schedule.chunks)
+                    end = start + times.of(x.kind, schedule.chunks, x.stage)
                     for result in produces(x):
                         ready[(result, x.stage, x.mb)] = (end, r)
                     if x.kind is not Kind.OPTIMIZER:
