@@ -10,12 +10,19 @@ prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 tur
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
 ``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
-(host time per dispatched operator), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
-kind, and ``measurements`` (what ``calibrate`` measured; not read).
+(host time per dispatched operator), ``attention_fraction`` (the share of the GEMM efficiency the attention
+kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``optimizer_tbps``
+(the rate the optimizer step streams its nominal 36 bytes per parameter at; 0: the elementwise bandwidth, as a
+fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
+for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
+spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NCCL, whose copies run on the
+GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective kind, and
+``measurements`` (what ``calibrate`` measured; not read).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -47,6 +54,10 @@ class Hardware:
     bytes_per_element: int = 2
     cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
     op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
+    attention_fraction: float = 1.0
+    optimizer_tbps: float = 0.0
+    optimizer_tensor_us: float = 0.0
+    comm_cpu_fraction: float = 0.0
     collectives: dict = field(default_factory=dict, hash=False)
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -61,6 +72,27 @@ class Hardware:
     @property
     def memory_bytes_per_s(self) -> float:
         return self.hbm_tbps * 1e12 * self.hbm_fraction
+
+    @property
+    def optimizer_bytes_per_s(self) -> float:
+        return self.optimizer_tbps * 1e12 if self.optimizer_tbps else self.memory_bytes_per_s
+
+    def shared(self, ranks: int) -> "Hardware":
+        """A CPU whose ``cores`` ``ranks`` processes share: every rate each rank gets (compute, memory, the
+        optimizer's) divides by ranks / cores and every host time per operator multiplies by it; a collective's
+        bandwidth divides in the share of it that is the rank's own CPU work (``comm_cpu_fraction``)."""
+        if not self.cores or ranks <= self.cores:
+            return self
+        share = self.cores / ranks
+        slower = 1 + self.comm_cpu_fraction * (1 / share - 1)  # the copies' CPU part runs 1/share slower; the
+        collectives = {k: {**v, "gbps": v["gbps"] / slower} for k, v in self.collectives.items()}  # latency, spent
+        # waiting for peers and wake-ups, is filled by the other ranks on the core
+        return dataclasses.replace(self, peak_tflops=self.peak_tflops * share, hbm_tbps=self.hbm_tbps * share,
+                                   optimizer_tbps=self.optimizer_tbps * share,
+                                   op_overhead_us=self.op_overhead_us / share,
+                                   optimizer_tensor_us=self.optimizer_tensor_us / share,
+                                   intra_node_gbps=self.intra_node_gbps / slower,
+                                   inter_node_gbps=self.inter_node_gbps / slower, collectives=collectives)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""
@@ -120,11 +152,12 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores")
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "optimizer_tbps",
+                           "optimizer_tensor_us", "comm_cpu_fraction")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
-    require(all(raw.get(k, 1) <= 1 for k in ("gemm_fraction", "hbm_fraction", "link_fraction")),
-            f"{flag} {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
+    shares = ("gemm_fraction", "hbm_fraction", "link_fraction", "attention_fraction", "comm_cpu_fraction")
+    require(all(raw.get(k, 1) <= 1 for k in shares), f"{flag} {spec!r}: {', '.join(shares)} are shares of peak, at most 1")
     ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
     require(ints.get("gpus_per_node", 1) >= 1, f"{flag} {spec!r}: gpus_per_node must be at least 1")
     return Hardware(**{**raw, **ints})
