@@ -104,21 +104,24 @@ class Hardware:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-OP_US = 5.0  # `parallelisms calibrate` here (4.9-5.2 us in two of three runs; 50 us in one taken while other jobs ran)
-
 PRESETS = {
     # datasheets: A100 SXM 80GB 312 TFLOP/s bf16, 2.0 TB/s, NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR per node
     "a100": Hardware("A100 SXM 80GB", 312, 80, 2.039, 8, 300, 25, 8, 15, sms=108),
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians, measured while other jobs shared the
-    # cores; rerun it on a quiet or another machine and pass the file)
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.03, 16, 0.0099, 1024, 0.49, 0.49, 472, 472, gemm_fraction=1.0,
-                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2, op_overhead_us=OP_US,
-                    collectives={"all_reduce": {"alpha_us": 472, "gbps": 0.49}, "all_gather": {"alpha_us": 398, "gbps": 0.85},
-                                 "reduce_scatter": {"alpha_us": 459, "gbps": 0.54},
-                                 "all_to_all": {"alpha_us": 250, "gbps": 0.99}, "send": {"alpha_us": 1841, "gbps": 1.3}}),
+    # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over four
+    # runs (peak 86-96 GFLOP/s per thread; elementwise 11-34 GB/s, bimodal with the allocator's state; attention
+    # 38-44% of the GEMM rate; optimizer 13.5-15.4 GB/s + 33 us per tensor; op 3.1-3.3 us; collectives 72-74% CPU;
+    # collective alphas, measured after a burst of GEMMs as a step issues them, 0.2-2.3 ms). Rerun it on another
+    # machine and pass the file.
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.091, 16, 0.022, 1024, 6.0, 6.0, 1425, 1425, gemm_fraction=1.0,
+                    gemm_k_half=0.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
+                    op_overhead_us=3.2, attention_fraction=0.41, optimizer_tbps=0.0138, optimizer_tensor_us=33,
+                    comm_cpu_fraction=0.72,
+                    collectives={"all_reduce": {"alpha_us": 1425, "gbps": 6.0}, "all_gather": {"alpha_us": 1069, "gbps": 0.88},
+                                 "reduce_scatter": {"alpha_us": 1949, "gbps": 0.61},
+                                 "all_to_all": {"alpha_us": 1108, "gbps": 1.02}, "send": {"alpha_us": 815, "gbps": 1.47}}),
 }
 
 
