@@ -1,13 +1,29 @@
 """``parallelisms calibrate --out FILE.json``: measure this machine and write a hardware file perf/ reads.
 
 * GEMM: fp32 matmul throughput on one thread (what each rank gets when the ranks share the cores) over square,
-  thin and short-k shapes, medians. ``peak_tflops`` is the median over the shapes with every side at least 256
-  (smaller ones run from cache); ``gemm_k_half`` is fitted to the
-  short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
-* Memory bandwidth: an elementwise add over tensors far beyond the caches (``hbm_tbps``).
+  thin and short-k shapes, each in a linear layer's three layouts (forward x w^T, input gradient g w, weight
+  gradient g^T x) with the outputs kept alive as activations are (fresh memory, not a cache-hot buffer), medians.
+  ``peak_tflops`` is the median over the shapes with every side at least 256 (smaller ones run from cache);
+  ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
+* Elementwise bandwidth (``hbm_tbps``): the kinds of operator an eager transformer block runs (binary, broadcast,
+  strided, activation, reduction, copy) on 0.25-1.5 MB tensors, outputs kept alive: bytes read and written over
+  their time. On a CPU these sizes run at about the DRAM streaming rate, not from cache.
+* Attention (``attention_fraction``): causal ``scaled_dot_product_attention`` forward and backward over a few
+  shapes, its FLOPs (half the score matrix, backward 2.5 x forward: compute.py's count) at the GEMM peak over
+  the measured time, median.
+* Optimizer (``optimizer_tbps``, ``optimizer_tensor_us``): the runtime's step (global gradient norm, clipping,
+  ``make_optimizer``'s AdamW) over a few large tensors (the nominal 36 bytes per parameter over the time per
+  parameter) and over many small ones (the time per tensor beyond that: the per-tensor operators' overhead).
 * Operator dispatch: a one-block model too small to compute anything, per operator it dispatches.
-* Collectives: two ranks over the project's comm layer (gloo, or shared memory where the runtime uses it),
-  each kind over message sizes, medians; alpha and beta fitted per kind (Hockney) on the ledger's ring bytes.
+* Collectives: two ranks over the project's comm layer (gloo, or shared memory where the runtime uses it: the
+  all-reduce as DDP's gradient buckets call it), each kind over message sizes, medians; alpha and beta fitted
+  per kind (Hockney) on the ledger's ring bytes. Each call follows a burst of GEMMs on both ranks, as a
+  training step issues them: a collective that meets ranks coming from compute pays more than one in a tight
+  loop (here about 2 ms against 0.5 for a 1 MB all-gather: the comm threads wake from sleep, the ranks arrive
+  apart), and that is the latency a step sees. The burst's own time is measured alone and subtracted.
+  ``comm_cpu_fraction``: the share of a large collective's time the rank's own CPU spends on it (process CPU
+  time over wall time; gloo copies through the kernel's TCP, shared memory through memcpy): on a CPU that part
+  is not hidden by overlapping it with compute, which runs on the same core.
 """
 
 from __future__ import annotations
@@ -36,21 +52,93 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _kept_seconds(fn, repeats: int, calls: int = 8) -> float:
+    """Median seconds per call of ``fn`` over ``repeats`` rounds of ``calls`` calls whose results stay alive
+    until the round ends (as a forward's activations do): each output is fresh memory."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        kept = []
+        start = time.perf_counter()
+        for _ in range(calls):
+            kept.append(fn())
+        times.append((time.perf_counter() - start) / calls)
+        del kept
+    return statistics.median(times)
+
+
 def measure_gemms(repeats: int = 7) -> list[dict]:
+    """Per shape [m, k] x [k, n]: the median over a linear layer's three layouts (module docstring)."""
     torch.set_num_threads(1)
     rows = []
     for m, n, k in GEMMS:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        t = _median_seconds(lambda: a @ b, repeats)
+        x, w, g = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        xt, gt = torch.randn(k, m), torch.randn(n, m)  # the weight gradient's operands: m is its reduction
+        layouts = (lambda: x @ w.t(), lambda: g @ w, lambda: gt @ xt.t())
+        t = statistics.median(_kept_seconds(fn, repeats) for fn in layouts)
         rows.append({"m": m, "n": n, "k": k, "seconds": t, "tflops": 2 * m * n * k / t / 1e12})
     return rows
 
 
 def measure_memory_bandwidth(repeats: int = 7) -> float:
-    """Bytes per second of x + y into out (three 64 MiB fp32 tensors: two read, one written)."""
-    x, y, out = torch.ones(2**24), torch.ones(2**24), torch.empty(2**24)
-    t = _median_seconds(lambda: torch.add(x, y, out=out), repeats)
-    return 3 * 4 * 2**24 / t
+    """Bytes per second of an eager block's kinds of elementwise operator (module docstring): bytes read and
+    written by all of them over their summed median times."""
+    torch.set_num_threads(1)
+    tokens, dim, ffn = 512, 256, 688
+    h, w, a, b = torch.randn(tokens, dim), torch.randn(dim), torch.randn(tokens, ffn), torch.randn(tokens, ffn)
+    heads = torch.randn(4, 128, 8, 32)  # [batch, seq, heads, head_dim]
+    rotated = heads.unflatten(-1, (-1, 2)).unbind(-1)  # strided halves, as rotary's
+    angle = torch.randn(128, 1, 16)
+    ops = [(lambda: h + h, 3 * h.numel()), (lambda: h * w, 2 * h.numel()), (lambda: a * b, 3 * a.numel()),
+           (lambda: torch.nn.functional.silu(a), 2 * a.numel()), (lambda: h.pow(2), 2 * h.numel()),
+           (lambda: h.mean(-1, keepdim=True), h.numel()), (lambda: rotated[0] * angle, 2 * rotated[0].numel()),
+           (lambda: torch.stack(rotated, -1), 4 * rotated[0].numel()),
+           (lambda: heads.transpose(1, 2).contiguous(), 2 * heads.numel())]
+    seconds = sum(_kept_seconds(fn, repeats) for fn, _ in ops)
+    return 4 * sum(n for _, n in ops) / seconds
+
+
+ATTENTION_SHAPES = [(4, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64), (1, 2, 512, 128)]  # batch, heads, seq, d
+
+
+def measure_attention_fraction(peak_flops: float, repeats: int = 7) -> float:
+    """The share of ``peak_flops`` causal attention reaches, forward and backward (module docstring)."""
+    torch.set_num_threads(1)
+    shares = []
+    for b, heads, s, d in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, heads, s, d)
+        step = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        flops = 3.5 * 4 * b * heads * s * s * d / 2
+        shares.append(flops / _median_seconds(step, repeats) / peak_flops)
+    return min(1.0, statistics.median(shares))
+
+
+def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
+    """(bytes per second at 36 bytes per parameter, seconds per parameter tensor) of the runtime's optimizer
+    step: global gradient norm, clipping and AdamW (module docstring)."""
+    from parallelisms.comm import Comms
+    from parallelisms.config import TrainConfig
+    from parallelisms.optim import make_optimizer
+    from parallelisms.parallel.common import clip_grad_norm_, global_grad_norm
+
+    torch.set_num_threads(1)
+
+    def seconds(tensors: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(numel)
+        optimizer, comms = make_optimizer(params, TrainConfig()), Comms()
+
+        def step():
+            clip_grad_norm_(params, 1.0, comms, norm=global_grad_norm(params, comms))
+            optimizer.step()
+        return _median_seconds(step, repeats)
+
+    large = 8 * 2**18  # a model's parameter tensors: 1 MB each
+    per_param = seconds(8, 2**18) / large
+    small = seconds(64, 2**10)
+    return 36 / per_param, max(0.0, (small - 64 * 2**10 * per_param) / 64)
 
 
 def measure_op_overhead(repeats: int = 7) -> float:
@@ -82,28 +170,44 @@ def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
 
     comm = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())["dp"]
     peer = 1 - comm.rank
+    x, w = torch.randn(512, 256), torch.randn(256, 688)
+    burst = lambda: [x @ w for _ in range(2)]  # a few ms of a layer's GEMMs, as between a step's collectives
+    rounds = 3 * repeats
+
+    def per_round(fn) -> float:  # mean seconds of a lockstep loop's round (both ranks run at its pace)
+        fn()
+        comm.all_reduce(torch.zeros(1))  # start together
+        start = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        return (time.perf_counter() - start) / rounds
+
+    burst_s = per_round(burst)
     out = {}
     for kind in KINDS:
         for numel in sizes:
             full = torch.ones(numel)
             shard = torch.ones(numel // comm.size)
-            fn = {"all_reduce": lambda: comm.all_reduce(full),
+            fn = {"all_reduce": lambda: comm.all_reduce(full, shared_memory=True),
                   "all_gather": lambda: comm.all_gather(shard),
                   "reduce_scatter": lambda: comm.reduce_scatter(full),
                   "all_to_all": lambda: comm.all_to_all(full),
                   "send": lambda: comm.send_recv([(full, peer)], [(torch.empty_like(full), peer)]).wait()}[kind]
-            comm.all_reduce(torch.zeros(1))  # start together
-            out.setdefault(kind, []).append(_median_seconds(fn, repeats))
+            out.setdefault(kind, []).append(max(per_round(lambda: (burst(), fn())) - burst_s, 1e-6))
+        cpu, wall = time.process_time(), time.perf_counter()  # the largest message alone: the rank's CPU
+        per_round(fn)                                           # time (every thread) over the wall time
+        out.setdefault("cpu_fraction", []).append((time.process_time() - cpu) / (time.perf_counter() - wall))
     return out
 
 
 def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
-    """{kind: {"alpha_us", "gbps", "r2", "rows": [...]}} fitted on two ranks."""
+    """{kind: {"alpha_us", "gbps", "r2", "rows": [...]}} fitted on two ranks, and "cpu_fraction": the share of
+    a large collective's wall time the rank's own CPU is busy with it (median over the kinds)."""
     from parallelisms.comm.ledger import ring_bytes_per_rank
     from parallelisms.launch import launch
 
     timings = launch(_collectives_rank, 2, sizes, repeats, backend="gloo", threads=1)[0]
-    out = {}
+    out = {"cpu_fraction": min(1.0, statistics.median(timings.pop("cpu_fraction")))}
     for kind, seconds in timings.items():
         sent = [ring_bytes_per_rank(kind, 4 * n, 2) for n in sizes]
         model, r2 = fit(sent, seconds)
@@ -123,8 +227,10 @@ def calibrate(quick: bool = False) -> dict:
     short = [r for r in gemms if r["k"] <= 128 and min(r["m"], r["n"]) >= 1024]
     k_half = statistics.median(r["k"] * (peak / r["tflops"] - 1) for r in short) if short else 0.0
     bandwidth = measure_memory_bandwidth(repeats)
+    optimizer_bandwidth, optimizer_tensor_s = measure_optimizer(repeats)
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
+    comm_cpu_fraction = collectives.pop("cpu_fraction")
     ar = collectives["all_reduce"]
     cores = os.cpu_count() or 1
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)",
@@ -133,6 +239,9 @@ def calibrate(quick: bool = False) -> dict:
             "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"], "gemm_fraction": 1.0,
             "gemm_k_half": max(k_half, 0.0), "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
             "bytes_per_element": 4, "cores": cores, "op_overhead_us": measure_op_overhead(repeats) * 1e6,
+            "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
+            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6,
+            "comm_cpu_fraction": comm_cpu_fraction,
             "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()},
             "measurements": {"gemm": gemms, "collectives": collectives}}
 
@@ -160,7 +269,9 @@ def run_calibrate(args) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
-          f"{result['op_overhead_us']:.1f} us per operator, memory "
+          f"attention {result['attention_fraction']:.0%} of it, {result['op_overhead_us']:.1f} us per operator, "
+          f"optimizer {result['optimizer_tbps'] * 1e3:.1f} GB/s + {result['optimizer_tensor_us']:.0f} us per tensor, "
+          f"collectives {result['comm_cpu_fraction']:.0%} CPU, memory "
           f"{result['hbm_tbps'] * 1e3:.1f} GB/s; " + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s"
                                                               for k, v in result["collectives"].items()))
     print(f"wrote {args.out}")

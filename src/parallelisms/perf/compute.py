@@ -9,9 +9,14 @@ move; nothing is fitted to a step time.
   quantisation and wave quantisation over the streaming multiprocessors (NVIDIA's "Matrix multiplication
   background" guide). Tensor parallelism slices n or k by t, which is where tp-sliced GEMMs lose efficiency.
 * Elementwise kernels (norms, residual adds, activation, softmax, dropout) are memory-bound: bytes read and
-  written over the HBM bandwidth; backward moves about twice the forward's bytes.
+  written over the HBM bandwidth; backward moves about twice the forward's bytes. On a GPU they are the fused
+  kernels of the published runs (Megatron-LM); on a CPU (``hw.cores``) they are this project's eager
+  operators, each reading and writing its own tensors (:func:`_eager_elementwise_bytes`, about three times
+  the fused count).
 * Attention: ``flash`` (fused, causal half of the scores, nothing materialised; Dao et al. 2022) or
-  ``fused-softmax`` (Megatron-LM 2021-22: scores materialised, one scale/mask/softmax kernel, then dropout).
+  ``fused-softmax`` (Megatron-LM 2021-22: scores materialised, one scale/mask/softmax kernel, then dropout),
+  at ``hw.attention_fraction`` of a GEMM's efficiency (measured by ``calibrate`` on a CPU, whose attention
+  kernel reaches about a third of its GEMM rate).
 """
 
 from __future__ import annotations
@@ -111,11 +116,11 @@ def _attention_core(hw: Hardware, shape: LayerShape) -> tuple[float, float, floa
     s_q, s_kv, d = shape.seq / shape.cp, shape.seq, cfg.head_dim
     flops = 4 * heads * s_q * s_kv * d
     if shape.attention == "flash":  # causal: half the score blocks computed; nothing materialised
-        fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / 2
+        fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / 2 / hw.attention_fraction
         return fwd, 2.5 * fwd, flops
     scores = heads * s_q * s_kv
     e = hw.bytes_per_element
-    fwd = gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)
+    fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / hw.attention_fraction
     fwd_elementwise = scores * (2 * e + 2 * e + 1) / hw.memory_bytes_per_s   # softmax r/w; dropout r/w + mask
     return fwd + fwd_elementwise, 2 * fwd + 2 * fwd_elementwise, flops
 
@@ -130,6 +135,21 @@ def _elementwise_bytes(shape: LayerShape) -> float:
     return 2 * 2 * residual * e + 2 * (3 * e + 1) * residual + activation
 
 
+def _eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
+    """Bytes the forward's eager operators (model/transformer.py's Block) read and write, per rank: with D the
+    residual width (over tp rows under SP), Q and K the rank's query and key/value widths and F its MLP width,
+    per token two RMSNorms (pow, mean, scale, weight: 7D each), two residual adds (3D each), rotary on q and
+    k (four products, a difference, a sum and the stack: 9 widths each), grouped key/value heads repeated to
+    the query heads (2(K + Q)), the attention output laid back (2Q) and the activation (SwiGLU's silu and
+    product 5F, GELU 2F). Within 3% of what TorchDispatchMode counts on the Block."""
+    cfg, t = shape.cfg, shape.tp
+    residual = cfg.dim / (t if shape.sp else 1)
+    q, kv = cfg.n_heads * cfg.head_dim / t, cfg.n_kv_heads * cfg.head_dim / t
+    width = cfg.ffn_dim * cfg.top_k if cfg.n_experts else cfg.ffn_dim / t
+    per_token = 20 * residual + 11 * q + 9 * kv + (2 * (q + kv) if kv < q else 0) + (5 if cfg.mlp == "swiglu" else 2) * width
+    return shape.tokens * per_token * e
+
+
 def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
     fwd = dgrad = wgrad = flops = 0.0
@@ -141,7 +161,9 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
         flops += 2 * m * n * k * b
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
-    elementwise = _elementwise_bytes(shape) * hw.bytes_per_element / 2 / hw.memory_bytes_per_s
+    moved = (_eager_elementwise_bytes(shape, hw.bytes_per_element) if hw.cores
+             else _elementwise_bytes(shape) * hw.bytes_per_element / 2)
+    elementwise = moved / hw.memory_bytes_per_s
     column = (0, len(linears) - 2)  # QKV and the MLP's input projection
     ops_f, ops_b = BLOCK_OPS[shape.cfg.mlp]
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),

@@ -10,12 +10,19 @@ prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 tur
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
 ``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
-(host time per dispatched operator), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective
-kind, and ``measurements`` (what ``calibrate`` measured; not read).
+(host time per dispatched operator), ``attention_fraction`` (the share of the GEMM efficiency the attention
+kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``optimizer_tbps``
+(the rate the optimizer step streams its nominal 36 bytes per parameter at; 0: the elementwise bandwidth, as a
+fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
+for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
+spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NCCL, whose copies run on the
+GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective kind, and
+``measurements`` (what ``calibrate`` measured; not read).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -47,6 +54,10 @@ class Hardware:
     bytes_per_element: int = 2
     cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
     op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
+    attention_fraction: float = 1.0
+    optimizer_tbps: float = 0.0
+    optimizer_tensor_us: float = 0.0
+    comm_cpu_fraction: float = 0.0
     collectives: dict = field(default_factory=dict, hash=False)
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -62,6 +73,27 @@ class Hardware:
     def memory_bytes_per_s(self) -> float:
         return self.hbm_tbps * 1e12 * self.hbm_fraction
 
+    @property
+    def optimizer_bytes_per_s(self) -> float:
+        return self.optimizer_tbps * 1e12 if self.optimizer_tbps else self.memory_bytes_per_s
+
+    def shared(self, ranks: int) -> "Hardware":
+        """A CPU whose ``cores`` ``ranks`` processes share: every rate each rank gets (compute, memory, the
+        optimizer's) divides by ranks / cores and every host time per operator multiplies by it; a collective's
+        bandwidth divides in the share of it that is the rank's own CPU work (``comm_cpu_fraction``)."""
+        if not self.cores or ranks <= self.cores:
+            return self
+        share = self.cores / ranks
+        slower = 1 + self.comm_cpu_fraction * (1 / share - 1)  # the copies' CPU part runs 1/share slower; the
+        collectives = {k: {**v, "gbps": v["gbps"] / slower} for k, v in self.collectives.items()}  # latency, spent
+        # waiting for peers and wake-ups, is filled by the other ranks on the core
+        return dataclasses.replace(self, peak_tflops=self.peak_tflops * share, hbm_tbps=self.hbm_tbps * share,
+                                   optimizer_tbps=self.optimizer_tbps * share,
+                                   op_overhead_us=self.op_overhead_us / share,
+                                   optimizer_tensor_us=self.optimizer_tensor_us / share,
+                                   intra_node_gbps=self.intra_node_gbps / slower,
+                                   inter_node_gbps=self.inter_node_gbps / slower, collectives=collectives)
+
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""
         if crosses_nodes:
@@ -72,21 +104,24 @@ class Hardware:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-OP_US = 5.0  # `parallelisms calibrate` here (4.9-5.2 us in two of three runs; 50 us in one taken while other jobs ran)
-
 PRESETS = {
     # datasheets: A100 SXM 80GB 312 TFLOP/s bf16, 2.0 TB/s, NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR per node
     "a100": Hardware("A100 SXM 80GB", 312, 80, 2.039, 8, 300, 25, 8, 15, sms=108),
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    # this 2-core machine, fp32 over gloo: `parallelisms calibrate` (medians, measured while other jobs shared the
-    # cores; rerun it on a quiet or another machine and pass the file)
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.03, 16, 0.0099, 1024, 0.49, 0.49, 472, 472, gemm_fraction=1.0,
-                    gemm_k_half=0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2, op_overhead_us=OP_US,
-                    collectives={"all_reduce": {"alpha_us": 472, "gbps": 0.49}, "all_gather": {"alpha_us": 398, "gbps": 0.85},
-                                 "reduce_scatter": {"alpha_us": 459, "gbps": 0.54},
-                                 "all_to_all": {"alpha_us": 250, "gbps": 0.99}, "send": {"alpha_us": 1841, "gbps": 1.3}}),
+    # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over four
+    # runs (peak 86-96 GFLOP/s per thread; elementwise 11-34 GB/s, bimodal with the allocator's state; attention
+    # 38-44% of the GEMM rate; optimizer 13.5-15.4 GB/s + 33 us per tensor; op 3.1-3.3 us; collectives 72-74% CPU;
+    # collective alphas, measured after a burst of GEMMs as a step issues them, 0.2-2.3 ms). Rerun it on another
+    # machine and pass the file.
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.091, 16, 0.022, 1024, 6.0, 6.0, 1425, 1425, gemm_fraction=1.0,
+                    gemm_k_half=0.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
+                    op_overhead_us=3.2, attention_fraction=0.41, optimizer_tbps=0.0138, optimizer_tensor_us=33,
+                    comm_cpu_fraction=0.72,
+                    collectives={"all_reduce": {"alpha_us": 1425, "gbps": 6.0}, "all_gather": {"alpha_us": 1069, "gbps": 0.88},
+                                 "reduce_scatter": {"alpha_us": 1949, "gbps": 0.61},
+                                 "all_to_all": {"alpha_us": 1108, "gbps": 1.02}, "send": {"alpha_us": 815, "gbps": 1.47}}),
 }
 
 
@@ -120,11 +155,12 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores")
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "optimizer_tbps",
+                           "optimizer_tensor_us", "comm_cpu_fraction")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
-    require(all(raw.get(k, 1) <= 1 for k in ("gemm_fraction", "hbm_fraction", "link_fraction")),
-            f"{flag} {spec!r}: gemm_fraction, hbm_fraction and link_fraction are shares of peak, at most 1")
+    shares = ("gemm_fraction", "hbm_fraction", "link_fraction", "attention_fraction", "comm_cpu_fraction")
+    require(all(raw.get(k, 1) <= 1 for k in shares), f"{flag} {spec!r}: {', '.join(shares)} are shares of peak, at most 1")
     ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
     require(ints.get("gpus_per_node", 1) >= 1, f"{flag} {spec!r}: gpus_per_node must be at least 1")
     return Hardware(**{**raw, **ints})

@@ -4,7 +4,8 @@ times, the optimizer, and the memory per rank.
 
 Where each collective goes (spec: "Critical path and latency hiding"):
 
-* tensor/sequence parallel: two collectives per block forward and two backward, on the critical path;
+* tensor/sequence parallel: two collectives per block forward and two backward, on the critical path (with
+  sequence parallelism also the all-reduce of each norm weight's gradient, Korthikanti et al. 2023, Sec. 4.2.2);
   ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
   that GEMM lasts;
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
@@ -27,7 +28,6 @@ and the fp32 logits.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -69,6 +69,13 @@ def _comm(hw, parallel, kind, dim, full_bytes, calls=1):
     return collective_time(hw, kind, full_bytes, n, stride, calls)
 
 
+def _behind(hw: Hardware, t: float, window: float) -> float:
+    """Exposed seconds of a collective of ``t`` overlapped with ``window`` seconds of compute: what outlasts
+    the window, and the share of the rest that is the rank's own CPU work (``hw.comm_cpu_fraction``: a CPU
+    comm layer copies on the core the compute needs)."""
+    return max(0.0, t - window) + hw.comm_cpu_fraction * min(t, window)
+
+
 def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     """Exposed seconds per layer per microbatch of tp, cp and ep collectives: {(kind/dim): (forward, backward)}."""
     dims, e, out = parallel.dims, hw.bytes_per_element, {}
@@ -83,11 +90,13 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
                 forward += gather + scatter
                 # backward: g's all-gather of the output gradient; the input re-gathered for the weight
                 # gradient (behind the input-gradient GEMM); f's reduce-scatter (behind the weight gradient)
-                backward += gather + max(0.0, gather - overlap[0]) + max(0.0, scatter - overlap[1])
+                backward += gather + _behind(hw, gather, overlap[0]) + _behind(hw, scatter, overlap[1])
             else:  # g all-reduces forward, f backward (behind the weight gradient)
                 reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
                 forward += reduce
-                backward += max(0.0, reduce - overlap[1])
+                backward += _behind(hw, reduce, overlap[1])
+        if parallel.sequence_parallel:  # the norms' weights see 1/t of the tokens: their gradients are summed
+            backward += 2 * _comm(hw, parallel, "all_reduce", "tp", cfg.dim * e)  # over tp as they come (blocking)
         name = "all_gather+reduce_scatter/tp" if parallel.sequence_parallel else "all_reduce/tp"
         out[name] = (forward, backward)
     if dims.cp > 1:
@@ -95,8 +104,8 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         if parallel.cp_attention == "ring":  # hop h overlaps the attention of block h
             hop_f = _comm(hw, parallel, "send", "cp", 2 * kv)
             hop_b = _comm(hw, parallel, "send", "cp", 4 * kv)
-            forward = hop_f + (dims.cp - 2) * max(0.0, hop_f - times.attention_core / dims.cp)
-            backward = hop_b + (dims.cp - 1) * max(0.0, hop_b - 2.5 * times.attention_core / dims.cp)
+            forward = hop_f + (dims.cp - 2) * _behind(hw, hop_f, times.attention_core / dims.cp)
+            backward = hop_b + (dims.cp - 1) * _behind(hw, hop_b, 2.5 * times.attention_core / dims.cp)
         else:
             q = shape.tokens * cfg.dim / dims.tp * e
             forward = backward = _comm(hw, parallel, "all_to_all", "cp", 2 * q + 2 * kv, calls=4)
@@ -107,10 +116,21 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
             # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
             # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
-            out["all_to_all/ep"] = (max(0.0, a2a - times.input_grad - times.weight_grad), max(0.0, a2a - times.forward))
+            out["all_to_all/ep"] = (_behind(hw, a2a, times.input_grad + times.weight_grad), _behind(hw, a2a, times.forward))
         else:
             out["all_to_all/ep"] = (a2a, a2a)
     return out
+
+
+def _head_comm(cfg, parallel, hw, shape: LayerShape) -> tuple[float, float]:
+    """(forward, backward) seconds of the head's tp collectives: the vocabulary-parallel cross-entropy's two
+    all-reduces (row maxima; sums of exponentials and target logits: Megatron-LM's) and, under sequence
+    parallelism, the final norm weight's gradient all-reduce."""
+    if parallel.dims.tp == 1:
+        return 0.0, 0.0
+    forward = _comm(hw, parallel, "all_reduce", "tp", 4 * shape.tokens) + _comm(hw, parallel, "all_reduce", "tp", 8 * shape.tokens)
+    backward = _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element) if parallel.sequence_parallel else 0.0
+    return forward, backward
 
 
 def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float, t_comm: float,
@@ -150,9 +170,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
     across calls with the same model and hardware) reuses per-layer and data-parallel times."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
-    if hw.cores and dims.world_size > hw.cores:  # ranks sharing a CPU's cores share its compute and memory
-        share = hw.cores / dims.world_size
-        hw = dataclasses.replace(hw, peak_tflops=hw.peak_tflops * share, hbm_tbps=hw.hbm_tbps * share)
+    hw = hw.shared(dims.world_size)  # ranks sharing a CPU's cores share its compute, memory and host time
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
 
     def per_layer():
@@ -161,18 +179,22 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
+    head_f, head_b = _head_comm(cfg, parallel, hw, shape)
     n = lay.layers  # the busiest stage: L/p layers and the head
-    t_f = n * (layer.forward + comm_f) + head.forward
-    t_b = n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
+    t_f = n * (layer.forward + comm_f) + head.forward + head_f
+    t_b = (n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
+           + head_b)
     t_w = n * layer.weight_grad + head.weight_grad
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
     t_comm = _comm(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
 
     exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
+    if head_f + head_b:
+        exposed["all_reduce/tp"] = exposed.get("all_reduce/tp", 0.0) + lay.m * (head_f + head_b)
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
                               train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
-    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w))
+    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
     optimizer_s = _optimizer_time(cfg, parallel, hw)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
@@ -222,14 +244,14 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     return out
 
 
-def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw) -> dict:
+def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
     """Exposed seconds of each data-parallel collective (see the module docstring)."""
     out = {}
     for name, role, t, calls in traffic:
         if role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
-            exposed = t / (2 * cfg.n_layers) + max(0.0, t - lay.m * (t_f + t_bw))
+            exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
-            exposed = t / calls + max(0.0, t - t_bw)
+            exposed = t / calls + _behind(hw, t, t_bw)
         else:
             exposed = t
         out[name] = out.get(name, 0.0) + exposed
@@ -241,11 +263,26 @@ def _states(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     return model_state_bytes(cfg.num_params(), parallel, experts)
 
 
+def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig) -> int:
+    """Parameter tensors the optimizer of the busiest rank steps: one flat shard per wrapped unit (a block, the
+    embedding, the head) under ZeRO and flat FSDP, else one per parameter (per block: two norms, four
+    attention projections and the MLP's matrices; the embedding, the final norm and the output layer)."""
+    layers = math.ceil(cfg.n_layers / parallel.dims.pp)
+    if parallel.zero or (parallel.fsdp and parallel.fsdp_style == "flat"):
+        return layers + 2
+    per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
+    return per_block * layers + 3
+
+
 def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
     """Adam over this rank's optimizer shard: fp32 master, gradient, two moments read and written (~36 bytes
-    per parameter), memory-bound."""
+    per parameter), memory-bound at the optimizer's measured rate (``hw.optimizer_bytes_per_s``), plus the host
+    time per parameter tensor of a per-tensor step (``hw.optimizer_tensor_us``; 0 for fused ones)."""
     states = _states(cfg, parallel)
-    return states["optimizer"] / 8 * 36 / hw.memory_bytes_per_s if states["optimizer"] else 0.0
+    if not states["optimizer"]:
+        return 0.0
+    return (states["optimizer"] / 8 * 36 / hw.optimizer_bytes_per_s
+            + _optimizer_tensors(cfg, parallel) * hw.optimizer_tensor_us * 1e-6)
 
 
 def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,
