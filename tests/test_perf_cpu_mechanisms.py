@@ -11,7 +11,7 @@ from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import LayerShape, _attention_core, _eager_elementwise_bytes, layer_times
 from parallelisms.perf.hardware import PRESETS, load_hardware
-from parallelisms.perf.step import predict_step
+from parallelisms.perf.step import _comm, _layer_comm, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
@@ -45,11 +45,17 @@ def test_cpu_elementwise_counts_the_eager_operators():
 
 
 def test_optimizer_time_follows_its_rate_and_tensor_count():
+    """The optimizer's time is its bytes at the measured rate plus its tensors at the measured time each:
+    doubling the time per tensor adds the tensor part once, halving the rate adds the byte part once."""
     dims = ParallelDims(dp_replicate=2)
-    base = _step(CPU, dims)["time_breakdown"]["optimizer"]
-    slower = _step(dataclasses.replace(CPU, optimizer_tbps=CPU.optimizer_tbps / 2), dims)["time_breakdown"]["optimizer"]
-    per_tensor = _step(dataclasses.replace(CPU, optimizer_tensor_us=2 * CPU.optimizer_tensor_us), dims)
-    assert slower > base and per_tensor["time_breakdown"]["optimizer"] > base
+
+    def optimizer(hw):
+        return _step(hw, dims)["time_breakdown"]["optimizer"]
+    base = optimizer(CPU)
+    tensors = optimizer(dataclasses.replace(CPU, optimizer_tensor_us=2 * CPU.optimizer_tensor_us)) - base
+    assert 0 < tensors < base
+    assert optimizer(dataclasses.replace(CPU, optimizer_tbps=CPU.optimizer_tbps / 2)) == pytest.approx(
+        base + (base - tensors))
 
 
 def test_overlapped_collectives_cost_their_cpu_share():
@@ -70,9 +76,18 @@ def test_shared_cores_divide_rates_and_multiply_host_time():
 
 
 def test_sequence_parallel_prices_the_norm_weight_all_reduces():
-    dims = ParallelDims(tp=2)
-    quiet = dataclasses.replace(CPU, collectives={**CPU.collectives, "all_reduce": {"alpha_us": 0.0, "gbps": 1e9}})
-    assert _step(CPU, dims, sequence_parallel=True)["step_s"] > _step(quiet, dims, sequence_parallel=True)["step_s"]
+    """Under SP a layer's backward holds its two norm weights' gradient all-reduces over tp: making all-reduces
+    free takes exactly their time off (the layer's other tp collectives are all-gathers and reduce-scatters)."""
+    parallel = ParallelConfig(ParallelDims(tp=2), sequence_parallel=True)
+    shape = LayerShape(SMALL, 8, 128, tp=2, sp=True)
+    times = layer_times(CPU, shape)
+    free = dataclasses.replace(CPU, collectives={**CPU.collectives, "all_reduce": {"alpha_us": 0.0, "gbps": 1e12}})
+    name = "all_gather+reduce_scatter/tp"
+    priced = _layer_comm(SMALL, parallel, CPU, shape, times)[name]
+    unpriced = _layer_comm(SMALL, parallel, free, shape, times)[name]
+    norms = 2 * _comm(CPU, parallel, "all_reduce", "tp", SMALL.dim * CPU.bytes_per_element)
+    assert norms > 0 and priced[0] == unpriced[0]
+    assert priced[1] - unpriced[1] == pytest.approx(norms, rel=1e-6)
 
 
 @pytest.mark.parametrize("key,value", [("attention_fraction", 1.5), ("comm_cpu_fraction", 2), ("optimizer_tbps", -1),

@@ -146,7 +146,8 @@ def _eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
     residual = cfg.dim / (t if shape.sp else 1)
     q, kv = cfg.n_heads * cfg.head_dim / t, cfg.n_kv_heads * cfg.head_dim / t
     width = cfg.ffn_dim * cfg.top_k if cfg.n_experts else cfg.ffn_dim / t
-    per_token = 20 * residual + 11 * q + 9 * kv + (2 * (q + kv) if kv < q else 0) + (5 if cfg.mlp == "swiglu" else 2) * width
+    repeated = 2 * (q + kv) if kv < q else 0
+    per_token = 20 * residual + 11 * q + 9 * kv + repeated + (5 if cfg.mlp == "swiglu" else 2) * width
     return shape.tokens * per_token * e
 
 

@@ -16,8 +16,9 @@ kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention 
 fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
 for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
 spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NCCL, whose copies run on the
-GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too), ``collectives``: {kind: {"alpha_us", "gbps"}} measured per collective kind, and
-``measurements`` (what ``calibrate`` measured; not read).
+GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too), ``collectives``:
+{kind: {"alpha_us", "gbps"}} measured per collective kind, and ``measurements`` (what ``calibrate`` measured;
+not read).
 """
 
 from __future__ import annotations
@@ -155,12 +156,13 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "optimizer_tbps",
-                           "optimizer_tensor_us", "comm_cpu_fraction")
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores",
+                           "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
     shares = ("gemm_fraction", "hbm_fraction", "link_fraction", "attention_fraction", "comm_cpu_fraction")
-    require(all(raw.get(k, 1) <= 1 for k in shares), f"{flag} {spec!r}: {', '.join(shares)} are shares of peak, at most 1")
+    require(all(raw.get(k, 1) <= 1 for k in shares),
+            f"{flag} {spec!r}: {', '.join(shares)} are shares of peak, at most 1")
     ints = {k: int(raw[k]) for k in ("gpus_per_node", "sms", "tile", "bytes_per_element", "cores") if k in raw}
     require(ints.get("gpus_per_node", 1) >= 1, f"{flag} {spec!r}: gpus_per_node must be at least 1")
     return Hardware(**{**raw, **ints})

@@ -116,7 +116,8 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
             # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
             # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
-            out["all_to_all/ep"] = (_behind(hw, a2a, times.input_grad + times.weight_grad), _behind(hw, a2a, times.forward))
+            out["all_to_all/ep"] = (_behind(hw, a2a, times.input_grad + times.weight_grad),
+                                    _behind(hw, a2a, times.forward))
         else:
             out["all_to_all/ep"] = (a2a, a2a)
     return out
@@ -128,9 +129,10 @@ def _head_comm(cfg, parallel, hw, shape: LayerShape) -> tuple[float, float]:
     parallelism, the final norm weight's gradient all-reduce."""
     if parallel.dims.tp == 1:
         return 0.0, 0.0
-    forward = _comm(hw, parallel, "all_reduce", "tp", 4 * shape.tokens) + _comm(hw, parallel, "all_reduce", "tp", 8 * shape.tokens)
-    backward = _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element) if parallel.sequence_parallel else 0.0
-    return forward, backward
+    forward = sum(_comm(hw, parallel, "all_reduce", "tp", nbytes) for nbytes in (4 * shape.tokens, 8 * shape.tokens))
+    if not parallel.sequence_parallel:
+        return forward, 0.0
+    return forward, _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element)
 
 
 def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float, t_comm: float,

@@ -250,16 +250,16 @@ def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float =
     def mean(kind: str, stages=range(schedule.num_stages)) -> float:
         samples = [ns for s in stages for ns in by_kind.get((kind, s), [])]
         return statistics.fmean(samples) / 1e9 if samples else 0.0
-    split = any(kind == "I" for kind, _ in by_kind)
-    backward = "I" if split else "B"
-    per_stage = tuple((mean("F", [s]), mean(backward, [s]), mean("W", [s]) if split else 0.0)
-                      for s in range(schedule.num_stages))
-    chunks = schedule.chunks  # one rank's share: a stage's mean times its chunks
-    times = Times(mean("F") * chunks, mean(backward) * chunks, mean("W") * chunks if split else 0.0, 0.0, per_stage)
+    backward = "I" if any(kind == "I" for kind, _ in by_kind) else "B"
+    per_stage = tuple((mean("F", [s]), mean(backward, [s]), mean("W", [s])) for s in range(schedule.num_stages))
+    chunks = schedule.chunks  # one rank's share: a stage's mean times its chunks (no W records: t_w 0)
+    times = Times(mean("F") * chunks, mean(backward) * chunks, mean("W") * chunks, 0.0, per_stage)
     sim = simulate(schedule, times)
     with_comm = simulate(schedule, dataclasses.replace(times, t_comm=t_comm))
-    latency, host = run_latencies(schedule, ranks) if one_clock else (None, None)
-    in_run = simulate(schedule, dataclasses.replace(times, t_comm=latency, t_host=host)) if one_clock else None
+    latency = host = in_run = None
+    if one_clock:
+        latency, host = run_latencies(schedule, ranks)
+        in_run = simulate(schedule, dataclasses.replace(times, t_comm=latency, t_host=host))
     return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
             "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
             "simulated_bubble_rate_with_comm": with_comm.bubble_rate,

@@ -8,9 +8,9 @@ DualPipeV: 2) spends ``t / chunks`` on each action.  A full backward costs ``t_b
 
 Every action starts when its rank is free (``t_host`` after its previous action) and every input it
 needs is ready; an input computed on another rank is ready ``t_comm`` after it was computed.  Sends
-never block, receives wait for the data, optimizer steps take no time.  A DualPipe F&B chunk (``overlap``) starts when the inputs of
-both its forward and its backward are ready and lasts their sum (no overlap speed-up is assumed,
-so "F&B" = F + B in the DeepSeek-V3 formula).  Results:
+never block, receives wait for the data, optimizer steps take no time.  A DualPipe F&B chunk
+(``overlap``) starts when the inputs of both its forward and its backward are ready and lasts their
+sum (no overlap speed-up is assumed, so "F&B" = F + B in the DeepSeek-V3 formula).  Results:
 
 * ``timeline[r]``: (action, start, end) per compute action of rank ``r``;
 * ``makespan``: the end of the last action;
@@ -46,7 +46,7 @@ class Times:
     t_host: float = 0.0
 
     def of(self, kind: Kind, chunks: int, stage: int = 0) -> float:
-        t_f, t_b, t_w = self.stages[stage] if self.stages else (self.t_f / chunks, self.t_b / chunks, self.t_w / chunks)
+        t_f, t_b, t_w = self.stages[stage] if self.stages else (t / chunks for t in (self.t_f, self.t_b, self.t_w))
         return {Kind.FORWARD: t_f, Kind.BACKWARD: t_b + t_w, Kind.BACKWARD_INPUT: t_b,
                 Kind.BACKWARD_WEIGHT: t_w}.get(kind, 0.0)
 
