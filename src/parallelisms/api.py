@@ -117,6 +117,10 @@ def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str =
         dist.init_process_group(placement.backend, timeout=timedelta(seconds=train.timeout_s),
                                 device_id=target if target.type == "cuda" else None)
     rank = dist.get_rank() if world > 1 else 0
+    if world > 1:
+        from parallelisms.comm.liveness import publish_host
+
+        publish_host(rank)  # peers on this host then exchange point-to-point messages through shared memory
     meshes = dims.build_meshes(placement.device) if world > 1 else {}
     return apply_layout(model.to(target), layout, train, Comms(meshes, CommLedger(), Timeline(rank, enabled=False)))
 

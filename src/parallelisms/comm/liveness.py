@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 
 import torch.distributed as dist
 
 KEY = "parallelisms/heartbeat/{}"
+HOST_KEY = "parallelisms/host/{}"
 LATE = re.compile(r"\b(ranks? \d+(?:, \d+)*) did not arrive\b")  # how an error names the ranks that did not arrive
 
 
@@ -37,6 +39,22 @@ def late_ranks(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def publish_host(rank: int, store=None) -> None:
+    """Write this rank's host name to the store (once, at start): which peers share a host, without a collective."""
+    store = store if store is not None else default_store()
+    if store is not None:
+        store.set(HOST_KEY.format(rank), socket.gethostname())
+
+
+def peer_host(rank: int, store) -> str | None:
+    """The host ``rank`` published, or None (not published, or no store)."""
+    key = HOST_KEY.format(rank)
+    try:
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except RuntimeError:
+        return None
+
+
 class Heartbeat:
     """While entered, a daemon thread writes this rank's wall-clock time to the store every ``interval_s``."""
 
@@ -49,6 +67,7 @@ class Heartbeat:
 
     def __enter__(self) -> "Heartbeat":
         if self.store is not None:
+            publish_host(self.rank, self.store)
             self.thread.start()
         return self
 

@@ -96,6 +96,7 @@ class Comm:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self._shm = None  # the shared-memory all-reduce: None until decided, False when not available
+        self._p2p = None  # the shared-memory point-to-point transport, likewise
         self.timeout_s = group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
 
     def __deepcopy__(self, memo) -> "Comm":
@@ -281,9 +282,7 @@ class Comm:
 
     def send_recv(self, sends: list[tuple[torch.Tensor, int]] = (), recvs: list[tuple[torch.Tensor, int]] = ()) -> Pending:
         """Batched point-to-point: each (tensor, group peer) send and receive issued together; wait the result."""
-        ops = [dist.P2POp(dist.isend, t, self.global_rank(p), self.group) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.global_rank(p), self.group) for t, p in recvs]
-        if not ops:
+        if not sends and not recvs:
             return _Done(None)
         for kind, items in (("send", sends), ("recv", recvs)):
             for t, _ in items:
@@ -292,13 +291,40 @@ class Comm:
         label = f"p2p {len(sends)} send {len(recvs)} recv"
         start = self.timeline.now() if self.timeline.enabled else 0
         try:
-            works = dist.batch_isend_irecv(ops)
+            works = self._point_to_point(sends, recvs)
         except RuntimeError as exc:
             raise self.error(label, exc) from exc
         timeline = self.timeline
         observed = timeline.enabled and _on_completion(
             works[-1], lambda: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
         return Pending(self, works, None, label, start if timeline.enabled and not observed else None)
+
+
+    def _point_to_point(self, sends, recvs) -> list:
+        """Issue the sends and receives: through shared memory where every peer shares this host and the tensors
+        are on the CPU (:mod:`parallelisms.comm.shm_p2p`), else as one gloo/NCCL batch."""
+        peers = [self.global_rank(p) for _, p in (*sends, *recvs)]
+        transport = self._shared_memory_p2p()
+        if transport and all(t.device.type == "cpu" for t, _ in (*sends, *recvs)) and all(map(transport.carries, peers)):
+            return ([transport.send(t.contiguous(), peer) for (t, _), peer in zip(sends, peers)]
+                    + [transport.recv(t, peer) for (t, _), peer in zip(recvs, peers[len(sends):])])
+        ops = [dist.P2POp(dist.isend, t, peer, self.group) for (t, _), peer in zip(sends, peers)]
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group) for (t, _), peer in zip(recvs, peers[len(sends):])]
+        return dist.batch_isend_irecv(ops)
+
+    def _shared_memory_p2p(self):
+        """This Comm's shared-memory point-to-point transport, or False (not x86, no /dev/shm, no store, or
+        PARALLELISMS_SHM=0); made on first use, without a collective."""
+        if self._p2p is None:
+            from parallelisms.comm.liveness import default_store
+            from parallelisms.comm.shm import shm_machine
+
+            store = default_store()
+            self._p2p = False
+            if shm_machine() and store is not None:
+                from parallelisms.comm.shm_p2p import SharedMemoryP2P
+                self._p2p = SharedMemoryP2P(self.name, dist.get_rank(), store, self.timeout_s)
+        return self._p2p
 
 
 class _Done:

@@ -33,13 +33,19 @@ from parallelisms.comm.liveness import late_ranks
 FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
 
 
+def shm_machine() -> bool:
+    """True where this process may move data through shared memory: x86 (the flags' store order), /dev/shm,
+    and not turned off (``PARALLELISMS_SHM=0``)."""
+    return (platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+            and os.environ.get("PARALLELISMS_SHM", "1") != "0")
+
+
 def shm_supported(group) -> bool:
-    """True when shared memory can carry this group's all-reduces: x86, /dev/shm, every rank on this host
-    (a collective over ``group``)."""
+    """True when shared memory can carry this group's all-reduces: :func:`shm_machine` and every rank on this
+    host (a collective over ``group``)."""
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return (platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
-            and len(set(hosts)) == 1 and os.environ.get("PARALLELISMS_SHM", "1") != "0")
+    return shm_machine() and len(set(hosts)) == 1
 
 
 class ShmTimeout(RuntimeError):
