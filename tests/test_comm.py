@@ -1,10 +1,14 @@
 """The comm layer: results, ledger bytes (ring formulas), autograd conjugate pairs, timeline arithmetic."""
 
+import os
+
 import pytest
 import torch
 
 from parallelisms.comm import (CommLedger, Comms, Timeline, all_to_all, copy_to_group, gather_along,
                                reduce_from_group, reduce_scatter_along, ring_bytes_per_rank, split_along)
+from parallelisms.comm.ops import Comm
+from parallelisms.comm.shm import shm_machine
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 
@@ -49,15 +53,22 @@ def _collectives(info):
     from torch.profiler import ProfilerActivity, profile
 
     from parallelisms.benches.zero import _allocations as allocations
-    full, shard, gathered = torch.arange(4.0 * n) * (r + 1), torch.empty(4), torch.empty(4 * n)
-    kept, mine = full.clone(), torch.full((4,), float(r))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        c.all_gather(mine, out=gathered, async_op=True).wait()
-        c.reduce_scatter(full, out=shard)
-        out["rs_input_kept"] = torch.equal(full, kept)
-        c.reduce_scatter(full, out=shard, async_op=True, scratch=True).wait()
-    out["allocated_bytes"] = sum(size for _, size, _ in allocations(prof)[0] if size > 0)
-    out["into_buffers"] = (gathered.tolist(), shard.tolist())
+    os.environ["PARALLELISMS_SHM"] = "0"
+    on_gloo = Comm("gloo", c.group)  # blocking calls too: no shared memory
+    on_gloo.all_reduce(torch.ones(1))
+    os.environ["PARALLELISMS_SHM"] = "1"
+    for comm in (c, on_gloo):
+        full, shard, gathered = torch.arange(4.0 * n) * (r + 1), torch.empty(4), torch.empty(4 * n)
+        kept, mine = full.clone(), torch.full((4,), float(r))
+        comm.reduce_scatter(full, out=shard)  # a shared-memory mapping grows to the size once
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            comm.all_gather(mine, out=gathered, async_op=True).wait()
+            comm.reduce_scatter(full, out=shard)
+            out["rs_input_kept"] = torch.equal(full, kept)
+            comm.reduce_scatter(full, out=shard, async_op=True, scratch=True).wait()
+        out[f"allocated_bytes_{comm.name}"] = sum(size for _, size, _ in allocations(prof)[0] if size > 0)
+        out[f"into_buffers_{comm.name}"] = (gathered.tolist(), shard.tolist())
+        out[f"shared_memory_{comm.name}"] = comm._shm_now is not None
 
     # autograd pairs: each backward is the conjugate collective
     x = torch.full((2, 4), float(r + 1), requires_grad=True)
@@ -104,16 +115,20 @@ def test_collective_results(four_ranks):
         assert out["async"] == [4.0] * 4
         assert out["p2p"] == [float((r - 1) % n)] * 2
         total = sum(range(1, n + 1))
-        assert out["into_buffers"] == ([float(j) for j in range(n) for _ in range(4)],
-                                       [total * (4.0 * r + k) for k in range(4)])
+        for name in ("dp_shard", "gloo"):
+            assert out[f"into_buffers_{name}"] == ([float(j) for j in range(n) for _ in range(4)],
+                                                   [total * (4.0 * r + k) for k in range(4)])
         assert out["rs_input_kept"]
 
 
 def test_gloo_all_gather_and_reduce_scatter_allocate_no_temporaries(four_ranks):
     """gloo's own emulations allocate full-size temporaries; the comm layer's broadcasts and in-place
-    all-reduce do not (the one non-scratch reduce-scatter clones its 64-byte input: that is all)."""
+    all-reduce do not (the one non-scratch reduce-scatter clones its 64-byte input: that is all), nor do the
+    blocking calls through shared memory once its mapping has grown."""
     for out in four_ranks:
-        assert out["allocated_bytes"] <= 16 * 4, out["allocated_bytes"]
+        assert out["shared_memory_dp_shard"] == shm_machine() and not out["shared_memory_gloo"]
+        assert out["allocated_bytes_gloo"] <= 16 * 4, out["allocated_bytes_gloo"]
+        assert out["allocated_bytes_dp_shard"] <= 16 * 4, out["allocated_bytes_dp_shard"]
 
 
 def test_autograd_conjugates(four_ranks):

@@ -25,7 +25,7 @@ TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=32)
 
 
 def _ranks(info):
-    from parallelisms.comm.shm import SharedMemoryAllReduce
+    from parallelisms.comm.shm import SharedMemoryCollectives
 
     comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
     comm, r = comms["dp"], info.rank
@@ -54,7 +54,7 @@ def _ranks(info):
     out["ddp"] = train_rank(info, RunSpec(MODEL, TRAIN, ParallelConfig(ParallelDims(dp_replicate=info.world_size)),
                                           collect_state=True))
     # rank 1 never arrives: the others fail within the timeout, naming it
-    lonely = SharedMemoryAllReduce(comm.group, comm.rank, comm.size, timeout_s=1.0)
+    lonely = SharedMemoryCollectives(comm.group, comm.rank, comm.size, timeout_s=1.0)
     out["fits_a_petabyte"] = lonely.fits(1 << 50)  # /dev/shm has no room: gloo carries it instead
     assert lonely.fits(1024)  # mapping the file is collective; the calls after it are not
     if r != 1:

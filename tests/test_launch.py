@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from parallelisms.comm import Comms
+from parallelisms.comm.shm import shm_machine
 from parallelisms.launch import LaunchError, launch
 from parallelisms.mesh import ParallelDims
 
@@ -48,12 +49,22 @@ def test_a_rank_alive_but_not_arriving_is_named_with_where_it_is():
     assert "last collectives:" in message
 
 
-def test_unmatched_collective_without_counts_times_out_with_the_waiting_rank_and_its_history():
+def test_unmatched_collective_without_counts_times_out_with_the_waiting_rank_and_its_history(monkeypatch):
+    """On gloo nothing says who is missing: the waiting rank names itself. Through shared memory (a blocking
+    all-reduce between ranks of one host) the flags name the rank that did not arrive."""
+    monkeypatch.setenv("PARALLELISMS_SHM", "0")
     with pytest.raises(LaunchError) as info:
         launch(_rank_one_skips_a_collective, 2, False, threads=1, timeout_s=3)
     message = str(info.value)
     assert message.startswith("rank 0 failed") and "CommError: rank 0: all_reduce" in message
     assert "last collectives:" in message
+    if shm_machine():
+        monkeypatch.setenv("PARALLELISMS_SHM", "1")
+        with pytest.raises(LaunchError) as info:
+            launch(_rank_one_skips_a_collective, 2, False, threads=1, timeout_s=3)
+        message = str(info.value)
+        assert message.startswith("rank 1 failed: did not arrive at all_reduce 1xfloat32 over 'dp' within 3 s "
+                                  "(rank 0 waited; shared memory: rank 1 did not arrive at copy-in"), message
 
 
 def _environment_and_pid(info):

@@ -43,7 +43,9 @@ def _train_layouts(info):
 
 
 class _LargestOutput(TorchDispatchMode):
-    """Largest number of elements of any tensor an operator produces (forward and backward)."""
+    """Largest number of elements of any floating-point tensor an operator allocates (forward and backward;
+    outputs that alias an input, views and detaches, allocate nothing: the shared-memory transport's views of
+    its mapping are not values a rank holds)."""
 
     def __init__(self):
         super().__init__()
@@ -51,8 +53,11 @@ class _LargestOutput(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if (isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.untyped_storage().data_ptr() not in inputs):
                 self.largest = max(self.largest, t.numel())
         return out
 

@@ -31,6 +31,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # CPU sums at least this large may use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
+# blocking CPU collectives whose per-rank slot is at most this large run through shared memory in the caller's thread
+SHM_INLINE_MAX_BYTES = int(os.environ.get("PARALLELISMS_SHM_INLINE_MAX_BYTES", 16 << 20))
 
 
 class CommError(RuntimeError):
@@ -95,7 +97,9 @@ class Comm:
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
-        self._shm = None  # the shared-memory all-reduce: None until decided, False when not available
+        self._one_host = None  # whether shared memory can carry the group's collectives: None until decided
+        self._shm = None       # the queued shared-memory all-reduce (DDP's buckets), made on first use
+        self._shm_now = None   # the shared-memory collectives run in the caller's thread (blocking calls)
         self._p2p = None  # the shared-memory point-to-point transport, likewise
         self.timeout_s = group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
 
@@ -142,8 +146,8 @@ class Comm:
         timeline = self.timeline
         start = timeline.now() if timeline.enabled else 0
         try:
-            works = launch()
-            works = works if isinstance(works, list) else [works]
+            works = launch()  # None: done already (in this thread)
+            works = [] if works is None else works if isinstance(works, list) else [works]
             if not async_op:
                 for work in works:
                     work.wait()
@@ -182,22 +186,45 @@ class Comm:
             return _Done(tensor) if async_op else tensor
 
         def launch():
+            now = self._in_this_thread(tensor, tensor, op) if not async_op else None
+            if now is not None:
+                return now.all_reduce_now(tensor)
             shm = self._shared_memory(tensor, op) if shared_memory else None
             return (shm.all_reduce(tensor) if shm is not None else
                     dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
         return self._run("all_reduce", tensor, tensor.numel(), launch, async_op, tensor)
 
+    def _on_one_host(self) -> bool:
+        """Whether shared memory can carry this group's collectives (decided once, by a collective, at the
+        first call that could use it: every rank reaches the same call)."""
+        if self._one_host is None:
+            from parallelisms.comm.shm import shm_supported
+            self._one_host = shm_supported(self.group)
+        return self._one_host
+
     def _shared_memory(self, tensor: torch.Tensor, op):
-        """The group's shared-memory all-reduce if it should carry this call (decided on the first large CPU
-        sum, a collective every rank reaches at the same call), else None."""
+        """The group's queued shared-memory all-reduce if it should carry this call (a large CPU sum), else
+        None."""
         if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
-                or tensor.numel() * tensor.element_size() < SHM_MIN_BYTES):
+                or tensor.numel() * tensor.element_size() < SHM_MIN_BYTES or not self._on_one_host()):
             return None
         if self._shm is None:
-            from parallelisms.comm.shm import SharedMemoryAllReduce, shm_supported
-            self._shm = (SharedMemoryAllReduce(self.group, self.rank, self.size, self.timeout_s)
-                         if shm_supported(self.group) else False)
-        return self._shm if self._shm and self._shm.fits(tensor.numel() * tensor.element_size()) else None
+            from parallelisms.comm.shm import SharedMemoryCollectives
+            self._shm = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s)
+        return self._shm if self._shm.fits(tensor.numel() * tensor.element_size()) else None
+
+    def _in_this_thread(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
+        """The group's shared-memory collectives run in the caller's thread, for a blocking CPU call whose
+        ``slot`` (what each rank puts in: a sum's tensor, a gather's shard) is at most SHM_INLINE_MAX_BYTES:
+        no hand-off to gloo's threads, which wait for a core when every core computes. None otherwise."""
+        nbytes = slot.numel() * slot.element_size()
+        if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
+                or nbytes > SHM_INLINE_MAX_BYTES or not self._on_one_host()):
+            return None
+        if self._shm_now is None:
+            from parallelisms.comm.shm import SharedMemoryCollectives
+            self._shm_now = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s, inline=True)
+        return self._shm_now if self._shm_now.fits(nbytes) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""
@@ -210,9 +237,13 @@ class Comm:
             return _Done(gathered) if async_op else gathered
         if out is None:
             out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
-        return self._run("all_gather", tensor, out.numel(), lambda: self._launch_gather(out, tensor), async_op, out)
+        return self._run("all_gather", tensor, out.numel(), lambda: self._launch_gather(out, tensor, async_op),
+                         async_op, out)
 
-    def _launch_gather(self, out: torch.Tensor, tensor: torch.Tensor):
+    def _launch_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool):
+        now = self._in_this_thread(out, tensor) if not async_op else None
+        if now is not None:
+            return now.all_gather_now(out, tensor)
         if tensor.device.type != "cpu":
             return _all_gather_single(out, tensor, group=self.group, async_op=True)
         slices = out.view(self.size, -1).unbind(0)
@@ -238,6 +269,10 @@ class Comm:
         if tensor.device.type != "cpu":
             launch = lambda: _reduce_scatter_single(out, tensor, op=op, group=self.group, async_op=True)
             return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
+        now = self._in_this_thread(tensor, tensor, op) if not async_op else None
+        if now is not None:
+            return self._run("reduce_scatter", tensor, tensor.numel(), lambda: now.reduce_scatter_now(out, tensor),
+                             async_op, out)
         summed = tensor if scratch else tensor.clone()
         mine = summed.view(self.size, -1)[self.rank]
         return self._run("reduce_scatter", tensor, tensor.numel(),

@@ -1,15 +1,17 @@
-"""All-reduce through shared memory for the ranks of one group that share a host (CPU tensors).
+"""Collectives through shared memory for the ranks of one group that share a host (CPU tensors).
 
 gloo moves an all-reduce through the kernel's loopback TCP: for 11 MB over 2 ranks 13 ms of wall time, 9.2 ms
 of it CPU per rank (7.6 ms in the kernel), which on a small machine is taken from compute. Here the ranks
 map one shared file (``/dev/shm``) holding a slot per rank, as intra-node transports do (NCCL's SHM, oneCCL,
-DeepSpeed's CPU all-reduce): each rank copies its tensor into its slot, sums its 1/N chunk over all slots
-(a reduce-scatter in memory, ranks added in rank order), and copies every rank's reduced chunk back (the
-all-gather). Two phases, each closed by a flag barrier in the same file; slots alternate between two sets so
-that a call never overwrites what a slower rank still reads from the previous one. Every rank holds the same
-bits afterwards.
+DeepSpeed's CPU all-reduce): for an all-reduce each rank copies its tensor into its slot, sums its 1/N chunk
+over all slots (a reduce-scatter in memory, ranks added in rank order), and copies every rank's reduced chunk
+back (the all-gather); an all-gather or a reduce-scatter is the first half of that. Each phase is closed by a
+flag barrier in the same file; slots alternate between two sets so that a call never overwrites what a slower
+rank still reads from the previous one. Every rank holds the same bits afterwards.
 
-A background thread runs the calls in issue order, so ``all_reduce`` is asynchronous like gloo's; a rank that
+Two ways to call it, one per instance: queued (``all_reduce``: a background thread runs the calls in issue
+order, asynchronous like gloo's; DDP's buckets), or in the caller's thread (``*_now``: blocking calls such as
+tensor parallelism's, where a hand-off to another thread would cost what the transport saves). A rank that
 waits longer than ``timeout_s`` (the group's timeout, the run's ``--timeout``) for its peers fails the call with
 :class:`ShmTimeout`, naming the phase and the (global) ranks whose flags did not arrive. The flags rely on x86's
 store order (data stores become visible before the flag store after them); other machines keep gloo.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from parallelisms.comm.liveness import late_ranks
 
 FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
+SPIN_S = 0.01    # a waiting rank yields the core between polls this long, then sleeps between them
 
 
 def shm_machine() -> bool:
@@ -72,22 +75,25 @@ class ShmWork:
         raise RuntimeError("completion is not observable")  # the timeline closes the span at the wait
 
 
-class SharedMemoryAllReduce:
-    """Sum-all-reduces over ``group`` (rank ``rank`` of ``size``) through one shared file per capacity."""
+class SharedMemoryCollectives:
+    """Sums and gathers over ``group`` (rank ``rank`` of ``size``) through one shared file per capacity."""
 
-    def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0):
+    def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False):
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
+        self.spin_s = SPIN_S if inline else 0.0  # a queued call's wait sleeps: the caller's thread computes
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         self.prefix = f"/dev/shm/parallelisms-{token[0]}"
-        self.capacity, self.generation, self.calls = 0, 0, 0
+        self.capacity, self.generation, self.calls, self.arrivals = 0, 0, 0, 0
         self.too_large = float("inf")  # the smallest size found not to fit in /dev/shm
         self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._serve, daemon=True).start()
+        if not inline:
+            threading.Thread(target=self._serve, daemon=True).start()
 
     # -- the caller's side (main thread, same order on every rank) ---------------------------------------------
     def fits(self, nbytes: int) -> bool:
-        """Whether a sum of ``nbytes`` can go through shared memory, growing the mapping if /dev/shm has room
+        """Whether a slot of ``nbytes`` (a sum's whole tensor, a gather's shard) can go through shared memory, growing the mapping if /dev/shm has room
         on every rank (a collective when it must grow; a container's small /dev/shm keeps gloo instead)."""
         if nbytes <= self.capacity:
             return True
@@ -113,11 +119,40 @@ class SharedMemoryAllReduce:
         self.calls += 1
         return work
 
+    # -- in the caller's thread (blocking; an instance used so is never queued to) ------------------------------
+    def all_reduce_now(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (contiguous, CPU) over the group in place."""
+        self._run(tensor, self._next_call())
+
+    def all_gather_now(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """Every rank's ``shard`` into its 1/N of ``out`` (contiguous, CPU), in rank order."""
+        slots = self._slots(self._next_call(), shard)
+        slots[self.rank].copy_(shard.view(-1))
+        self._arrive("copy-in")
+        out.view(self.size, -1).copy_(slots)
+
+    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """This rank's 1/N of the sum of ``tensor`` over the group into ``out``, ranks added in rank order."""
+        slots = self._slots(self._next_call(), tensor)
+        slots[self.rank].copy_(tensor.view(-1))
+        self._arrive("copy-in")
+        chunk = out.numel()
+        torch.sum(slots[:, self.rank * chunk:(self.rank + 1) * chunk], dim=0, out=out.view(-1))
+
+    def _next_call(self) -> int:
+        self.calls += 1
+        return self.calls - 1
+
+    def _slots(self, call: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The slot set of ``call`` as ``[size, numel]`` of ``tensor``'s dtype."""
+        return self.slots[call % 2, :, :tensor.numel() * tensor.element_size()].view(tensor.dtype)
+
     def _grow(self, capacity: int) -> None:
         """Map a larger file (every rank, once the queued calls have run): two sets of N slots and the flags."""
-        drained = ShmWork()
-        self.jobs.put((None, None, drained))
-        drained.wait()
+        if not self.inline:
+            drained = ShmWork()
+            self.jobs.put((None, None, drained))
+            drained.wait()
         path = f"{self.prefix}-{self.generation}"
         total = self._bytes(capacity)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -130,9 +165,10 @@ class SharedMemoryAllReduce:
         dist.barrier(group=self.group)
         if self.rank == 0:
             os.unlink(path)  # the mappings keep the memory; nothing is left behind
-        self.flags = memory[:64 * self.size].view(torch.int64)[::FLAG_STRIDE]
+        # a numpy view: reading and writing the flags allocates nothing (polls run often)
+        self.flags = memory[:64 * self.size].view(torch.int64)[::FLAG_STRIDE].numpy()
         self.slots = memory[64 * self.size:].view(2, self.size, capacity)
-        self.capacity, self.generation, self.calls = capacity, self.generation + 1, 0
+        self.capacity, self.generation, self.calls, self.arrivals = capacity, self.generation + 1, 0, 0
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -149,26 +185,34 @@ class SharedMemoryAllReduce:
 
     def _run(self, tensor: torch.Tensor, call: int) -> None:
         flat, n, size = tensor.view(-1), tensor.numel(), self.size
-        slots = self.slots[call % 2, :, :n * tensor.element_size()].view(tensor.dtype)  # [size, n]
+        slots = self._slots(call, tensor)
         bounds = [c * n // size for c in range(size + 1)]
         slots[self.rank].copy_(flat)
-        self._arrive(2 * call + 1, "copy-in")
+        self._arrive("copy-in")
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         torch.sum(slots[:, lo:hi], dim=0, out=flat[lo:hi])
         slots[self.rank, lo:hi].copy_(flat[lo:hi])
-        self._arrive(2 * call + 2, "reduce")
+        self._arrive("reduce")
         for c in range(size):
             if c != self.rank:
                 flat[bounds[c]:bounds[c + 1]].copy_(slots[c, bounds[c]:bounds[c + 1]])
 
-    def _arrive(self, value: int, phase: str) -> None:
-        """Publish this rank's progress and wait until every rank has reached ``value``."""
+    def _arrive(self, phase: str) -> None:
+        """Publish this rank's progress and wait until every rank has arrived as often (the same calls, in
+        order, on every rank)."""
+        self.arrivals += 1
+        value = self.arrivals
         self.flags[self.rank] = value
-        deadline, pause = time.monotonic() + self.timeout_s, 0.0
+        start = time.monotonic()
+        deadline, pause = start + self.timeout_s, 0.0
         while int(self.flags.min()) < value:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 late = [dist.get_global_rank(self.group, r) for r in range(self.size) if int(self.flags[r]) < value]
-                raise ShmTimeout(f"shared-memory all-reduce: {late_ranks(late)} did not arrive at {phase} "
+                raise ShmTimeout(f"shared memory: {late_ranks(late)} did not arrive at {phase} "
                                  f"within {self.timeout_s:g} s", late)
-            time.sleep(pause)
-            pause = min(1e-4, pause + 1e-6)
+            if now - start < self.spin_s:
+                os.sched_yield()  # the caller waits anyway; other runnable processes go first
+            else:
+                time.sleep(pause)
+                pause = min(1e-4, pause + 1e-6)

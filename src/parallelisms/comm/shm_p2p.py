@@ -26,12 +26,11 @@ import uuid
 import torch
 
 from parallelisms.comm.liveness import late_ranks, peer_host
-from parallelisms.comm.shm import FLAG_STRIDE, ShmTimeout
+from parallelisms.comm.shm import FLAG_STRIDE, SPIN_S, ShmTimeout
 
 HEADER = 16                    # bytes framing each message: its size and its sequence number on the pair
 MIN_CAPACITY = 1 << 20         # a ring holds at least 1 MiB, or this many of the pair's first message:
 MESSAGES_PER_RING = 4
-SPIN_S = 0.01                 # a wait yields the core between polls this long, then sleeps between them
 HEAD, TAIL, SENDER_PID, RECEIVER_PID = (i * FLAG_STRIDE for i in range(4))  # one cache line each
 
 
@@ -66,7 +65,7 @@ class _Ring:
         finally:
             os.close(fd)
         memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.counters = memory[:4 * 64].view(torch.int64)
+        self.counters = memory[:4 * 64].view(torch.int64).numpy()  # polled: numpy reads allocate nothing
         self.data, self.capacity = memory[4 * 64:], capacity
         self.counters[SENDER_PID if sending else RECEIVER_PID] = os.getpid()
         self.path = None      # set while the file may still need unlinking by this rank
