@@ -44,6 +44,24 @@ def _ranks(info):
     dist.all_gather(everyone, sums)
     out["same_bits"] = all(torch.equal(everyone[0], s) for s in everyone)
     out["ledger"] = [(rec.kind, rec.bytes_per_rank) for rec in comms.ledger.records if rec.kind == "all_reduce"]
+    # blocking calls run in this thread, in pieces of at most PARALLELISMS_SHM_CHUNK_BYTES (1,000 here) per slot
+    n, gen = info.world_size, torch.Generator().manual_seed(r)
+    for numel in (1, 999, 4 * 1001):
+        x = torch.randn(numel * n, generator=gen, dtype=torch.float64)
+        total = x.clone()
+        dist.all_reduce(total)
+        summed, shard, gathered = x.clone(), torch.empty(numel, dtype=torch.float64), torch.empty(numel * n * n,
+                                                                                                   dtype=torch.float64)
+        comm.all_reduce(summed)
+        comm.reduce_scatter(x, out=shard)
+        comm.all_gather(x, out=gathered)
+        everyone = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(everyone, x)
+        out.setdefault("in_thread", []).append(
+            torch.allclose(summed, total, rtol=1e-12) and torch.allclose(shard, total.view(n, -1)[r], rtol=1e-12)
+            and torch.equal(gathered, torch.cat(everyone)))
+    out["in_thread_chunk"] = comm._shm_now.chunk_bytes
+    out["in_thread_mapping"] = comm._shm_now.capacity
     # DDP's buckets opt in: a fresh Comm over the same group carries the first bucket through shared memory
     fresh = Comms(comms.meshes)
     model = build_model(MODEL)
@@ -69,20 +87,28 @@ def _ranks(info):
 
 @pytest.fixture(scope="module")
 def reports():
-    previous = os.environ.get("PARALLELISMS_SHM_MIN_BYTES")
-    os.environ["PARALLELISMS_SHM_MIN_BYTES"] = "256"
+    settings = {"PARALLELISMS_SHM_MIN_BYTES": "256", "PARALLELISMS_SHM_CHUNK_BYTES": "1000"}
+    previous = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         return launch(_ranks, 4, threads=1)
     finally:
-        if previous is None:
-            del os.environ["PARALLELISMS_SHM_MIN_BYTES"]
-        else:
-            os.environ["PARALLELISMS_SHM_MIN_BYTES"] = previous
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def test_sums_match_gloo_on_every_rank_bit_for_bit(reports):
     for out in reports:
         assert out["used"] and out["close"] and out["same_bits"]
+
+
+def test_blocking_calls_run_in_this_thread_in_bounded_pieces(reports):
+    for out in reports:
+        assert out["in_thread"] == [True] * 3
+        assert out["in_thread_chunk"] == 1000 and out["in_thread_mapping"] <= 1024  # slots never outgrow a piece
 
 
 def test_ledger_counts_the_logical_all_reduce(reports):

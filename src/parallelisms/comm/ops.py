@@ -31,8 +31,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # CPU sums at least this large may use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
-# blocking CPU collectives whose per-rank slot is at most this large run through shared memory in the caller's thread
-SHM_INLINE_MAX_BYTES = int(os.environ.get("PARALLELISMS_SHM_INLINE_MAX_BYTES", 16 << 20))
+# blocking CPU collectives run through shared memory in the caller's thread, at most this many bytes per rank at a time
+SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 20))
 
 
 class CommError(RuntimeError):
@@ -214,17 +214,18 @@ class Comm:
         return self._shm if self._shm.fits(tensor.numel() * tensor.element_size()) else None
 
     def _in_this_thread(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
-        """The group's shared-memory collectives run in the caller's thread, for a blocking CPU call whose
-        ``slot`` (what each rank puts in: a sum's tensor, a gather's shard) is at most SHM_INLINE_MAX_BYTES:
-        no hand-off to gloo's threads, which wait for a core when every core computes. None otherwise."""
-        nbytes = slot.numel() * slot.element_size()
+        """The group's shared-memory collectives run in the caller's thread, for a blocking CPU sum or gather
+        (``slot``: what each rank puts in, moved SHM_CHUNK_BYTES at a time): no hand-off to gloo's threads,
+        which wait for a core when every core computes. None otherwise (``PARALLELISMS_SHM_CHUNK_BYTES=0``:
+        never)."""
         if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
-                or nbytes > SHM_INLINE_MAX_BYTES or not self._on_one_host()):
+                or SHM_CHUNK_BYTES <= 0 or not self._on_one_host()):
             return None
         if self._shm_now is None:
             from parallelisms.comm.shm import SharedMemoryCollectives
-            self._shm_now = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s, inline=True)
-        return self._shm_now if self._shm_now.fits(nbytes) else None
+            self._shm_now = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s, inline=True,
+                                                    chunk_bytes=SHM_CHUNK_BYTES)
+        return self._shm_now if self._shm_now.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""

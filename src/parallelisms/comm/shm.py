@@ -78,8 +78,10 @@ class ShmWork:
 class SharedMemoryCollectives:
     """Sums and gathers over ``group`` (rank ``rank`` of ``size``) through one shared file per capacity."""
 
-    def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False):
+    def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False,
+                 chunk_bytes: int = 1 << 20):
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        self.chunk_bytes = chunk_bytes  # in-thread calls: the most bytes per slot moved at a time
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
         self.spin_s = SPIN_S if inline else 0.0  # a queued call's wait sleeps: the caller's thread computes
         token = [uuid.uuid4().hex if rank == 0 else None]
@@ -120,24 +122,37 @@ class SharedMemoryCollectives:
         return work
 
     # -- in the caller's thread (blocking; an instance used so is never queued to) ------------------------------
+    # Each call moves at most ``chunk_bytes`` per slot at a time (pieces one after the other), so the mapping, held
+    # from the first call on and counted in the rank's memory, stays 2 x N x ``chunk_bytes`` whatever the sizes.
     def all_reduce_now(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous, CPU) over the group in place."""
-        self._run(tensor, self._next_call())
+        for piece in tensor.view(-1).split(self._width(tensor, 1)):
+            self._run(piece, self._next_call())
 
     def all_gather_now(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Every rank's ``shard`` into its 1/N of ``out`` (contiguous, CPU), in rank order."""
-        slots = self._slots(self._next_call(), shard)
-        slots[self.rank].copy_(shard.view(-1))
-        self._arrive("copy-in")
-        out.view(self.size, -1).copy_(slots)
+        flat, rows, width = shard.view(-1), out.view(self.size, -1), self._width(shard, 1)
+        for start in range(0, flat.numel(), width):
+            piece = flat[start:start + width]
+            slots = self._slots(self._next_call(), piece)
+            slots[self.rank].copy_(piece)
+            self._arrive("copy-in")
+            rows[:, start:start + piece.numel()].copy_(slots)
 
     def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """This rank's 1/N of the sum of ``tensor`` over the group into ``out``, ranks added in rank order."""
-        slots = self._slots(self._next_call(), tensor)
-        slots[self.rank].copy_(tensor.view(-1))
-        self._arrive("copy-in")
-        chunk = out.numel()
-        torch.sum(slots[:, self.rank * chunk:(self.rank + 1) * chunk], dim=0, out=out.view(-1))
+        blocks, mine, width = tensor.view(self.size, -1), out.view(-1), self._width(tensor, self.size)
+        for start in range(0, mine.numel(), width):
+            piece = blocks[:, start:start + width]  # every destination's next columns: [size, w]
+            w = piece.shape[1]
+            slots = self._slots(self._next_call(), piece)
+            slots[self.rank].view(self.size, w).copy_(piece)
+            self._arrive("copy-in")
+            torch.sum(slots[:, self.rank * w:(self.rank + 1) * w], dim=0, out=mine[start:start + w])
+
+    def _width(self, tensor: torch.Tensor, rows: int) -> int:
+        """Elements per row of a piece, so that ``rows`` rows of them fill at most ``chunk_bytes``."""
+        return max(1, self.chunk_bytes // (rows * tensor.element_size()))
 
     def _next_call(self) -> int:
         self.calls += 1
