@@ -60,7 +60,8 @@ def _collectives(info):
     for comm in (c, on_gloo):
         full, shard, gathered = torch.arange(4.0 * n) * (r + 1), torch.empty(4), torch.empty(4 * n)
         kept, mine = full.clone(), torch.full((4,), float(r))
-        comm.reduce_scatter(full, out=shard)  # a shared-memory mapping grows to the size once
+        comm.reduce_scatter(full, out=shard)  # the shared-memory mappings grow to the size once
+        comm.all_gather(mine, out=gathered, async_op=True).wait()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             comm.all_gather(mine, out=gathered, async_op=True).wait()
             comm.reduce_scatter(full, out=shard)

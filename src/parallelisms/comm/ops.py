@@ -32,7 +32,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # CPU sums at least this large may use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 # blocking CPU collectives run through shared memory in the caller's thread, at most this many bytes per rank at a time
-SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 20))
+SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 18))
 
 
 class CommError(RuntimeError):
@@ -205,13 +205,21 @@ class Comm:
     def _shared_memory(self, tensor: torch.Tensor, op):
         """The group's queued shared-memory all-reduce if it should carry this call (a large CPU sum), else
         None."""
+        if tensor.numel() * tensor.element_size() < SHM_MIN_BYTES:
+            return None
+        return self._queued(tensor, tensor, op)
+
+    def _queued(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
+        """The group's shared-memory collectives run by a worker thread in issue order, for an asynchronous CPU
+        sum or gather (``slot`` as for :meth:`_in_this_thread`), else None."""
         if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
-                or tensor.numel() * tensor.element_size() < SHM_MIN_BYTES or not self._on_one_host()):
+                or SHM_CHUNK_BYTES <= 0 or not self._on_one_host()):
             return None
         if self._shm is None:
             from parallelisms.comm.shm import SharedMemoryCollectives
-            self._shm = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s)
-        return self._shm if self._shm.fits(tensor.numel() * tensor.element_size()) else None
+            self._shm = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s,
+                                                chunk_bytes=SHM_CHUNK_BYTES)
+        return self._shm if self._shm.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
 
     def _in_this_thread(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
         """The group's shared-memory collectives run in the caller's thread, for a blocking CPU sum or gather
@@ -242,9 +250,9 @@ class Comm:
                          async_op, out)
 
     def _launch_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool):
-        now = self._in_this_thread(out, tensor) if not async_op else None
-        if now is not None:
-            return now.all_gather_now(out, tensor)
+        shm = self._queued(out, tensor) if async_op else self._in_this_thread(out, tensor)
+        if shm is not None:
+            return shm.submit(shm.all_gather_now, out, tensor) if async_op else shm.all_gather_now(out, tensor)
         if tensor.device.type != "cpu":
             return _all_gather_single(out, tensor, group=self.group, async_op=True)
         slices = out.view(self.size, -1).unbind(0)
@@ -270,10 +278,11 @@ class Comm:
         if tensor.device.type != "cpu":
             launch = lambda: _reduce_scatter_single(out, tensor, op=op, group=self.group, async_op=True)
             return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
-        now = self._in_this_thread(tensor, tensor, op) if not async_op else None
-        if now is not None:
-            return self._run("reduce_scatter", tensor, tensor.numel(), lambda: now.reduce_scatter_now(out, tensor),
-                             async_op, out)
+        shm = self._queued(tensor, tensor, op) if async_op else self._in_this_thread(tensor, tensor, op)
+        if shm is not None:
+            launch = ((lambda: shm.submit(shm.reduce_scatter_now, out, tensor)) if async_op else
+                      (lambda: shm.reduce_scatter_now(out, tensor)))
+            return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
         summed = tensor if scratch else tensor.clone()
         mine = summed.view(self.size, -1)[self.rank]
         return self._run("reduce_scatter", tensor, tensor.numel(),

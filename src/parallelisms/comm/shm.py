@@ -9,9 +9,10 @@ back (the all-gather); an all-gather or a reduce-scatter is the first half of th
 flag barrier in the same file; slots alternate between two sets so that a call never overwrites what a slower
 rank still reads from the previous one. Every rank holds the same bits afterwards.
 
-Two ways to call it, one per instance: queued (``all_reduce``: a background thread runs the calls in issue
-order, asynchronous like gloo's; DDP's buckets), or in the caller's thread (``*_now``: blocking calls such as
-tensor parallelism's, where a hand-off to another thread would cost what the transport saves). A rank that
+Two ways to call it, one per instance: queued (``submit``: a background thread runs the calls in issue order,
+asynchronous like gloo's: DDP's buckets, the sharded engines' gathers and reduce-scatters), or in the caller's
+thread (``*_now``: blocking calls such as tensor parallelism's, where a hand-off to another thread would cost what
+the transport saves). Calls move at most ``chunk_bytes`` per rank at a time, so the mapping stays small. A rank that
 waits longer than ``timeout_s`` (the group's timeout, the run's ``--timeout``) for its peers fails the call with
 :class:`ShmTimeout`, naming the phase and the (global) ranks whose flags did not arrive. The flags rely on x86's
 store order (data stores become visible before the flag store after them); other machines keep gloo.
@@ -63,10 +64,11 @@ class ShmWork:
     """The handle of one queued all-reduce: ``wait()`` blocks until it ran (and re-raises its failure)."""
 
     def __init__(self):
-        self.done, self.failure = threading.Event(), None
+        self.done, self.failure, self.tensors = threading.Event(), None, None
 
     def wait(self) -> bool:
         self.done.wait()
+        self.tensors = None  # the call's tensors, released here in the caller's thread
         if self.failure is not None:
             raise self.failure
         return True
@@ -79,11 +81,11 @@ class SharedMemoryCollectives:
     """Sums and gathers over ``group`` (rank ``rank`` of ``size``) through one shared file per capacity."""
 
     def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False,
-                 chunk_bytes: int = 1 << 20):
+                 chunk_bytes: int = 1 << 18):
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
         self.chunk_bytes = chunk_bytes  # in-thread calls: the most bytes per slot moved at a time
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
-        self.spin_s = SPIN_S if inline else 0.0  # a queued call's wait sleeps: the caller's thread computes
+        self.spin_s = SPIN_S  # a worker that sleeps between polls costs 60 us a phase: DDP's bucket went 0.95 -> 0.99
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         self.prefix = f"/dev/shm/parallelisms-{token[0]}"
@@ -114,14 +116,19 @@ class SharedMemoryCollectives:
     def _bytes(self, capacity: int) -> int:
         return 64 * self.size + 2 * self.size * capacity
 
-    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
-        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group; :meth:`fits` it first."""
+    def submit(self, call, *args) -> ShmWork:
+        """Queue ``call(*args)``, one of the ``*_now`` calls below, for the worker thread (an instance used so
+        makes no call in the caller's thread); :meth:`fits` its slot first."""
         work = ShmWork()
-        self.jobs.put((tensor, self.calls, work))
-        self.calls += 1
+        work.tensors = args  # released with the handle, by the caller's thread (the allocator profiler sees it)
+        self.jobs.put((call, args, work))
         return work
 
-    # -- in the caller's thread (blocking; an instance used so is never queued to) ------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group."""
+        return self.submit(self.all_reduce_now, tensor)
+
+    # -- the calls (in the caller's thread, or the worker's when submitted) ----------------------------------
     # Each call moves at most ``chunk_bytes`` per slot at a time (pieces one after the other), so the mapping, held
     # from the first call on and counted in the rank's memory, stays 2 x N x ``chunk_bytes`` whatever the sizes.
     def all_reduce_now(self, tensor: torch.Tensor) -> None:
@@ -166,7 +173,7 @@ class SharedMemoryCollectives:
         """Map a larger file (every rank, once the queued calls have run): two sets of N slots and the flags."""
         if not self.inline:
             drained = ShmWork()
-            self.jobs.put((None, None, drained))
+            self.jobs.put((None, (), drained))
             drained.wait()
         path = f"{self.prefix}-{self.generation}"
         total = self._bytes(capacity)
@@ -188,15 +195,17 @@ class SharedMemoryCollectives:
     # -- the worker thread -----------------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
-            tensor, call, work = self.jobs.get()
+            call, args, work = self.jobs.get()
             try:
-                if tensor is not None:
-                    self._run(tensor, call)
+                if call is not None:
+                    call(*args)
+                del call, args  # the worker keeps no tensor of a finished call alive
             except ShmTimeout as exc:  # reported to the waiter, who raises it naming the ranks
                 work.failure = exc
             except Exception as exc:
                 work.failure = RuntimeError(f"{exc.__class__.__name__}: {exc}")
             work.done.set()
+            del work
 
     def _run(self, tensor: torch.Tensor, call: int) -> None:
         flat, n, size = tensor.view(-1), tensor.numel(), self.size
