@@ -31,7 +31,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # CPU sums at least this large may use shared memory between ranks of one host (PARALLELISMS_SHM=0 turns it off)
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
-# blocking CPU collectives run through shared memory in the caller's thread, at most this many bytes per rank at a time
+# CPU collectives through shared memory move at most this many bytes per rank at a time (0: gloo instead)
 SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 18))
 
 
@@ -186,7 +186,7 @@ class Comm:
             return _Done(tensor) if async_op else tensor
 
         def launch():
-            now = self._in_this_thread(tensor, tensor, op) if not async_op else None
+            now = self._collectives(tensor, tensor, op, in_this_thread=True) if not async_op else None
             if now is not None:
                 return now.all_reduce_now(tensor)
             shm = self._shared_memory(tensor, op) if shared_memory else None
@@ -203,37 +203,28 @@ class Comm:
         return self._one_host
 
     def _shared_memory(self, tensor: torch.Tensor, op):
-        """The group's queued shared-memory all-reduce if it should carry this call (a large CPU sum), else
-        None."""
+        """The group's queued shared-memory collectives if they should carry this asynchronous all-reduce (DDP's
+        buckets opt in at SHM_MIN_BYTES and above), else None."""
         if tensor.numel() * tensor.element_size() < SHM_MIN_BYTES:
             return None
-        return self._queued(tensor, tensor, op)
+        return self._collectives(tensor, tensor, op, in_this_thread=False)
 
-    def _queued(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
-        """The group's shared-memory collectives run by a worker thread in issue order, for an asynchronous CPU
-        sum or gather (``slot`` as for :meth:`_in_this_thread`), else None."""
+    def _collectives(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM,
+                     in_this_thread: bool = False):
+        """The group's shared-memory collectives (:mod:`parallelisms.comm.shm`) for a CPU sum or gather between
+        ranks of one host, else None. ``slot``: what each rank puts in (a sum's tensor, a gather's shard), moved
+        SHM_CHUNK_BYTES at a time (0: never). Blocking calls run ``in_this_thread``: no hand-off to gloo's
+        threads, which wait for a core when every core computes; asynchronous ones on the instance's worker."""
         if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
                 or SHM_CHUNK_BYTES <= 0 or not self._on_one_host()):
             return None
-        if self._shm is None:
+        name = "_shm_now" if in_this_thread else "_shm"
+        if getattr(self, name) is None:
             from parallelisms.comm.shm import SharedMemoryCollectives
-            self._shm = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s,
-                                                chunk_bytes=SHM_CHUNK_BYTES)
-        return self._shm if self._shm.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
-
-    def _in_this_thread(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM):
-        """The group's shared-memory collectives run in the caller's thread, for a blocking CPU sum or gather
-        (``slot``: what each rank puts in, moved SHM_CHUNK_BYTES at a time): no hand-off to gloo's threads,
-        which wait for a core when every core computes. None otherwise (``PARALLELISMS_SHM_CHUNK_BYTES=0``:
-        never)."""
-        if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
-                or SHM_CHUNK_BYTES <= 0 or not self._on_one_host()):
-            return None
-        if self._shm_now is None:
-            from parallelisms.comm.shm import SharedMemoryCollectives
-            self._shm_now = SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s, inline=True,
-                                                    chunk_bytes=SHM_CHUNK_BYTES)
-        return self._shm_now if self._shm_now.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
+            setattr(self, name, SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s,
+                                                        inline=in_this_thread, chunk_bytes=SHM_CHUNK_BYTES))
+        shm = getattr(self, name)
+        return shm if shm.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenate every rank's ``tensor`` along ``dim`` (``out``, if given, is the dim-0 result buffer)."""
@@ -250,7 +241,7 @@ class Comm:
                          async_op, out)
 
     def _launch_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool):
-        shm = self._queued(out, tensor) if async_op else self._in_this_thread(out, tensor)
+        shm = self._collectives(out, tensor, in_this_thread=not async_op)
         if shm is not None:
             return shm.submit(shm.all_gather_now, out, tensor) if async_op else shm.all_gather_now(out, tensor)
         if tensor.device.type != "cpu":
@@ -278,7 +269,7 @@ class Comm:
         if tensor.device.type != "cpu":
             launch = lambda: _reduce_scatter_single(out, tensor, op=op, group=self.group, async_op=True)
             return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
-        shm = self._queued(tensor, tensor, op) if async_op else self._in_this_thread(tensor, tensor, op)
+        shm = self._collectives(tensor, tensor, op, in_this_thread=not async_op)
         if shm is not None:
             launch = ((lambda: shm.submit(shm.reduce_scatter_now, out, tensor)) if async_op else
                       (lambda: shm.reduce_scatter_now(out, tensor)))

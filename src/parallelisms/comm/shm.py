@@ -34,7 +34,14 @@ import torch.distributed as dist
 from parallelisms.comm.liveness import late_ranks
 
 FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
-SPIN_S = 0.01    # a waiting rank yields the core between polls this long, then sleeps between them
+
+
+def spin_seconds() -> float:
+    """How long a waiting rank (or worker) yields the core between polls before it sleeps between them: 10 ms
+    where each local rank has a core of its own (sleeping at once costs about 60 us a phase, the timer's slack,
+    which took DDP's bucket in pieces from 0.95 to 0.99 of torch's time), else none (ranks outnumbering the cores
+    would take turns spinning)."""
+    return 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
 
 
 def shm_machine() -> bool:
@@ -61,7 +68,7 @@ class ShmTimeout(RuntimeError):
 
 
 class ShmWork:
-    """The handle of one queued all-reduce: ``wait()`` blocks until it ran (and re-raises its failure)."""
+    """The handle of one queued call: ``wait()`` blocks until it ran (and re-raises its failure)."""
 
     def __init__(self):
         self.done, self.failure, self.tensors = threading.Event(), None, None
@@ -83,9 +90,9 @@ class SharedMemoryCollectives:
     def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False,
                  chunk_bytes: int = 1 << 18):
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
-        self.chunk_bytes = chunk_bytes  # in-thread calls: the most bytes per slot moved at a time
+        self.chunk_bytes = chunk_bytes  # the most bytes per slot a call moves at a time
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
-        self.spin_s = SPIN_S  # a worker that sleeps between polls costs 60 us a phase: DDP's bucket went 0.95 -> 0.99
+        self.spin_s = spin_seconds()
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         self.prefix = f"/dev/shm/parallelisms-{token[0]}"
@@ -97,8 +104,8 @@ class SharedMemoryCollectives:
 
     # -- the caller's side (main thread, same order on every rank) ---------------------------------------------
     def fits(self, nbytes: int) -> bool:
-        """Whether a slot of ``nbytes`` (a sum's whole tensor, a gather's shard) can go through shared memory, growing the mapping if /dev/shm has room
-        on every rank (a collective when it must grow; a container's small /dev/shm keeps gloo instead)."""
+        """Whether a slot of ``nbytes`` (a piece of a call) can go through shared memory, growing the mapping if
+        /dev/shm has room on every rank (a collective when it must grow; a small /dev/shm keeps gloo instead)."""
         if nbytes <= self.capacity:
             return True
         if nbytes >= self.too_large:

@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from parallelisms.comm.liveness import late_ranks, peer_host
-from parallelisms.comm.shm import FLAG_STRIDE, SPIN_S, ShmTimeout
+from parallelisms.comm.shm import FLAG_STRIDE, ShmTimeout, spin_seconds
 
 HEADER = 16                    # bytes framing each message: its size and its sequence number on the pair
 MIN_CAPACITY = 1 << 20         # a ring holds at least 1 MiB, or this many of the pair's first message:
@@ -89,6 +89,7 @@ class SharedMemoryP2P:
         self.name, self.me, self.store, self.timeout_s = name, me, store, timeout_s
         self.job = store.compare_set("parallelisms/p2p/job", "", uuid.uuid4().hex).decode()
         self.rings: dict[tuple[int, int], _Ring] = {}  # (src, dst) in global ranks
+        self.spin_s = spin_seconds()
         self.reachable: dict[int, bool] = {}
 
     def carries(self, peer: int) -> bool:
@@ -201,7 +202,7 @@ class SharedMemoryP2P:
             if now - checked > 1.0:
                 checked = now
                 self._check_alive(work.peer)
-            if now - start < SPIN_S:
+            if now - start < self.spin_s:
                 os.sched_yield()  # a waiting stage has nothing else to do; other runnable processes go first
             else:
                 time.sleep(pause)
