@@ -25,6 +25,15 @@ def _message(src: int, dst: int, index: int, numel: int) -> torch.Tensor:
     return torch.arange(numel, dtype=torch.float32) + 1000 * src + 100 * dst + index
 
 
+def _error(call) -> str | None:
+    """The CommError ``call()`` raises, as text (None if it returns)."""
+    try:
+        call()
+    except CommError as exc:
+        return str(exc)
+    return None
+
+
 def _ranks(info):
     me, world = info.rank, info.world_size
     comm = Comm("p2p-test", dist.group.WORLD)
@@ -51,31 +60,31 @@ def _ranks(info):
     if me == 0:
         wrong.send_recv(sends=[(torch.ones(10), 1)]).wait()
     elif me == 1:
-        try:
-            wrong.send_recv(recvs=[(torch.empty(12), 0)]).wait()
-        except CommError as exc:
-            out["wrong_size"] = str(exc)
+        out["wrong_size"] = _error(lambda: wrong.send_recv(recvs=[(torch.empty(12), 0)]).wait())
     dist.barrier()
 
     # rank 0 never sends: rank 1 fails within the timeout, naming it
     silent = Comm("p2p-silent", dist.group.WORLD)
     silent.timeout_s = 1.0
     if me == 1:
-        try:
-            silent.send_recv(recvs=[(torch.empty(4), 0)]).wait()
-        except CommError as exc:
-            out["silent"] = str(exc)
+        out["silent"] = _error(lambda: silent.send_recv(recvs=[(torch.empty(4), 0)]).wait())
     dist.barrier()
     return out
 
 
 def _pipeline(info):
+    """pp 2 on each transport, and how many rings rank 0 had made for rank 1 after each run (the store counts)."""
+    from parallelisms.comm.liveness import default_store
+
+    store = default_store()
     layout = ParallelConfig(ParallelDims(pp=2), schedule="1f1b", microbatches=4)
-    runs = {}
+    runs, rings = {}, {}
     for transport in ("shared memory", "gloo"):
         os.environ["PARALLELISMS_SHM"] = "1" if transport == "shared memory" else "0"
         runs[transport] = train_rank(info, RunSpec(MODEL, TRAIN, layout, collect_state=True))
-    return runs
+        job = store.compare_set("parallelisms/p2p/job", "", "none").decode()
+        rings[transport] = store.add(f"parallelisms/p2p/{job}/pp/0-1/sender", 0)
+    return runs, rings
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +128,8 @@ def test_nothing_is_left_in_dev_shm(skip_elsewhere, reports):
 
 
 def test_a_pipeline_trains_alike_on_shared_memory_gloo_and_one_process(skip_elsewhere):
-    runs = launch(_pipeline, 2, threads=1)[0]
+    runs, rings = launch(_pipeline, 2, threads=1)[0]
+    assert rings == {"shared memory": 1, "gloo": 1}  # the first run made the ring; the second sent over gloo
     reference = reference_train(MODEL, TRAIN)
     for transport, result in runs.items():
         assert compare(result, reference)["ok"], transport

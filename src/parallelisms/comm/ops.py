@@ -179,19 +179,18 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    shared_memory: bool = False):
-        """In-place all-reduce of ``tensor``; returns it (or a Pending). ``shared_memory``: a large CPU sum
-        between ranks of one host may go through shared memory (:mod:`parallelisms.comm.shm`), which holds
-        2 x N x its size of /dev/shm from then on (DDP's buckets opt in)."""
+        """In-place all-reduce of ``tensor``; returns it (or a Pending). A blocking CPU sum between ranks of one
+        host goes through shared memory (:mod:`parallelisms.comm.shm`); an asynchronous one too where the caller
+        opts in with ``shared_memory`` and it has SHM_MIN_BYTES or more (DDP's buckets)."""
         if self.size == 1:
             return _Done(tensor) if async_op else tensor
+        queued = shared_memory and tensor.numel() * tensor.element_size() >= SHM_MIN_BYTES
 
         def launch():
-            now = self._collectives(tensor, tensor, op, in_this_thread=True) if not async_op else None
-            if now is not None:
-                return now.all_reduce_now(tensor)
-            shm = self._shared_memory(tensor, op) if shared_memory else None
-            return (shm.all_reduce(tensor) if shm is not None else
-                    dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+            shm = self._collectives(tensor, tensor, op, in_this_thread=not async_op) if queued or not async_op else None
+            if shm is None:
+                return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+            return shm.submit(shm.all_reduce_now, tensor) if async_op else shm.all_reduce_now(tensor)
         return self._run("all_reduce", tensor, tensor.numel(), launch, async_op, tensor)
 
     def _on_one_host(self) -> bool:
@@ -201,13 +200,6 @@ class Comm:
             from parallelisms.comm.shm import shm_supported
             self._one_host = shm_supported(self.group)
         return self._one_host
-
-    def _shared_memory(self, tensor: torch.Tensor, op):
-        """The group's queued shared-memory collectives if they should carry this asynchronous all-reduce (DDP's
-        buckets opt in at SHM_MIN_BYTES and above), else None."""
-        if tensor.numel() * tensor.element_size() < SHM_MIN_BYTES:
-            return None
-        return self._collectives(tensor, tensor, op, in_this_thread=False)
 
     def _collectives(self, tensor: torch.Tensor, slot: torch.Tensor, op=dist.ReduceOp.SUM,
                      in_this_thread: bool = False):

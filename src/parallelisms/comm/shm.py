@@ -36,12 +36,26 @@ from parallelisms.comm.liveness import late_ranks
 FLAG_STRIDE = 8  # int64 per flag: one 64-byte cache line per rank
 
 
-def spin_seconds() -> float:
-    """How long a waiting rank (or worker) yields the core between polls before it sleeps between them: 10 ms
-    where each local rank has a core of its own (sleeping at once costs about 60 us a phase, the timer's slack,
-    which took DDP's bucket in pieces from 0.95 to 0.99 of torch's time), else none (ranks outnumbering the cores
-    would take turns spinning)."""
-    return 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
+class Backoff:
+    """The pause between two polls of shared memory: yield the core for the first 10 ms where each local rank
+    has a core of its own (sleeping at once costs about 60 us a phase, the timer's slack, which took DDP's bucket
+    in pieces from 0.95 to 0.99 of torch's time; ranks outnumbering the cores would take turns spinning), then
+    sleep, up to 100 us. ``elapsed`` is the time since the wait began."""
+
+    def __init__(self):
+        self.start, self.sleep_s = time.monotonic(), 0.0
+        self.spin_s = 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def pause(self) -> None:
+        if self.elapsed < self.spin_s:
+            os.sched_yield()  # the rank waits anyway; other runnable processes go first
+        else:
+            time.sleep(self.sleep_s)
+            self.sleep_s = min(1e-4, self.sleep_s + 1e-6)
 
 
 def shm_machine() -> bool:
@@ -92,7 +106,6 @@ class SharedMemoryCollectives:
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
         self.chunk_bytes = chunk_bytes  # the most bytes per slot a call moves at a time
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
-        self.spin_s = spin_seconds()
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         self.prefix = f"/dev/shm/parallelisms-{token[0]}"
@@ -130,10 +143,6 @@ class SharedMemoryCollectives:
         work.tensors = args  # released with the handle, by the caller's thread (the allocator profiler sees it)
         self.jobs.put((call, args, work))
         return work
-
-    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
-        """Queue the in-place sum of ``tensor`` (contiguous, CPU) over the group."""
-        return self.submit(self.all_reduce_now, tensor)
 
     # -- the calls (in the caller's thread, or the worker's when submitted) ----------------------------------
     # Each call moves at most ``chunk_bytes`` per slot at a time (pieces one after the other), so the mapping, held
@@ -234,16 +243,10 @@ class SharedMemoryCollectives:
         self.arrivals += 1
         value = self.arrivals
         self.flags[self.rank] = value
-        start = time.monotonic()
-        deadline, pause = start + self.timeout_s, 0.0
+        backoff = Backoff()
         while int(self.flags.min()) < value:
-            now = time.monotonic()
-            if now > deadline:
+            if backoff.elapsed > self.timeout_s:
                 late = [dist.get_global_rank(self.group, r) for r in range(self.size) if int(self.flags[r]) < value]
                 raise ShmTimeout(f"shared memory: {late_ranks(late)} did not arrive at {phase} "
                                  f"within {self.timeout_s:g} s", late)
-            if now - start < self.spin_s:
-                os.sched_yield()  # the caller waits anyway; other runnable processes go first
-            else:
-                time.sleep(pause)
-                pause = min(1e-4, pause + 1e-6)
+            backoff.pause()

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import collections
 import os
-import time
 import uuid
 
 import torch
 
 from parallelisms.comm.liveness import late_ranks, peer_host
-from parallelisms.comm.shm import FLAG_STRIDE, ShmTimeout, spin_seconds
+from parallelisms.comm.shm import FLAG_STRIDE, Backoff, ShmTimeout
 
 HEADER = 16                    # bytes framing each message: its size and its sequence number on the pair
 MIN_CAPACITY = 1 << 20         # a ring holds at least 1 MiB, or this many of the pair's first message:
@@ -89,7 +88,6 @@ class SharedMemoryP2P:
         self.name, self.me, self.store, self.timeout_s = name, me, store, timeout_s
         self.job = store.compare_set("parallelisms/p2p/job", "", uuid.uuid4().hex).decode()
         self.rings: dict[tuple[int, int], _Ring] = {}  # (src, dst) in global ranks
-        self.spin_s = spin_seconds()
         self.reachable: dict[int, bool] = {}
 
     def carries(self, peer: int) -> bool:
@@ -188,29 +186,25 @@ class SharedMemoryP2P:
 
     def wait_for(self, work: _Work) -> None:
         """Move data until ``work`` is done; fail naming the peer after ``timeout_s``, or at once if it exited."""
-        start = checked = time.monotonic()
-        deadline, pause = start + self.timeout_s, 0.0
+        backoff, checked = Backoff(), 0.0
         while True:
             self.progress()
             if work.done:
                 return
-            now = time.monotonic()
-            if now > deadline:
+            elapsed = backoff.elapsed
+            if elapsed > self.timeout_s:
                 self._unlink_unshared()
                 raise ShmTimeout(f"shared-memory point-to-point: {late_ranks([work.peer])} did not arrive "
                                  f"within {self.timeout_s:g} s", [work.peer])
-            if now - checked > 1.0:
-                checked = now
+            if elapsed - checked > 1.0:
+                checked = elapsed
                 self._check_alive(work.peer)
-            if now - start < self.spin_s:
-                os.sched_yield()  # a waiting stage has nothing else to do; other runnable processes go first
-            else:
-                time.sleep(pause)
-                pause = min(1e-4, pause + 1e-6)
+            backoff.pause()
 
     def _check_alive(self, peer: int) -> None:
+        """Fail if ``peer``'s process (its pid, written into every ring it mapped) has exited."""
         for (src, dst), ring in self.rings.items():
-            if peer in (src, dst) and peer != self.me:
+            if peer in (src, dst):
                 pid = int(ring.counters[SENDER_PID if src == peer else RECEIVER_PID])
                 if pid and not os.path.exists(f"/proc/{pid}"):
                     raise RuntimeError(f"rank {peer} (process {pid}) exited")
