@@ -40,11 +40,16 @@ class Backoff:
     """The pause between two polls of shared memory: yield the core for the first 10 ms where each local rank
     has a core of its own (sleeping at once costs about 60 us a phase, the timer's slack, which took DDP's bucket
     in pieces from 0.95 to 0.99 of torch's time; ranks outnumbering the cores would take turns spinning), then
-    sleep, up to 100 us. ``elapsed`` is the time since the wait began."""
+    sleep, up to 100 us. ``elapsed`` is the time since the wait began; ``spin_s`` comes from :meth:`spin_for` once
+    per transport (a wait is too short to ask the system each time: 17 us per call)."""
 
-    def __init__(self):
-        self.start, self.sleep_s = time.monotonic(), 0.0
-        self.spin_s = 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
+    def __init__(self, spin_s: float):
+        self.start, self.sleep_s, self.spin_s = time.monotonic(), 0.0, spin_s
+
+    @staticmethod
+    def spin_for() -> float:
+        """Seconds a wait of this process may spin: 10 ms where each local rank has a core of its own, else 0."""
+        return 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
 
     @property
     def elapsed(self) -> float:
@@ -104,6 +109,7 @@ class SharedMemoryCollectives:
     def __init__(self, group, rank: int, size: int, timeout_s: float = 300.0, inline: bool = False,
                  chunk_bytes: int = 1 << 18):
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        self.spin_s = Backoff.spin_for()
         self.chunk_bytes = chunk_bytes  # the most bytes per slot a call moves at a time
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
         token = [uuid.uuid4().hex if rank == 0 else None]
@@ -243,7 +249,7 @@ class SharedMemoryCollectives:
         self.arrivals += 1
         value = self.arrivals
         self.flags[self.rank] = value
-        backoff = Backoff()
+        backoff = Backoff(self.spin_s)
         while int(self.flags.min()) < value:
             if backoff.elapsed > self.timeout_s:
                 late = [dist.get_global_rank(self.group, r) for r in range(self.size) if int(self.flags[r]) < value]

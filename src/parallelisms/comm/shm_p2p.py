@@ -86,6 +86,7 @@ class SharedMemoryP2P:
 
     def __init__(self, name: str, me: int, store, timeout_s: float):
         self.name, self.me, self.store, self.timeout_s = name, me, store, timeout_s
+        self.spin_s = Backoff.spin_for()
         self.job = store.compare_set("parallelisms/p2p/job", "", uuid.uuid4().hex).decode()
         self.rings: dict[tuple[int, int], _Ring] = {}  # (src, dst) in global ranks
         self.reachable: dict[int, bool] = {}
@@ -186,7 +187,7 @@ class SharedMemoryP2P:
 
     def wait_for(self, work: _Work) -> None:
         """Move data until ``work`` is done; fail naming the peer after ``timeout_s``, or at once if it exited."""
-        backoff, checked = Backoff(), 0.0
+        backoff, checked = Backoff(self.spin_s), 0.0
         while True:
             self.progress()
             if work.done:
