@@ -131,3 +131,36 @@ def test_a_missing_rank_fails_its_peers_with_a_named_timeout(reports):
     for r, out in enumerate(reports):
         if r != 1:
             assert "rank 1 did not arrive at copy-in" in out["timeout"], out["timeout"]
+
+
+def test_futex_sleeps_until_the_word_changes():
+    """Where ranks outnumber the cores a wait sleeps in the kernel on the late rank's flag: it returns at once
+    when the word already differs, after its timeout when nobody writes, and as soon as a writer wakes it."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from parallelisms.comm.shm import Futex, shm_machine
+
+    if not shm_machine():
+        pytest.skip("futex waits are used with shared memory on x86 Linux only")
+    futex, word = Futex(), np.zeros(8, dtype=np.int64)
+    address = word.ctypes.data
+    start = time.monotonic()
+    futex.wait(address, 1, 5.0)  # holds 0, not 1: no sleep
+    futex.wait(address, 0, 0.05)  # nobody writes: the timeout
+    assert 0.04 < time.monotonic() - start < 1.0
+
+    def publish():
+        time.sleep(0.1)
+        word[0] = 1
+        futex.wake(address)
+
+    writer = threading.Thread(target=publish)
+    start = time.monotonic()
+    writer.start()
+    while word[0] == 0:
+        futex.wait(address, 0, 5.0)
+    writer.join()
+    assert 0.09 < time.monotonic() - start < 2.0  # woken, not timed out
