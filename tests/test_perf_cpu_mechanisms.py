@@ -66,12 +66,15 @@ def test_overlapped_collectives_cost_their_cpu_share():
 
 
 def test_shared_cores_divide_rates_and_multiply_host_time():
+    """Compute and memory rates divide by ranks per core; a collective's time (latency too) multiplies in its CPU
+    share: through shared memory the per-call Python and system calls run on the shared core."""
     hw = CPU.shared(8)  # 8 ranks on 2 cores
     assert hw.peak_tflops == pytest.approx(CPU.peak_tflops / 4)
     assert hw.op_overhead_us == pytest.approx(CPU.op_overhead_us * 4)
     slower = 1 + CPU.comm_cpu_fraction * 3
     assert hw.collectives["send"]["gbps"] == pytest.approx(CPU.collectives["send"]["gbps"] / slower)
-    assert hw.collectives["send"]["alpha_us"] == CPU.collectives["send"]["alpha_us"]
+    assert hw.collectives["send"]["alpha_us"] == pytest.approx(CPU.collectives["send"]["alpha_us"] * slower)
+    assert hw.intra_latency_us == pytest.approx(CPU.intra_latency_us * slower)
     assert CPU.shared(2) is CPU
 
 

@@ -33,11 +33,11 @@ def bench(name: str):
 # be silently ignored)
 PIPELINES = ("pipeline", "pipeline-balance")
 ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp": (("tp",), False),
-            "target": (("tp",), "block"), "hardware": (("predict",), "cpu"),
+            "target": (("tp",), "block"), "hardware": (("predict",), "calibrate"),
             "seq_lens": (("cp",), [1024, 2048, 4096, 8192, 16384])}
 # Defaults that differ by benchmark (long sequences take a small batch; experts need an MoE model)
-DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}}
-GENERAL = {"preset": "small", "global_batch": 8}
+DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {"predict": 5}}
+GENERAL = {"preset": "small", "global_batch": 8, "rounds": 3}
 
 
 def add_bench_parser(sub) -> None:
@@ -51,13 +51,13 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--global-batch", type=count, help="sequences per step (default 8; cp: 2)")
     p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")
     p.add_argument("--steps", type=count, default=5, help="timed steps per round and implementation")
-    p.add_argument("--rounds", type=count, default=3, help="alternating rounds")
+    p.add_argument("--rounds", type=count, help="alternating rounds (default 3; predict: 5)")
     p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0, help="gradient bucket cap")
     p.add_argument("--schedule", help="pipeline: the schedule (gpipe, 1f1b (default), interleaved, zb-v, dualpipev)")
     p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
     p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
     p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
-    p.add_argument("--hardware", help="predict: the hardware preset or `calibrate` file (default cpu)")
+    p.add_argument("--hardware", help="predict: `calibrate` (measure this machine first; the default), a hardware preset or a `calibrate` file")
     p.add_argument("--seq-lens", type=integer_list(2, 10**6),
                    help="cp: sequence lengths (default 1024,2048,4096,8192,16384)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")

@@ -19,8 +19,9 @@
   all-reduce as DDP's gradient buckets call it), each kind over message sizes, medians; alpha and beta fitted
   per kind (Hockney) on the ledger's ring bytes. Each call follows a burst of GEMMs on both ranks, as a
   training step issues them: a collective that meets ranks coming from compute pays more than one in a tight
-  loop (here about 2 ms against 0.5 for a 1 MB all-gather: the comm threads wake from sleep, the ranks arrive
-  apart), and that is the latency a step sees. The burst's own time is measured alone and subtracted.
+  loop (the ranks arrive apart; on gloo the comm threads also wake from sleep), and that is the latency a step
+  sees. Only the call itself is timed, and the median over the rounds kept (subtracting the burst's mean time
+  from the pair's left the noise of two 4 ms means in a sub-millisecond result: alphas from 0 to 1.5 ms).
   ``comm_cpu_fraction``: the share of a large collective's time the rank's own CPU spends on it (process CPU
   time over wall time; gloo copies through the kernel's TCP, shared memory through memcpy): on a CPU that part
   is not hidden by overlapping it with compute, which runs on the same core.
@@ -174,15 +175,17 @@ def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
     burst = lambda: [x @ w for _ in range(2)]  # a few ms of a layer's GEMMs, as between a step's collectives
     rounds = 3 * repeats
 
-    def per_round(fn) -> float:  # mean seconds of a lockstep loop's round (both ranks run at its pace)
+    def after_burst(fn) -> float:  # median seconds of one call that follows a burst on both ranks
         fn()
         comm.all_reduce(torch.zeros(1))  # start together
-        start = time.perf_counter()
+        times = []
         for _ in range(rounds):
+            burst()
+            start = time.perf_counter()
             fn()
-        return (time.perf_counter() - start) / rounds
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
-    burst_s = per_round(burst)
     out = {}
     for kind in KINDS:
         for numel in sizes:
@@ -193,9 +196,10 @@ def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
                   "reduce_scatter": lambda: comm.reduce_scatter(full),
                   "all_to_all": lambda: comm.all_to_all(full),
                   "send": lambda: comm.send_recv([(full, peer)], [(torch.empty_like(full), peer)]).wait()}[kind]
-            out.setdefault(kind, []).append(max(per_round(lambda: (burst(), fn())) - burst_s, 1e-6))
-        cpu, wall = time.process_time(), time.perf_counter()  # the largest message alone: the rank's CPU
-        per_round(fn)                                           # time (every thread) over the wall time
+            out.setdefault(kind, []).append(after_burst(fn))
+        cpu, wall = time.process_time(), time.perf_counter()  # the largest message alone, in a tight loop: the
+        for _ in range(rounds):                                 # rank's CPU time (every thread) over the wall time
+            fn()
         out.setdefault("cpu_fraction", []).append((time.process_time() - cpu) / (time.perf_counter() - wall))
     return out
 

@@ -81,19 +81,24 @@ class Hardware:
     def shared(self, ranks: int) -> "Hardware":
         """A CPU whose ``cores`` ``ranks`` processes share: every rate each rank gets (compute, memory, the
         optimizer's) divides by ranks / cores and every host time per operator multiplies by it; a collective's
-        bandwidth divides in the share of it that is the rank's own CPU work (``comm_cpu_fraction``)."""
+        time, latency and bandwidth, multiplies in the share of it that is the rank's own CPU work
+        (``comm_cpu_fraction``). Through shared memory nearly all of it is: copies, and per call the comm layer's
+        Python and the system calls of a wait, which at 8 ranks on 2 cores run at a quarter of a core (the time
+        a rank waits for a late peer is not, but there the peer is late by the same factor)."""
         if not self.cores or ranks <= self.cores:
             return self
         share = self.cores / ranks
-        slower = 1 + self.comm_cpu_fraction * (1 / share - 1)  # the copies' CPU part runs 1/share slower; the
-        collectives = {k: {**v, "gbps": v["gbps"] / slower} for k, v in self.collectives.items()}  # latency, spent
-        # waiting for peers and wake-ups, is filled by the other ranks on the core
+        slower = 1 + self.comm_cpu_fraction * (1 / share - 1)  # the CPU part runs 1/share slower
+        collectives = {k: {"alpha_us": v["alpha_us"] * slower, "gbps": v["gbps"] / slower}
+                       for k, v in self.collectives.items()}
         return dataclasses.replace(self, peak_tflops=self.peak_tflops * share, hbm_tbps=self.hbm_tbps * share,
                                    optimizer_tbps=self.optimizer_tbps * share,
                                    op_overhead_us=self.op_overhead_us / share,
                                    optimizer_tensor_us=self.optimizer_tensor_us / share,
                                    intra_node_gbps=self.intra_node_gbps / slower,
-                                   inter_node_gbps=self.inter_node_gbps / slower, collectives=collectives)
+                                   inter_node_gbps=self.inter_node_gbps / slower,
+                                   intra_latency_us=self.intra_latency_us * slower,
+                                   inter_latency_us=self.inter_latency_us * slower, collectives=collectives)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""

@@ -75,26 +75,49 @@ CASES = {
 
 
 def bench_predict(args) -> dict:
-    """Run every case, predict it, and report errors (``bench predict``)."""
+    """Run every case ``args.rounds`` times, round after round (drift in the machine's speed reaches every case
+    alike), predict it, and report each case's error at its median round (``bench predict``). The hardware is
+    this machine measured at the start of the run (``--hardware calibrate``, the default: a shared machine's
+    speed drifts by a quarter over hours, so a stored file describes the machine of another hour), a preset or
+    a ``parallelisms calibrate`` file."""
     from parallelisms.device import choose
     from parallelisms.config import preset
-    from parallelisms.perf.hardware import load_hardware
     from parallelisms.support import validate_layout
     from parallelisms.train import RunSpec, run_layout
 
-    hw = load_hardware(getattr(args, "hardware", None) or "cpu")
+    hw = _hardware(getattr(args, "hardware", None) or "calibrate")
     cfg = preset(args.preset)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+    layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
+    runs = {name: [] for name in CASES}
+    for _ in range(args.rounds):
+        for name, parallel in layouts.items():
+            report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
+            runs[name].append(compare(cfg, parallel, train, report, hw, report["spans"][0]))
     cases = []
-    for name, (dims, options) in CASES.items():
-        parallel = validate_layout(cfg, train, ParallelConfig(dims, **options))
-        report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
-        c = compare(cfg, parallel, train, report, hw, report["spans"][0])
-        print(f"{name}: {format_comparison(c)}", flush=True)
-        cases.append({"layout": name, "predicted_s": c["predicted_s"], "measured_s": c["measured_s"], "error": c["error"]})
+    for name, comparisons in runs.items():
+        c = sorted(comparisons, key=lambda c: c["measured_s"])[(len(comparisons) - 1) // 2]  # the median round
+        rounds = ", ".join(f"{r['measured_s'] * 1e3:.1f}" for r in comparisons)
+        print(f"{name}: {format_comparison(c)} (rounds: {rounds} ms)", flush=True)
+        cases.append({"layout": name, "predicted_s": c["predicted_s"], "measured_s": c["measured_s"], "error": c["error"],
+                      "measured_rounds_s": [r["measured_s"] for r in comparisons]})
     errors = [abs(c["error"]) for c in cases]
     mean = statistics.mean(errors)
-    return {"bench": "predict", "cases": cases, "mean_error": mean, "max_error": max(errors),
+    return {"bench": "predict", "hardware": hw.name, "cases": cases, "mean_error": mean, "max_error": max(errors),
             "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
             "peer_s": statistics.mean(c["measured_s"] for c in cases),
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
+
+
+def _hardware(spec: str) -> Hardware:
+    """``calibrate``: this machine measured now (``parallelisms calibrate``); else a preset or a hardware file."""
+    from parallelisms.perf.hardware import load_hardware
+
+    if spec != "calibrate":
+        return load_hardware(spec)
+    from parallelisms.perf.calibrate import calibrate
+
+    measured = calibrate()
+    print(f"calibrated: {measured['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, memory {measured['hbm_tbps'] * 1e3:.1f} GB/s",
+          flush=True)
+    return Hardware(**{k: v for k, v in measured.items()})
