@@ -7,7 +7,8 @@
   ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
 * Elementwise bandwidth (``hbm_tbps``): the kinds of operator an eager transformer block runs (binary, broadcast,
   strided, activation, reduction, copy) on 0.25-1.5 MB tensors, outputs kept alive: bytes read and written over
-  their time. On a CPU these sizes run at about the DRAM streaming rate, not from cache.
+  their time, with the allocator first put where training steps leave it (a few passes of a block). On a CPU
+  these sizes run at about the DRAM streaming rate, not from cache.
 * Attention (``attention_fraction``): causal ``scaled_dot_product_attention`` forward and backward over a few
   shapes, its FLOPs (half the score matrix, backward 2.5 x forward: compute.py's count) at the GEMM peak over
   the measured time, median.
@@ -29,6 +30,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -81,10 +83,25 @@ def measure_gemms(repeats: int = 7) -> list[dict]:
     return rows
 
 
+def _warm_allocator() -> None:
+    """Put the allocator where training steps leave it: a few forward and backward passes of a block of the
+    ``small`` shape free their activations, after which tensors of these sizes come from memory the process
+    already holds. Measured in a process that had not trained, the same operators ran at 4-27 GB/s from run to
+    run (fresh mappings fault in every page, or not, by the allocator's history); after the warm-up at 26-33."""
+    from parallelisms.config import preset
+    from parallelisms.model import build_model
+
+    model = build_model(dataclasses.replace(preset("small"), n_layers=1))
+    tokens = torch.zeros(4, 128, dtype=torch.long)
+    for _ in range(3):
+        model(tokens, tokens).backward()
+
+
 def measure_memory_bandwidth(repeats: int = 7) -> float:
     """Bytes per second of an eager block's kinds of elementwise operator (module docstring): bytes read and
     written by all of them over their summed median times."""
     torch.set_num_threads(1)
+    _warm_allocator()
     tokens, dim, ffn = 512, 256, 688
     h, w, a, b = torch.randn(tokens, dim), torch.randn(dim), torch.randn(tokens, ffn), torch.randn(tokens, ffn)
     heads = torch.randn(4, 128, 8, 32)  # [batch, seq, heads, head_dim]
@@ -223,29 +240,37 @@ def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
     return out
 
 
-def calibrate(quick: bool = False) -> dict:
-    """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from."""
-    repeats = 3 if quick else 9
+def calibrate_compute(repeats: int = 9) -> dict:
+    """The hardware keys of one rank's own work (GEMMs, elementwise bandwidth, attention, optimizer, operator
+    dispatch), with the GEMM rows they came from under ``"gemm"``."""
     gemms = measure_gemms(repeats)
     peak = statistics.median(r["tflops"] for r in gemms if min(r["m"], r["n"], r["k"]) >= 256)
     short = [r for r in gemms if r["k"] <= 128 and min(r["m"], r["n"]) >= 1024]
     k_half = statistics.median(r["k"] * (peak / r["tflops"] - 1) for r in short) if short else 0.0
     bandwidth = measure_memory_bandwidth(repeats)
     optimizer_bandwidth, optimizer_tensor_s = measure_optimizer(repeats)
+    return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12,
+            "gemm_k_half": max(k_half, 0.0), "op_overhead_us": measure_op_overhead(repeats) * 1e6,
+            "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
+            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6,
+            "gemm": gemms}
+
+
+def calibrate(quick: bool = False) -> dict:
+    """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from."""
+    repeats = 3 if quick else 9
+    compute = calibrate_compute(repeats)
+    gemms = compute.pop("gemm")
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
     comm_cpu_fraction = collectives.pop("cpu_fraction")
     ar = collectives["all_reduce"]
     cores = os.cpu_count() or 1
-    return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)",
-            "peak_tflops": peak, "hbm_gb": round(_memory_gb(), 1), "hbm_tbps": bandwidth / 1e12,
-            "gpus_per_node": 1024, "intra_node_gbps": ar["gbps"], "inter_node_gbps": ar["gbps"],
-            "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"], "gemm_fraction": 1.0,
-            "gemm_k_half": max(k_half, 0.0), "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
-            "bytes_per_element": 4, "cores": cores, "op_overhead_us": measure_op_overhead(repeats) * 1e6,
-            "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
-            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6,
-            "comm_cpu_fraction": comm_cpu_fraction,
+    return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
+            "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, "intra_node_gbps": ar["gbps"],
+            "inter_node_gbps": ar["gbps"], "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"],
+            "gemm_fraction": 1.0, "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
+            "bytes_per_element": 4, "cores": cores, "comm_cpu_fraction": comm_cpu_fraction,
             "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()},
             "measurements": {"gemm": gemms, "collectives": collectives}}
 

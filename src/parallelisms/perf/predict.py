@@ -77,20 +77,23 @@ CASES = {
 def bench_predict(args) -> dict:
     """Run every case ``args.rounds`` times, round after round (drift in the machine's speed reaches every case
     alike), predict it, and report each case's error at its median round (``bench predict``). The hardware is
-    this machine measured at the start of the run (``--hardware calibrate``, the default: a shared machine's
-    speed drifts by a quarter over hours, so a stored file describes the machine of another hour), a preset or
-    a ``parallelisms calibrate`` file."""
+    this machine measured at the start of the run, its compute rates again before every later round
+    (``--hardware calibrate``, the default: a shared machine's speed drifts by a quarter within an hour, so a
+    stored file describes another hour's machine), a preset or a ``parallelisms calibrate`` file."""
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
     from parallelisms.train import RunSpec, run_layout
 
-    hw = _hardware(getattr(args, "hardware", None) or "calibrate")
+    spec = getattr(args, "hardware", None) or "calibrate"
+    hw = _hardware(spec)
     cfg = preset(args.preset)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     runs = {name: [] for name in CASES}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        if spec == "calibrate" and round_:
+            hw = _recalibrated(hw)
         for name, parallel in layouts.items():
             report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
             runs[name].append(compare(cfg, parallel, train, report, hw, report["spans"][0]))
@@ -107,6 +110,20 @@ def bench_predict(args) -> dict:
             "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
             "peer_s": statistics.mean(c["measured_s"] for c in cases),
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
+
+
+def _recalibrated(hw: Hardware) -> Hardware:
+    """``hw`` with one rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch; three
+    repeats, a few seconds): the collectives keep the calibration of the run's start."""
+    import dataclasses
+
+    from parallelisms.perf.calibrate import calibrate_compute
+
+    compute = calibrate_compute(3)
+    compute.pop("gemm")
+    print(f"recalibrated: {compute['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, memory {compute['hbm_tbps'] * 1e3:.1f} GB/s",
+          flush=True)
+    return dataclasses.replace(hw, **compute)
 
 
 def _hardware(spec: str) -> Hardware:
