@@ -240,7 +240,7 @@ class SharedMemoryCollectives:
             os.unlink(path)  # the mappings keep the memory; nothing is left behind
         # a numpy view: reading and writing the flags allocates nothing (polls run often)
         self.flags = memory[:64 * self.size].view(torch.int64)[::FLAG_STRIDE].numpy()
-        self.flag_address = self.flags.ctypes.data  # rank r's flag at + 8 * FLAG_STRIDE * r
+        self.flag_addresses = [self.flags[r:].ctypes.data for r in range(self.size)]  # the futex words
         self.slots = memory[64 * self.size:].view(2, self.size, capacity)
         self.capacity, self.generation, self.calls, self.arrivals = capacity, self.generation + 1, 0, 0
 
@@ -280,15 +280,15 @@ class SharedMemoryCollectives:
         value = self.arrivals
         self.flags[self.rank] = value
         if self.futex:
-            self.futex.wake(self.flag_address + 8 * FLAG_STRIDE * self.rank)
+            self.futex.wake(self.flag_addresses[self.rank])
         backoff = Backoff(self.spin_s)
         while int(self.flags.min()) < value:
             if backoff.elapsed > self.timeout_s:
                 late = [dist.get_global_rank(self.group, r) for r in range(self.size) if int(self.flags[r]) < value]
                 raise ShmTimeout(f"shared memory: {late_ranks(late)} did not arrive at {phase} "
                                  f"within {self.timeout_s:g} s", late)
-            if self.futex:  # sleep on the first late rank's flag until it changes (or 10 ms pass)
-                late = int(self.flags.argmin())
-                self.futex.wait(self.flag_address + 8 * FLAG_STRIDE * late, int(self.flags[late]), 0.01)
+            if self.futex:  # sleep on the furthest-behind rank's flag until it changes (or 10 ms pass)
+                behind = int(self.flags.argmin())
+                self.futex.wait(self.flag_addresses[behind], int(self.flags[behind]), 0.01)
             else:
                 backoff.pause()

@@ -240,9 +240,9 @@ def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
     return out
 
 
-def calibrate_compute(repeats: int = 9) -> dict:
+def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
     """The hardware keys of one rank's own work (GEMMs, elementwise bandwidth, attention, optimizer, operator
-    dispatch), with the GEMM rows they came from under ``"gemm"``."""
+    dispatch), and the GEMM rows they came from."""
     gemms = measure_gemms(repeats)
     peak = statistics.median(r["tflops"] for r in gemms if min(r["m"], r["n"], r["k"]) >= 256)
     short = [r for r in gemms if r["k"] <= 128 and min(r["m"], r["n"]) >= 1024]
@@ -252,15 +252,13 @@ def calibrate_compute(repeats: int = 9) -> dict:
     return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12,
             "gemm_k_half": max(k_half, 0.0), "op_overhead_us": measure_op_overhead(repeats) * 1e6,
             "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
-            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6,
-            "gemm": gemms}
+            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6}, gemms
 
 
 def calibrate(quick: bool = False) -> dict:
     """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from."""
     repeats = 3 if quick else 9
-    compute = calibrate_compute(repeats)
-    gemms = compute.pop("gemm")
+    compute, gemms = calibrate_compute(repeats)
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
     comm_cpu_fraction = collectives.pop("cpu_fraction")

@@ -119,11 +119,7 @@ def _recalibrated(hw: Hardware) -> Hardware:
 
     from parallelisms.perf.calibrate import calibrate_compute
 
-    compute = calibrate_compute(3)
-    compute.pop("gemm")
-    print(f"recalibrated: {compute['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, memory {compute['hbm_tbps'] * 1e3:.1f} GB/s",
-          flush=True)
-    return dataclasses.replace(hw, **compute)
+    return _announced("recalibrated", dataclasses.replace(hw, **calibrate_compute(3)[0]))
 
 
 def _hardware(spec: str) -> Hardware:
@@ -134,7 +130,9 @@ def _hardware(spec: str) -> Hardware:
         return load_hardware(spec)
     from parallelisms.perf.calibrate import calibrate
 
-    measured = calibrate()
-    print(f"calibrated: {measured['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, memory {measured['hbm_tbps'] * 1e3:.1f} GB/s",
-          flush=True)
-    return Hardware(**{k: v for k, v in measured.items()})
+    return _announced("calibrated", Hardware(**calibrate()))
+
+
+def _announced(what: str, hw: Hardware) -> Hardware:
+    print(f"{what}: {hw.peak_tflops * 1e3:.1f} GFLOP/s per thread, memory {hw.hbm_tbps * 1e3:.1f} GB/s", flush=True)
+    return hw
