@@ -32,8 +32,8 @@ def _stepped(metrics: pathlib.Path) -> bool:
     return metrics.is_file() and b"\n" in metrics.read_bytes()
 
 SCENARIOS = {  # name -> (train arguments, extra environment, action, rank acted on)
-    "stop_shm": (["--preset", "small", "--dp", "2", "--timeout", "10"], {}, "stop", 1),
-    "stop_gloo": (["--preset", "small", "--dp", "2", "--timeout", "10"], {"PARALLELISMS_SHM": "0"}, "stop", 0),
+    "stop_shm": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "stop", 1),
+    "stop_gloo": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {"PARALLELISMS_SHM": "0"}, "stop", 0),
     "stop_pipeline": (["--preset", "tiny", "--pp", "2", "--dp", "1", "--timeout", "10"], {}, "stop", 0),
     "kill": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "kill", 1),
     "interrupt": (["--preset", "tiny", "--dp", "2", "--timeout", "10"], {}, "interrupt", None),
