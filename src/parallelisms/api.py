@@ -8,7 +8,8 @@ parser, run the same code and return the dict that ``--json`` prints; bad input 
 
 For a loop of your own: ``configure(**options)`` gives the validated configs, ``build_model`` the full seeded
 model, ``parallelize(model, layout, train)`` applies the layout (process group and meshes included) and returns
-the :class:`~parallelisms.train.Trainer` whose ``train_step(inputs, targets)`` is one optimizer step, and
+the :class:`~parallelisms.train.Trainer` whose ``train_step(inputs, targets)`` is one optimizer step (and whose
+``close()``, on every rank, releases the layout's process groups and hooks when a process trains again), and
 ``batches(train, layout)`` yields this rank's share of each global batch.
 """
 

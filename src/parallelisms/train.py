@@ -130,6 +130,12 @@ class Trainer:
             scheduler.step()
         return loss
 
+    def close(self) -> None:
+        """After the run, on every rank: the gradient sync's hooks out of the model, the process groups and
+        transports released (:meth:`parallelisms.comm.Comms.close`)."""
+        self.grad_sync.remove()
+        self.comms.close()
+
     def evaluate(self, batches) -> torch.Tensor:
         """The mean loss over ``batches`` (this rank's rows of each), averaged over every rank that holds
         other tokens (dp x cp); no gradient, no update. Its collectives are ledger phase ``eval``."""
@@ -349,6 +355,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                                            "memory": trainer.memory_report()}, info.world_size)
     state = trainer.full_state_dict() if spec.collect_state else None
     extra = trainer.report()
+    trainer.close()  # only after success: a failing rank keeps its groups until it exits (see launch.py)
     if info.rank != 0:
         return None
     median = statistics.median(step_times[measured])

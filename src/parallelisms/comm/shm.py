@@ -245,9 +245,18 @@ class SharedMemoryCollectives:
         self.capacity, self.generation, self.calls, self.arrivals = capacity, self.generation + 1, 0, 0
 
     # -- the worker thread -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the worker thread (after the calls queued before) and let go of the mapping."""
+        if not self.inline:
+            self.jobs.put(None)
+        self.slots = self.flags = None
+
     def _serve(self) -> None:
         while True:
-            call, args, work = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:
+                return
+            call, args, work = job
             try:
                 if call is not None:
                     call(*args)

@@ -56,6 +56,11 @@ class GradSync(Protocol):
         """Each optimizer parameter with the boxes of the plain model's full parameters it holds
         (:mod:`parallelisms.parallel.placement`): what a checkpoint saves and loads, in any layout."""
 
+    def remove(self) -> None:
+        """Take this sync's hooks out of the model once training is over. A hook on a tensor that has views (a
+        flat parameter) closes a cycle through autograd's C++ side, which Python's collector cannot free: the
+        model, the engine and its process groups (with gloo's threads) would outlive the run."""
+
 
 class LocalGradients:
     """Gradients as autograd leaves them, nothing to reduce: one data-parallel replica (tensor, context or
@@ -77,6 +82,9 @@ class LocalGradients:
 
     def finish(self) -> None:
         """Nothing in flight."""
+
+    def remove(self) -> None:
+        """No hook."""
 
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(self.params, self.comms)

@@ -61,6 +61,10 @@ class StageSharding:
         """The executor's hook after the stage's last backward work of the step: launch its reductions."""
         self.engines[stage].reduce_held()
 
+    def remove(self) -> None:
+        for engine in self.engines.values():
+            engine.remove()
+
     def finish(self) -> None:
         for engine in self.engines.values():
             engine.finish()
