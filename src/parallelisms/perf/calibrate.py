@@ -5,10 +5,9 @@
   gradient g^T x) with the outputs kept alive as activations are (fresh memory, not a cache-hot buffer), medians.
   ``peak_tflops`` is the median over the shapes with every side at least 256 (smaller ones run from cache);
   ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
-* Elementwise bandwidth (``hbm_tbps``): the kinds of operator an eager transformer block runs (binary, broadcast,
-  strided, activation, reduction, copy) on 0.25-1.5 MB tensors, outputs kept alive: bytes read and written over
-  their time, with the allocator first put where training steps leave it (a few passes of a block). On a CPU
-  these sizes run at about the DRAM streaming rate, not from cache.
+* Elementwise bandwidth (``hbm_tbps``): the operators of one ``small`` block's forward other than its GEMMs and
+  attention, timed as they are dispatched, at 512 and 1,024 tokens, after a few training steps
+  (:func:`measure_block_bandwidth`): the bytes compute.py counts for them over their time less dispatch.
 * Attention (``attention_fraction``): causal ``scaled_dot_product_attention`` forward and backward over a few
   shapes, its FLOPs (half the score matrix, backward 2.5 x forward: compute.py's count) at the GEMM peak over
   the measured time, median.
@@ -37,6 +36,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallelisms.perf.collectives import fit
 
@@ -83,37 +83,56 @@ def measure_gemms(repeats: int = 7) -> list[dict]:
     return rows
 
 
-def _warm_allocator() -> None:
-    """Put the allocator where training steps leave it: a few forward and backward passes of a block of the
-    ``small`` shape free their activations, after which tensors of these sizes come from memory the process
-    already holds. Measured in a process that had not trained, the same operators ran at 4-27 GB/s from run to
-    run (fresh mappings fault in every page, or not, by the allocator's history); after the warm-up at 26-33."""
+class _OperatorTimes(TorchDispatchMode):
+    """Seconds and count of the operators dispatched inside it, by kind: GEMM, attention, the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+        self.calls = dict.fromkeys(self.seconds, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        kind = ("gemm" if name.split(".")[0] in ("mm", "addmm", "bmm") else
+                "attention" if "scaled_dot_product" in name else "other")
+        self.seconds[kind] += time.perf_counter() - start
+        self.calls[kind] += 1
+        return out
+
+
+def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
+    """Bytes per second of an eager block's operators other than its GEMMs and attention, as the block runs
+    them: the forward of one layer of the ``small`` shape at 512 and 1,024 tokens, each operator timed as it is
+    dispatched, after a few training steps have put the allocator where training leaves it; compute.py's count
+    of their bytes (:func:`_eager_elementwise_bytes`) over their time less ``per_operator_s`` each (dispatch,
+    :func:`measure_op_overhead`). Micro-benchmarks of the same kinds of operator on inputs they had just read
+    ran at twice this: the block's operators read tensors other operators wrote, and each writes a new one."""
     from parallelisms.config import preset
     from parallelisms.model import build_model
+    from parallelisms.perf.compute import LayerShape, _eager_elementwise_bytes
 
-    model = build_model(dataclasses.replace(preset("small"), n_layers=1))
-    tokens = torch.zeros(4, 128, dtype=torch.long)
-    for _ in range(3):
-        model(tokens, tokens).backward()
-
-
-def measure_memory_bandwidth(repeats: int = 7) -> float:
-    """Bytes per second of an eager block's kinds of elementwise operator (module docstring): bytes read and
-    written by all of them over their summed median times."""
     torch.set_num_threads(1)
-    _warm_allocator()
-    tokens, dim, ffn = 512, 256, 688
-    h, w, a, b = torch.randn(tokens, dim), torch.randn(dim), torch.randn(tokens, ffn), torch.randn(tokens, ffn)
-    heads = torch.randn(4, 128, 8, 32)  # [batch, seq, heads, head_dim]
-    rotated = heads.unflatten(-1, (-1, 2)).unbind(-1)  # strided halves, as rotary's
-    angle = torch.randn(128, 1, 16)
-    ops = [(lambda: h + h, 3 * h.numel()), (lambda: h * w, 2 * h.numel()), (lambda: a * b, 3 * a.numel()),
-           (lambda: torch.nn.functional.silu(a), 2 * a.numel()), (lambda: h.pow(2), 2 * h.numel()),
-           (lambda: h.mean(-1, keepdim=True), h.numel()), (lambda: rotated[0] * angle, 2 * rotated[0].numel()),
-           (lambda: torch.stack(rotated, -1), 4 * rotated[0].numel()),
-           (lambda: heads.transpose(1, 2).contiguous(), 2 * heads.numel())]
-    seconds = sum(_kept_seconds(fn, repeats) for fn, _ in ops)
-    return 4 * sum(n for _, n in ops) / seconds
+    cfg = dataclasses.replace(preset("small"), n_layers=1)
+    model = build_model(cfg)
+    block, seq = model.layers["0"], 128
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    moved = seconds = 0.0
+    for batch in (4, 8):
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        for _ in range(3):
+            model(tokens, tokens).backward()
+        x = torch.randn(batch, seq, cfg.dim)
+        runs = []
+        for _ in range(repeats):
+            with _OperatorTimes() as timed:
+                out = block(x, cos, sin)  # its graph keeps the activations alive, as a training forward does
+            runs.append(timed)
+            del out
+        moved += _eager_elementwise_bytes(LayerShape(cfg, batch, seq), 4)
+        seconds += statistics.median(r.seconds["other"] - r.calls["other"] * per_operator_s for r in runs)
+    return moved / max(seconds, 1e-9)
 
 
 ATTENTION_SHAPES = [(4, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64), (1, 2, 512, 128)]  # batch, heads, seq, d
@@ -247,10 +266,11 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
     peak = statistics.median(r["tflops"] for r in gemms if min(r["m"], r["n"], r["k"]) >= 256)
     short = [r for r in gemms if r["k"] <= 128 and min(r["m"], r["n"]) >= 1024]
     k_half = statistics.median(r["k"] * (peak / r["tflops"] - 1) for r in short) if short else 0.0
-    bandwidth = measure_memory_bandwidth(repeats)
+    per_operator = measure_op_overhead(repeats)
+    bandwidth = measure_block_bandwidth(per_operator, repeats)
     optimizer_bandwidth, optimizer_tensor_s = measure_optimizer(repeats)
     return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12,
-            "gemm_k_half": max(k_half, 0.0), "op_overhead_us": measure_op_overhead(repeats) * 1e6,
+            "gemm_k_half": max(k_half, 0.0), "op_overhead_us": per_operator * 1e6,
             "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
             "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6}, gemms
 

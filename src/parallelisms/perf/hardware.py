@@ -117,11 +117,11 @@ PRESETS = {
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over four
-    # runs (peak 86-96 GFLOP/s per thread; elementwise 11-34 GB/s, bimodal with the allocator's state; attention
+    # runs (peak 86-96 GFLOP/s per thread; elementwise 10-16 GB/s, a block's own operators as it runs them; attention
     # 38-44% of the GEMM rate; optimizer 13.5-15.4 GB/s + 33 us per tensor; op 3.1-3.3 us; collectives 72-74% CPU;
     # collective alphas, measured after a burst of GEMMs as a step issues them, 0.2-2.3 ms). Rerun it on another
     # machine and pass the file.
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.091, 16, 0.022, 1024, 6.0, 6.0, 1425, 1425, gemm_fraction=1.0,
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.091, 16, 0.0138, 1024, 6.0, 6.0, 1425, 1425, gemm_fraction=1.0,
                     gemm_k_half=0.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
                     op_overhead_us=3.2, attention_fraction=0.41, optimizer_tbps=0.0138, optimizer_tensor_us=33,
                     comm_cpu_fraction=0.72,
