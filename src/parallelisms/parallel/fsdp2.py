@@ -56,78 +56,14 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm, Comms
+from parallelisms.comm import Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
                                           norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
 from parallelisms.parallel.flat import module_units, split_expert_units
 from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.recompute import register_recompute_context
-
-
-class BufferStats:
-    """The engine's own accounting of the temporary buffers it allocates (gathered weights, gradient
-    communication buffers): allocations, live count and bytes, and the peak of live bytes. A released
-    buffer's storage is resized to zero, so views autograd still holds (the forward leaves) keep no memory."""
-
-    def __init__(self):
-        self.allocations = {"weight": 0, "grad": 0}
-        self.live = {"weight": 0, "grad": 0}
-        self.live_bytes = {"weight": 0, "grad": 0}
-        self.peak_bytes = {"weight": 0, "grad": 0}
-
-    def allocate(self, kind: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=dtype or like.dtype, device=like.device)
-        self.allocations[kind] += 1
-        self.live[kind] += 1
-        self.live_bytes[kind] += buf.untyped_storage().nbytes()
-        self.peak_bytes[kind] = max(self.peak_bytes[kind], self.live_bytes[kind])
-        return buf
-
-    def observe(self, kind: str, extra_bytes: int) -> None:
-        """Count ``extra_bytes`` held beside the live buffers in the peak (autograd's full gradients)."""
-        self.peak_bytes[kind] = max(self.peak_bytes[kind], self.live_bytes[kind] + extra_bytes)
-
-    def release(self, kind: str, buf: torch.Tensor | None) -> None:
-        if buf is not None and buf.untyped_storage().nbytes():
-            self.live[kind] -= 1
-            self.live_bytes[kind] -= buf.untyped_storage().nbytes()
-            buf.untyped_storage().resize_(0)
-
-
-class Unit:
-    """A group of modules communicated together: its (module, attribute, parameter) entries, their shards,
-    and the gathered state of the current step."""
-
-    def __init__(self, index: int, modules: list[nn.Module], comm: Comm, owned=lambda param: True):
-        self.index, self.modules, self.comm = index, modules, comm  # ``comm``: the dimension it is sharded over
-        self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters()
-                        if p.requires_grad and owned(p)]
-        self.shapes = [p.shape for _, _, p in self.entries]
-        self.shard: torch.Tensor | None = None       # flat local shard (params' .data are views)
-        self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views);
-                                                      # None from zero_grad until the first reduce-scatter
-        self.pending = None                           # in-flight all-gather
-        self.gather_source = None                     # what it reads (the shard cast to the compute dtype)
-        self.gathered: torch.Tensor | None = None     # the all-gather destination
-        self.full: list[torch.Tensor] | None = None   # full parameters (views into one storage)
-        self.full_storage: torch.Tensor | None = None
-        self.leaves: list[torch.Tensor] | None = None
-        self.accumulated = 0
-        self.saves_weights = False                    # some saved tensor of its forward is a weight
-        self.grads_prepared = False
-        self.main_grad: torch.Tensor | None = None    # mixed precision: the fp32 sum of the step's gradients
-        self.flat_param: nn.Parameter | None = None   # the optimizer's flat shard (buffer-reuse layout)
-        self.late_prefetch = False                    # backward prefetch at after_last_child_backward
-        self.norm_keys: set = set()                   # the gradient norm's groups (mesh dimensions)
-        self.norm_pieces: list = []                   # runs of ``grad`` by group (:func:`norm_pieces`)
-
-
-def _owner(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
-    *path, name = qualified.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module, name
+from parallelisms.parallel.shard_units import BufferStats, Unit, copy_rows, unit_offsets
 
 
 class PerParamSharding:
@@ -209,9 +145,9 @@ class PerParamSharding:
             full = torch.empty(sum(s.numel() for s in unit.shapes), dtype=gathered.dtype, device=gathered.device)
         ranks = gathered.view(unit.comm.size, -1)
         out, offset = [], 0
-        for shard_offset, shape, (_, _, p) in zip(_offsets(unit), unit.shapes, unit.entries):
+        for shard_offset, shape, (_, _, p) in zip(unit_offsets(unit), unit.shapes, unit.entries):
             dst = full[offset:offset + shape.numel()]
-            _copy_rows(ranks[:, shard_offset:shard_offset + p.numel()], dst, into_ranks=False)
+            copy_rows(ranks[:, shard_offset:shard_offset + p.numel()], dst, into_ranks=False)
             out.append(dst.view(shape))
             offset += shape.numel()
         return out
@@ -242,12 +178,12 @@ class PerParamSharding:
             return send
         send = self.stats.allocate("grad", unit.shard.numel() * unit.comm.size, unit.shard)
         ranks = send.view(unit.comm.size, -1)
-        for shard_offset, leaf, (_, _, p) in zip(_offsets(unit), unit.leaves, unit.entries):
+        for shard_offset, leaf, (_, _, p) in zip(unit_offsets(unit), unit.leaves, unit.entries):
             dst = ranks[:, shard_offset:shard_offset + p.numel()]
             if leaf.grad is None:
                 dst.zero_()
             else:
-                _copy_rows(dst, leaf.grad.reshape(-1), into_ranks=True)
+                copy_rows(dst, leaf.grad.reshape(-1), into_ranks=True)
             leaf.grad = None
         return send
 
@@ -260,9 +196,9 @@ class PerParamSharding:
 
     def _add_to_main_grad(self, unit: Unit, index: int, grad: torch.Tensor) -> None:
         """Add leaf ``index``'s compute-dtype gradient into its rows of the main grad, in fp32."""
-        shard_offset, numel = _offsets(unit)[index], unit.entries[index][2].numel()
+        shard_offset, numel = unit_offsets(unit)[index], unit.entries[index][2].numel()
         ranks = self._main_grad(unit).view(unit.comm.size, -1)[:, shard_offset:shard_offset + numel]
-        _copy_rows(ranks, grad.reshape(-1), into_ranks=True, add=True)
+        copy_rows(ranks, grad.reshape(-1), into_ranks=True, add=True)
 
     @torch.no_grad()
     def _to_main_grad(self, unit: Unit, index: int, leaf: torch.Tensor) -> None:
@@ -281,7 +217,7 @@ class PerParamSharding:
         self.stats.release("grad", send)
 
     def _param_grad_views(self, unit: Unit) -> list[torch.Tensor]:
-        return [unit.grad[o:o + p.numel()].view_as(p) for o, (_, _, p) in zip(_offsets(unit), unit.entries)]
+        return [unit.grad[o:o + p.numel()].view_as(p) for o, (_, _, p) in zip(unit_offsets(unit), unit.entries)]
 
     # -- gathering ---------------------------------------------------------------------------------------
     def _issue_gather(self, unit: Unit) -> None:
@@ -555,34 +491,3 @@ class PerParamSharding:
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
-
-
-def _offsets(unit: Unit) -> list[int]:
-    """Start of each parameter's rows inside the unit's flat shard."""
-    offsets, offset = [], 0
-    for _, _, p in unit.entries:
-        offsets.append(offset)
-        offset += p.numel()
-    return offsets
-
-
-def _copy_rows(ranks: torch.Tensor, flat: torch.Tensor, into_ranks: bool, add: bool = False) -> None:
-    """Move between a [N, chunk] rank-major block and a flat tensor holding its first ``flat.numel()``
-    elements in order (the rest of the block is padding, zeroed when writing into the block; ``add``: added
-    into the block instead, whose padding stays as it is)."""
-    chunk = ranks.shape[1]
-    whole, rest = divmod(flat.numel(), chunk)
-    if into_ranks and add:
-        ranks[:whole].add_(flat[:whole * chunk].view(whole, chunk))
-        if rest:
-            ranks[whole, :rest].add_(flat[whole * chunk:])
-    elif into_ranks:
-        ranks[:whole].copy_(flat[:whole * chunk].view(whole, chunk))
-        if whole < ranks.shape[0]:
-            ranks[whole, :rest].copy_(flat[whole * chunk:])
-            ranks[whole, rest:].zero_()
-            ranks[whole + 1:].zero_()
-    else:
-        flat[:whole * chunk].view(whole, chunk).copy_(ranks[:whole])
-        if rest:
-            flat[whole * chunk:].copy_(ranks[whole, :rest])

@@ -39,7 +39,8 @@ from torch import nn
 
 from parallelisms.comm import Comms
 from parallelisms.parallel.common import SHARD_ATTR, mark_sharded
-from parallelisms.parallel.fsdp2 import PerParamSharding, Unit
+from parallelisms.parallel.fsdp2 import PerParamSharding
+from parallelisms.parallel.shard_units import Unit
 from parallelisms.parallel.placement import flat_pieces
 
 
