@@ -400,8 +400,9 @@ class Comms:
         that trains again (the Python API, the test suite) would otherwise gather: a thousand threads per rank
         after fifty runs, whose timed wake-ups took half the CPU time of a launch that trained fifty layouts."""
         if self.meshes and dist.is_initialized() and dist.get_world_size() > 1:
+            device = "cuda" if "nccl" in dist.get_backend() else "cpu"  # NCCL reduces on the rank's GPU only
             with self.ledger.in_phase("teardown"):
-                self["world"].all_reduce(torch.zeros(1))
+                self["world"].all_reduce(torch.zeros(1, device=device))
         for comm in self._comms.values():
             comm.close()
         groups = {group for mesh in self.meshes.values() for group in mesh.get_all_groups()}  # all, before any goes
