@@ -52,6 +52,16 @@ def assert_reproduces(report: dict, model, train, splits: int, tolerance: float 
         assert compare(report, unclipped)["max_param_rel_diff"] > 1e-3
 
 
+def assert_pipeline_report(report: dict, pp: int) -> None:
+    """A pipeline run's report: the activations held per rank peak where the schedule simulator says; the
+    measured, simulated and in-run (the run's own latency and host time) bubble rates and per-stage times."""
+    bubble = report["pipeline"]
+    assert bubble["peak_held_per_rank"] == bubble["simulated_peak_per_rank"], bubble
+    assert -1e-9 < bubble["simulated_bubble_rate"] < 1.0 and 0.0 < bubble["measured_bubble_rate"] < 1.0, bubble
+    assert -1e-9 < bubble["simulated_bubble_rate_in_run"] < 1.0 and bubble["t_latency_in_run_s"] >= 0.0, bubble
+    assert len(bubble["stage_times_s"]) >= pp and all(f > 0 for f, _, _ in bubble["stage_times_s"]), bubble
+
+
 @contextlib.contextmanager
 def one_thread():
     """Single-process references on one thread: the models are tiny, and two threads on two cores busy

@@ -9,7 +9,7 @@ import pytest
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.compute import LayerShape, _attention_core, _eager_elementwise_bytes, layer_times
+from parallelisms.perf.compute import LayerShape, _attention_core, eager_elementwise_bytes, layer_times
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.step import _comm, _layer_comm, predict_step
 
@@ -39,7 +39,7 @@ def test_cpu_elementwise_counts_the_eager_operators():
     shape = LayerShape(SMALL, 4, 128)
     # 20 D + 11 Q + 9 K + 2 (Q + K) (grouped heads) + 5 F elements per token, 4 bytes each
     per_token = 20 * 256 + 11 * 256 + 9 * 128 + 2 * (256 + 128) + 5 * 688
-    assert _eager_elementwise_bytes(shape, 4) == 512 * per_token * 4
+    assert eager_elementwise_bytes(shape, 4) == 512 * per_token * 4
     fused = dataclasses.replace(CPU, cores=0)
     assert layer_times(CPU, shape).forward > layer_times(fused, shape).forward
 

@@ -102,11 +102,10 @@ class Comm:
 
     def close(self) -> None:
         """Stop this Comm's shared-memory transports (their worker thread, their mappings)."""
-        for name in ("_shm", "_shm_now"):
-            if getattr(self, name):
-                getattr(self, name).close()
-            setattr(self, name, None)
-        self._p2p = None
+        for shm in (self._shm, self._shm_now):
+            if shm:
+                shm.close()
+        self._shm = self._shm_now = self._p2p = None
 
     def __deepcopy__(self, memo) -> "Comm":
         """A handle on a process group, not data: a copied module (DualPipe's second copy of a stage) talks over

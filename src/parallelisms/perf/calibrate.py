@@ -83,22 +83,20 @@ def measure_gemms(repeats: int = 7) -> list[dict]:
     return rows
 
 
-class _OperatorTimes(TorchDispatchMode):
-    """Seconds and count of the operators dispatched inside it, by kind: GEMM, attention, the rest."""
+class _ElementwiseTimes(TorchDispatchMode):
+    """Seconds and count of the operators dispatched inside it other than GEMMs and attention."""
 
     def __init__(self):
         super().__init__()
-        self.seconds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
-        self.calls = dict.fromkeys(self.seconds, 0)
+        self.seconds, self.calls = 0.0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         name = func.__name__
-        kind = ("gemm" if name.split(".")[0] in ("mm", "addmm", "bmm") else
-                "attention" if "scaled_dot_product" in name else "other")
-        self.seconds[kind] += time.perf_counter() - start
-        self.calls[kind] += 1
+        if name.split(".")[0] not in ("mm", "addmm", "bmm") and "scaled_dot_product" not in name:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
         return out
 
 
@@ -106,12 +104,12 @@ def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
     """Bytes per second of an eager block's operators other than its GEMMs and attention, as the block runs
     them: the forward of one layer of the ``small`` shape at 512 and 1,024 tokens, each operator timed as it is
     dispatched, after a few training steps have put the allocator where training leaves it; compute.py's count
-    of their bytes (:func:`_eager_elementwise_bytes`) over their time less ``per_operator_s`` each (dispatch,
+    of their bytes (:func:`eager_elementwise_bytes`) over their time less ``per_operator_s`` each (dispatch,
     :func:`measure_op_overhead`). Micro-benchmarks of the same kinds of operator on inputs they had just read
     ran at twice this: the block's operators read tensors other operators wrote, and each writes a new one."""
     from parallelisms.config import preset
     from parallelisms.model import build_model
-    from parallelisms.perf.compute import LayerShape, _eager_elementwise_bytes
+    from parallelisms.perf.compute import LayerShape, eager_elementwise_bytes
 
     torch.set_num_threads(1)
     cfg = dataclasses.replace(preset("small"), n_layers=1)
@@ -126,12 +124,12 @@ def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
         x = torch.randn(batch, seq, cfg.dim)
         runs = []
         for _ in range(repeats):
-            with _OperatorTimes() as timed:
+            with _ElementwiseTimes() as timed:
                 out = block(x, cos, sin)  # its graph keeps the activations alive, as a training forward does
             runs.append(timed)
             del out
-        moved += _eager_elementwise_bytes(LayerShape(cfg, batch, seq), 4)
-        seconds += statistics.median(r.seconds["other"] - r.calls["other"] * per_operator_s for r in runs)
+        moved += eager_elementwise_bytes(LayerShape(cfg, batch, seq), 4)
+        seconds += statistics.median(r.seconds - r.calls * per_operator_s for r in runs)
     return moved / max(seconds, 1e-9)
 
 

@@ -11,7 +11,7 @@ move; nothing is fitted to a step time.
 * Elementwise kernels (norms, residual adds, activation, softmax, dropout) are memory-bound: bytes read and
   written over the HBM bandwidth; backward moves about twice the forward's bytes. On a GPU they are the fused
   kernels of the published runs (Megatron-LM); on a CPU (``hw.cores``) they are this project's eager
-  operators, each reading and writing its own tensors (:func:`_eager_elementwise_bytes`, about three times
+  operators, each reading and writing its own tensors (:func:`eager_elementwise_bytes`, about three times
   the fused count).
 * Attention: ``flash`` (fused, causal half of the scores, nothing materialised; Dao et al. 2022) or
   ``fused-softmax`` (Megatron-LM 2021-22: scores materialised, one scale/mask/softmax kernel, then dropout),
@@ -135,7 +135,7 @@ def _elementwise_bytes(shape: LayerShape) -> float:
     return 2 * 2 * residual * e + 2 * (3 * e + 1) * residual + activation
 
 
-def _eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
+def eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
     """Bytes the forward's eager operators (model/transformer.py's Block) read and write, per rank: with D the
     residual width (over tp rows under SP), Q and K the rank's query and key/value widths and F its MLP width,
     per token two RMSNorms (pow, mean, scale, weight: 7D each), two residual adds (3D each), rotary on q and
@@ -162,7 +162,7 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
         flops += 2 * m * n * k * b
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
-    moved = (_eager_elementwise_bytes(shape, hw.bytes_per_element) if hw.cores
+    moved = (eager_elementwise_bytes(shape, hw.bytes_per_element) if hw.cores
              else _elementwise_bytes(shape) * hw.bytes_per_element / 2)
     elementwise = moved / hw.memory_bytes_per_s
     column = (0, len(linears) - 2)  # QKV and the MLP's input projection
