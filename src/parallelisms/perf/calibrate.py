@@ -93,9 +93,9 @@ class _ElementwiseTimes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        name = func.__name__
+        seconds, name = time.perf_counter() - start, func.__name__
         if name.split(".")[0] not in ("mm", "addmm", "bmm") and "scaled_dot_product" not in name:
-            self.seconds += time.perf_counter() - start
+            self.seconds += seconds
             self.calls += 1
         return out
 
