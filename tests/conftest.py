@@ -1,7 +1,48 @@
-"""The suite launches its ranks from a forkserver that has imported torch once (``PARALLELISMS_START_METHOD``):
-an 8-rank launch takes half a second instead of eight. The fault tests pin the default, ``spawn``, where they
-need it; ``test_launch`` checks both."""
+"""The suite runs on every core (pytest-xdist, one file per worker, so a file's launches and fixtures happen once)
+and launches its ranks from a forkserver that has imported torch once (``PARALLELISMS_START_METHOD``): an
+8-rank launch takes half a second instead of eight. The fault tests pin the default, ``spawn``, where they need
+it; ``test_launch`` checks both.
 
+A test or fixture that times how fast something ends runs :func:`alone`: no test of another worker runs
+meanwhile (an exclusive lock that every other test holds shared), so its bound holds on a busy machine too."""
+
+import contextlib
+import fcntl
 import os
 
+import pytest
+
 os.environ.setdefault("PARALLELISMS_START_METHOD", "forkserver")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most four (each test launches up to 16 ranks of its own)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _lock_path(factory) -> str:
+    """A file every worker of this session sees: the parent of the workers' temporary directories."""
+    return str(factory.getbasetemp().parent / "alone.lock")
+
+
+@contextlib.contextmanager
+def _locked(path: str, mode: int):
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def alone(tmp_path_factory):
+    """A context manager: the code under it runs while no test of another worker does."""
+    return lambda: _locked(_lock_path(tmp_path_factory), fcntl.LOCK_EX)
+
+
+@pytest.fixture(autouse=True)
+def _with_the_others(tmp_path_factory):
+    """Every test holds the lock shared, so :func:`alone` waits for the other workers' running tests."""
+    with _locked(_lock_path(tmp_path_factory), fcntl.LOCK_SH):
+        yield

@@ -5,7 +5,7 @@ rank with ``interrupted`` and exit code 130, also while the ranks are still impo
 The command line runs as a subprocess (in a session of its own, so Ctrl-C can reach its whole process group as
 a terminal's would). The scenarios run at once, each acting once its run has trained a step (or, for Ctrl-C
 while starting, once both ranks have begun to import torch), to keep the file
-within a minute on a small machine.
+within a minute on a small machine, and no test of another worker runs meanwhile (conftest's ``alone``).
 """
 
 import os
@@ -130,12 +130,17 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, alone):
     if not os.path.isdir("/proc") or not hasattr(os, "killpg"):
         pytest.skip("needs Linux /proc and process groups to find and signal the ranks")
+    dirs = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}  # not in the threads: it numbers them
+    with alone():  # the bounds are on how fast each run ends: no other test's ranks compete meanwhile
+        return _run_all(dirs)
+
+
+def _run_all(dirs: dict) -> dict:
     shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("parallelisms-")}
     results = {}
-    dirs = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}  # not in the threads: it numbers them
 
     def scenario(name):
         try:
