@@ -59,6 +59,7 @@ def assert_pipeline_report(report: dict, pp: int) -> None:
     assert bubble["peak_held_per_rank"] == bubble["simulated_peak_per_rank"], bubble
     assert -1e-9 < bubble["simulated_bubble_rate"] < 1.0 and 0.0 < bubble["measured_bubble_rate"] < 1.0, bubble
     assert -1e-9 < bubble["simulated_bubble_rate_in_run"] < 1.0 and bubble["t_latency_in_run_s"] >= 0.0, bubble
+    assert max(sum(times) for times in bubble["stage_times_s"]) < bubble["simulated_makespan_s"], bubble
     assert len(bubble["stage_times_s"]) >= pp and all(f > 0 for f, _, _ in bubble["stage_times_s"]), bubble
 
 

@@ -116,6 +116,31 @@ def single_process_step_time(model_cfg, train_cfg: TrainConfig, steps: int) -> f
     return alternate({"single": step}, steps, 1)["single"]
 
 
+def phase_timed(model, optimizer, inputs, targets, zero_grad=None):
+    """A training step that times its phases: (step, phase name -> seconds per step, the warm-up step left
+    out by :func:`phase_medians`). Backward includes the gradient sync's waits inside it. ``zero_grad``: the
+    gradient sync's own, else the optimizer's."""
+    seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+
+    def step():
+        (zero_grad or optimizer.zero_grad)()
+        start = time.perf_counter()
+        loss = model(inputs, targets)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        optimizer.step()
+        for key, value in zip(seconds, (forward - start, backward - forward, time.perf_counter() - backward)):
+            seconds[key].append(value)
+    return step, seconds
+
+
+def phase_medians(seconds: dict, step_s: float, alone_s: float) -> dict:
+    """Median seconds per phase (the warm-up step left out) and the exposed communication: the step's time
+    beyond the same step with no communication at all, on the same ranks in the same rounds."""
+    return {**{k: statistics.median(v[1:]) for k, v in seconds.items()}, "exposed_comm_s": max(0.0, step_s - alone_s)}
+
+
 def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rounds: int):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -125,42 +150,39 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
 
     meshes = ParallelDims(dp_replicate=info.world_size).build_meshes()
     comms = Comms(meshes)
-    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).shard(
-        0, info.rank, info.world_size)
+    batch = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).shard(0, info.rank, info.world_size)
 
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
     ours_model = build_model(model_cfg, train_cfg.seed)
     ours = DataParallel(ours_model, comms, "dp", bucket_cap_mb=train_cfg.bucket_mb)
-    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=train_cfg.lr)
     peer_model = TorchDDP(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb,
                           gradient_as_bucket_view=True)
-    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=train_cfg.lr)
-
-    def ours_step():
-        ours.zero_grad()
-        ours_model(inputs, targets).backward()
-        ours_opt.step()
-
-    def peer_step():
-        peer_opt.zero_grad()
-        peer_model(inputs, targets).backward()
-        peer_opt.step()
-    times = alternate({"peer": peer_step, "ours": ours_step}, steps, rounds)
-    return times, "shared memory" if comms["dp"]._shm else "gloo"
+    alone_model = build_model(model_cfg, train_cfg.seed)  # the same step with no gradient sync: the floor
+    runners = {"peer": phase_timed(peer_model, adamw(peer_model), *batch),
+               "ours": phase_timed(ours_model, adamw(ours_model), *batch, zero_grad=ours.zero_grad),
+               "alone": phase_timed(alone_model, adamw(alone_model), *batch)}
+    times = alternate({name: step for name, (step, _) in runners.items()}, steps, rounds)
+    phases = {name: phase_medians(seconds, times[name], times["alone"]) for name, (_, seconds) in runners.items()}
+    return times, phases, "shared memory" if comms["dp"]._shm else "gloo"
 
 
 @bench("ddp")
 def bench_ddp(args) -> dict:
     """Our DataParallel against torch DistributedDataParallel (gradient_as_bucket_view, same bucket cap). Ours
-    all-reduces through the comm layer: shared memory between ranks of one host unless PARALLELISMS_SHM=0."""
+    all-reduces through the comm layer: shared memory between ranks of one host unless PARALLELISMS_SHM=0.
+    ``floor_ratio``: the same step with no gradient sync at all, on the same ranks in the same rounds, over
+    the peer's: the lowest ratio any data parallelism could reach here (communication free)."""
     model_cfg = preset(args.preset).validate()
     train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     train_cfg.validate(model_cfg, dp=args.world)
-    times, transport = launch(_ddp_rank, args.world, model_cfg, train_cfg, args.steps, args.rounds, backend="gloo",
-                              threads=1)[0]
+    times, phases, transport = launch(_ddp_rank, args.world, model_cfg, train_cfg, args.steps, args.rounds,
+                                      backend="gloo", threads=1)[0]
     single = single_process_step_time(model_cfg, train_cfg, args.steps)
     return {"bench": "ddp", "world_size": args.world, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": "torch.nn.parallel.DistributedDataParallel", "peer_s": times["peer"],
-            "ratio": times["ours"] / times["peer"], "single_process_s": single,
+            "ratio": times["ours"] / times["peer"], "alone_s": times["alone"],
+            "floor_ratio": times["alone"] / times["peer"], "phases": phases, "single_process_s": single,
             "ours_scaling_efficiency": single / (args.world * times["ours"]),
             "peer_scaling_efficiency": single / (args.world * times["peer"]),
             "ours_all_reduce_transport": transport}  # PARALLELISMS_SHM=0: gloo, like the peer

@@ -6,6 +6,10 @@ Both implementations run in the same processes on their own copy of the same see
 layer bounds, one thread per rank, alternating one step each (``bench.alternate`` with rounds of one step,
 so load drift on a shared machine hits both alike). A step is zero-grad, one pass
 of the schedule over the global batch, and an AdamW step (no clipping: the peer has none).
+
+``floor_s``: the schedule simulated with our measured forward, backward and weight-gradient times per stage and
+nothing between actions (no message time, no host time), without the optimizer step: no executor of these
+stages can take less, so ``floor_ratio`` (floor over the peer's step) bounds the ratio any pipeline reaches here.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, r
     comms = Comms(parallel.dims.build_meshes())
     runner, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
     peer = _peer_step(model_cfg, train_cfg, runner, comms["pp"].rank)
-    return alternate({"ours": ours, "peer": peer}, 1, steps * rounds)  # one step each, in turn
+    times = alternate({"ours": ours, "peer": peer}, 1, steps * rounds)  # one step each, in turn
+    return times, runner.report()["pipeline"]
 
 
 def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -87,12 +92,14 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
 def bench_pipeline(args) -> dict:
     """Our executor against torch.distributed.pipelining's schedule of the same name."""
     model_cfg, train_cfg, parallel = _configs(args)
-    times = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps, args.rounds,
-                   backend="gloo", threads=1)[0]
+    times, pipeline = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps, args.rounds,
+                             backend="gloo", threads=1)[0]
+    floor = pipeline["simulated_makespan_s"]
     return {"bench": "pipeline", "schedule": args.schedule, "world_size": args.world,
             "microbatches": parallel.microbatches, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
-            "peer_s": times["peer"], "ratio": times["ours"] / times["peer"]}
+            "peer_s": times["peer"], "ratio": times["ours"] / times["peer"],
+            "floor_s": floor, "floor_ratio": floor / times["peer"], "bubble": pipeline}
 
 
 # -- balancing by measured runtime ----------------------------------------------------------------------

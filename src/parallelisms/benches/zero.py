@@ -15,6 +15,10 @@ implementation collected meanwhile does not count; a block freed on a thread the
 (a communication thread dropping the last reference) counts as freed when its address is reused, so
 peaks can still be high by a buffer or two, the same way for every implementation. ``peak_memory_ratio`` = ours / peer. Ranks report
 their own figures; the maximum over ranks is kept.
+
+``floor_ratio``: the time of the same step with no communication at all and AdamW over a 1/N share of the
+parameters (:func:`_alone`, in the same processes and rounds) over the headline peer's: no sharded
+data parallelism can go below it on these cores.
 """
 
 from __future__ import annotations
@@ -101,6 +105,30 @@ def _plain_step(model: nn.Module, optimizer, batch):
         model(*batch).backward()
         optimizer.step()
     return step
+
+
+ALONE = "alone (no communication)"
+
+
+def _alone(world: int):
+    """The floor of every sharded layout's time here: this rank's rows through the plain model with no
+    communication at all, and AdamW over a 1/``world`` share of the parameters (a sharded rank's optimizer
+    work)."""
+    def build(model_cfg, train_cfg, batch):
+        model = build_model(model_cfg, train_cfg.seed)
+        total, share, held = sum(p.numel() for p in model.parameters()), [], 0
+        for p in model.parameters():
+            if held * world < total:
+                share.append(p)
+                held += p.numel()
+        optimizer = make_optimizer(share, train_cfg)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(*batch).backward()
+            optimizer.step()
+        return step
+    return build
 
 
 def _torch_zero1(model_cfg, train_cfg, batch):
@@ -226,7 +254,7 @@ def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, st
         0, info.rank, info.world_size)
     ours, peers = _implementations(name, info.world_size, with_deepspeed)
     runs, memory = {}, {}
-    for label, build in {**ours, **peers}.items():
+    for label, build in {**ours, **peers, ALONE: _alone(info.world_size)}.items():
         runs[label], memory[label] = profiled(lambda: build(model_cfg, train_cfg, batch))
     times = alternate(runs, steps, rounds)
     return {label: {"s": times[label], **memory[label]} for label in runs}, list(ours), list(peers)
@@ -259,6 +287,8 @@ def run_zero_bench(name: str, args) -> dict:
     headline_ours, headline_peer = ours_labels[0], peer_labels[0]
     out = {"bench": name, "world_size": args.world, "params": model_cfg.num_params(), "ours": headline_ours,
            "peer": headline_peer, **_pair(results[headline_ours], results[headline_peer])}
+    out["alone_s"] = results[ALONE]["s"]
+    out["floor_ratio"] = results[ALONE]["s"] / results[headline_peer]["s"]  # the lowest ratio any sharding reaches
     out["implementations"] = results
     out["comparisons"] = {f"{o} vs {p}": _pair(results[o], results[p]) for o, p in _comparisons(ours_labels,
                                                                                                  peer_labels)}

@@ -279,16 +279,22 @@ def calibrate(quick: bool = False) -> dict:
     compute, gemms = calibrate_compute(repeats)
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
-    comm_cpu_fraction = collectives.pop("cpu_fraction")
-    ar = collectives["all_reduce"]
     cores = os.cpu_count() or 1
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
-            "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, "intra_node_gbps": ar["gbps"],
-            "inter_node_gbps": ar["gbps"], "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"],
+            "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, **collective_keys(collectives),
             "gemm_fraction": 1.0, "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
-            "bytes_per_element": 4, "cores": cores, "comm_cpu_fraction": comm_cpu_fraction,
-            "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()},
-            "measurements": {"gemm": gemms, "collectives": collectives}}
+            "bytes_per_element": 4, "cores": cores,
+            "measurements": {"gemm": gemms, "collectives": {k: v for k, v in collectives.items() if k != "cpu_fraction"}}}
+
+
+def collective_keys(collectives: dict) -> dict:
+    """The hardware keys of :func:`measure_collectives`' fit: alpha and bandwidth per kind, the all-reduce's as
+    the links' (one host: intra- and inter-node alike), and the comm CPU fraction."""
+    ar = collectives["all_reduce"]
+    return {"intra_node_gbps": ar["gbps"], "inter_node_gbps": ar["gbps"], "intra_latency_us": ar["alpha_us"],
+            "inter_latency_us": ar["alpha_us"], "comm_cpu_fraction": collectives["cpu_fraction"],
+            "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()
+                            if k != "cpu_fraction"}}
 
 
 def _memory_gb() -> float:

@@ -7,6 +7,7 @@ backward and optimizer spans per step (the pipeline runtime records its own phas
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -75,11 +76,11 @@ CASES = {
 
 
 def bench_predict(args) -> dict:
-    """Run every case ``args.rounds`` times, round after round (drift in the machine's speed reaches every case
-    alike), predict it, and report each case's error at its median round (``bench predict``). The hardware is
-    this machine measured at the start of the run, its compute rates again before every later round
-    (``--hardware calibrate``, the default: a shared machine's speed drifts by a quarter within an hour, so a
-    stored file describes another hour's machine), a preset or a ``parallelisms calibrate`` file."""
+    """Run every case ``args.rounds`` times, predict it, and report each case's error at its median round
+    (``bench predict``). Each round runs the cases in a rotated order, so no case always comes first. The
+    hardware is this machine measured at the start of the run, its compute rates measured again after every
+    case and its collectives after every round (``--hardware calibrate``, the default: each case is predicted
+    with the measurements around it, :func:`_bracketed`), a preset or a ``parallelisms calibrate`` file."""
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
@@ -91,12 +92,19 @@ def bench_predict(args) -> dict:
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     runs = {name: [] for name in CASES}
+    names = list(layouts)
     for round_ in range(args.rounds):
-        if spec == "calibrate" and round_:
-            hw = _recalibrated(hw)
-        for name, parallel in layouts.items():
+        round_start, done = hw, []
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            parallel, before = layouts[name], hw
             report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
-            runs[name].append(compare(cfg, parallel, train, report, hw, report["spans"][0]))
+            hw = _recalibrated(hw, collectives=False) if spec == "calibrate" else hw
+            done.append((name, report, before, hw))
+        hw = _recalibrated(hw, collectives=True) if spec == "calibrate" else hw
+        for name, report, before, after in done:
+            rates = _bracketed(before, after, RATES)
+            measured = _bracketed(_links_of(round_start, rates), _links_of(hw, rates), LINKS)
+            runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
     cases = []
     for name, comparisons in runs.items():
         c = sorted(comparisons, key=lambda c: c["measured_s"])[(len(comparisons) - 1) // 2]  # the median round
@@ -112,14 +120,37 @@ def bench_predict(args) -> dict:
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
 
 
-def _recalibrated(hw: Hardware) -> Hardware:
+RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "optimizer_tbps",
+         "optimizer_tensor_us")
+LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latency_us", "comm_cpu_fraction")
+
+
+def _links_of(source: Hardware, hw: Hardware) -> Hardware:
+    """``hw`` with ``source``'s collectives and links."""
+    return dataclasses.replace(hw, **{k: getattr(source, k) for k in (*LINKS, "collectives")})
+
+
+def _bracketed(before: Hardware, after: Hardware, keys: tuple) -> Hardware:
+    """``before`` with ``keys`` (and, for the links, each collective kind's alpha and bandwidth) at the geometric
+    mean of the measurements just before and just after a run: a shared machine's speed drifts within
+    seconds (consecutive calibrations here: GEMMs 78-92 GFLOP/s, memory 10-17 GB/s; a collective's alpha 1.5-2x
+    from one launch to the next), and two measurements around the run describe it better than one before it."""
+    mean = lambda a, b: (a * b) ** 0.5  # noqa: E731
+    out = {k: mean(getattr(before, k), getattr(after, k)) for k in keys}
+    if keys == LINKS:
+        out["collectives"] = {kind: {k: mean(v, after.collectives[kind][k]) for k, v in row.items()}
+                              for kind, row in before.collectives.items() if kind in after.collectives}
+    return dataclasses.replace(before, **out)
+
+
+def _recalibrated(hw: Hardware, collectives: bool) -> Hardware:
     """``hw`` with one rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch; three
-    repeats, a few seconds): the collectives keep the calibration of the run's start."""
-    import dataclasses
+    repeats, about 4 s), or with the collectives measured again (two ranks, about 10 s)."""
+    from parallelisms.perf.calibrate import calibrate_compute, collective_keys, measure_collectives
 
-    from parallelisms.perf.calibrate import calibrate_compute
-
-    return _announced("recalibrated", dataclasses.replace(hw, **calibrate_compute(3)[0]))
+    if collectives:
+        return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)))
+    return dataclasses.replace(hw, **calibrate_compute(3)[0])
 
 
 def _hardware(spec: str) -> Hardware:

@@ -262,6 +262,7 @@ def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float =
         in_run = simulate(schedule, dataclasses.replace(times, t_comm=latency, t_host=host))
     return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
             "measured_bubble_rate": statistics.median(rates), "simulated_bubble_rate": sim.bubble_rate,
+            "simulated_makespan_s": sim.makespan,  # the same actions with nothing between them
             "simulated_bubble_rate_with_comm": with_comm.bubble_rate,
             "simulated_bubble_rate_in_run": in_run.bubble_rate if in_run else None,
             "t_f_s": times.t_f, "t_b_s": times.t_b, "t_w_s": times.t_w, "t_comm_s": t_comm,
