@@ -20,6 +20,14 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+# the longest files (a minute or more each) start first, so that no worker is left running one alone at the end
+FIRST = ("test_verify_matrix.py", "test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every file keeps its tests' order
+
+
 def _lock_path(factory) -> str:
     """A file every worker of this session sees: the parent of the workers' temporary directories."""
     return str(factory.getbasetemp().parent / "alone.lock")
