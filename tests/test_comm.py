@@ -52,7 +52,7 @@ def _collectives(info):
     # neither collective allocates anything under the allocator profiler (no full-size temporaries)
     from torch.profiler import ProfilerActivity, profile
 
-    from parallelisms.benches.zero import _allocations as allocations
+    from parallelisms.bench import _allocations as allocations
     os.environ["PARALLELISMS_SHM"] = "0"
     on_gloo = Comm("gloo", c.group)  # blocking calls too: no shared memory
     on_gloo.all_reduce(torch.ones(1))

@@ -8,6 +8,7 @@ runs in the test suite. Each entry registers itself in ``BENCHES``.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -102,6 +103,51 @@ def alternate(runs: dict, steps: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """(time, bytes, address) of every allocator event, and the (start, end) of each ``record_function``
+    region."""
+    from torch._C._profiler import _EventType
+
+    events, regions, stack = [], {}, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+        elif node.name.startswith("bench_"):
+            regions[node.name] = (node.start_time_ns, node.end_time_ns)
+    return sorted(events), regions
+
+
+def profiled(build) -> tuple[object, dict]:
+    """Build an implementation (``build()`` returns its step function) and run two steps under the allocator
+    profiler; returns the step function and its memory figures."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        gc.collect()  # the full model's tensors freed by wrapping may sit in reference cycles
+        for name in ("bench_step1", "bench_step2"):
+            with record_function(name):
+                step()
+    events, regions = _allocations(prof)
+    start, (second_start, second_end) = regions["bench_step1"][0], regions["bench_step2"]
+    live, peak, allocations, mine = 0, None, 0, {}
+    for t, size, ptr in events:
+        if size > 0:
+            live -= mine.pop(ptr, 0)  # an address handed out again was freed unseen (on a comm thread)
+            mine[ptr] = size
+        elif mine.pop(ptr, None) is None:  # allocated before this window (another implementation's garbage)
+            continue
+        live += size
+        if t >= start:
+            peak = live if peak is None else max(peak, live)
+        if second_start <= t <= second_end and size > 0:
+            allocations += 1
+    return step, {"peak_bytes": peak or 0, "allocations_per_step": allocations}
+
+
 def single_process_step_time(model_cfg, train_cfg: TrainConfig, steps: int) -> float:
     """Median step time of plain training on the whole global batch in one process, one thread."""
     torch.set_num_threads(1)
@@ -135,10 +181,12 @@ def phase_timed(model, optimizer, inputs, targets, zero_grad=None):
     return step, seconds
 
 
-def phase_medians(seconds: dict, step_s: float, alone_s: float) -> dict:
-    """Median seconds per phase (the warm-up step left out) and the exposed communication: the step's time
-    beyond the same step with no communication at all, on the same ranks in the same rounds."""
-    return {**{k: statistics.median(v[1:]) for k, v in seconds.items()}, "exposed_comm_s": max(0.0, step_s - alone_s)}
+def phase_medians(seconds: dict | None, step_s: float, alone_s: float, skip: int = 1) -> dict:
+    """Median seconds per phase (the first ``skip`` steps left out: warm-up) and the exposed communication: the
+    step's time beyond the same step with no communication at all, on the same ranks in the same rounds.
+    ``seconds`` None (an implementation whose phases are not seen): the exposed communication alone."""
+    medians = {k: statistics.median(v[skip:]) for k, v in seconds.items()} if seconds else {}
+    return {**medians, "exposed_comm_s": max(0.0, step_s - alone_s)}
 
 
 def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rounds: int):

@@ -4,7 +4,7 @@ ranks, and plain training of the same global batch in one process (rank 0's, one
 Each layout's step is timed in alternating rounds (``bench.alternate``, one thread per rank); each step is
 split into phases read from the timeline: forward, backward (with the gradient sync's wait), optimizer, and
 exposed communication (communication no computation covered, ``Timeline.overlap_stats``). Peak memory is the
-allocator's, measured as the other benches measure it (``benches.zero.profiled``: from before the model is
+allocator's, measured as the other benches measure it (``bench.profiled``: from before the model is
 built through two steps), and the ledger gives each layout's bytes per step by collective kind.
 """
 
@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from parallelisms.bench import alternate
-from parallelisms.benches.zero import profiled
+from parallelisms.bench import alternate, profiled
 from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data import BatchLoader, load_corpus
@@ -34,7 +33,9 @@ def long_context(model_cfg: ModelConfig, seq_len: int) -> ModelConfig:
     return dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
 
 
-def _phases(timeline: Timeline, start: int, end: int) -> dict[str, float]:
+def timeline_phases(timeline: Timeline, start: int, end: int) -> dict[str, float]:
+    """Forward, backward (the rest of the step), optimizer and exposed communication between ``start`` and
+    ``end`` of a trainer's timeline, in seconds."""
     spent = {name: sum(s.end - s.start for s in timeline.between(start, end) if s.name == name and s.cat == "compute")
              for name in ("forward", "optimizer")}
     exposed = timeline.overlap_stats(start, end)["exposed_ns"]
@@ -76,7 +77,7 @@ def layouts_rank(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig,
         def timed(step=step, timeline=comms.timeline, phases=phases):
             start = timeline.now()
             step()
-            phases.append(_phases(timeline, start, timeline.now()))
+            phases.append(timeline_phases(timeline, start, timeline.now()))
             timeline.spans.clear()
         runs[name] = timed
         out[name] = {"memory": memory, "phases": phases, "skip": 1, "ledger": comms.ledger,

@@ -23,15 +23,15 @@ data parallelism can go below it on these cores.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
 import torch
 from torch import nn
 
-from parallelisms.bench import alternate, bench
-from parallelisms.comm import Comms
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed, profiled
+from parallelisms.benches.layouts import timeline_phases
+from parallelisms.comm import Comms, Timeline
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import RankInfo, launch
@@ -42,68 +42,28 @@ from parallelisms.optim import make_optimizer
 from parallelisms.train import parallelize
 
 
-# -- measuring -------------------------------------------------------------------------------------------
-
-def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
-    """(time, bytes, address) of every allocator event, and the (start, end) of each ``record_function``
-    region."""
-    from torch._C._profiler import _EventType
-
-    events, regions, stack = [], {}, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
-        elif node.name.startswith("bench_"):
-            regions[node.name] = (node.start_time_ns, node.end_time_ns)
-    return sorted(events), regions
-
-
-def profiled(build) -> tuple[object, dict]:
-    """Build an implementation (``build()`` returns its step function) and run two steps under the allocator
-    profiler; returns the step function and its memory figures."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = build()
-        gc.collect()  # the full model's tensors freed by wrapping may sit in reference cycles
-        for name in ("bench_step1", "bench_step2"):
-            with record_function(name):
-                step()
-    events, regions = _allocations(prof)
-    start, (second_start, second_end) = regions["bench_step1"][0], regions["bench_step2"]
-    live, peak, allocations, mine = 0, None, 0, {}
-    for t, size, ptr in events:
-        if size > 0:
-            live -= mine.pop(ptr, 0)  # an address handed out again was freed unseen (on a comm thread)
-            mine[ptr] = size
-        elif mine.pop(ptr, None) is None:  # allocated before this window (another implementation's garbage)
-            continue
-        live += size
-        if t >= start:
-            peak = live if peak is None else max(peak, live)
-        if second_start <= t <= second_end and size > 0:
-            allocations += 1
-    return step, {"peak_bytes": peak or 0, "allocations_per_step": allocations}
-
-
 # -- implementations ----------------------------------------------------------------------------------------
 
 def _ours(parallel: ParallelConfig, meshes: dict):
     def build(model_cfg, train_cfg, batch):
-        model = build_model(model_cfg, train_cfg.seed)
-        runner = parallelize(model, parallel, train_cfg, Comms(meshes))
-        return lambda: runner.train_step(*batch)
+        comms = Comms(meshes, timeline=Timeline())
+        runner = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms)
+        seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+
+        def step():  # phases from the trainer's timeline, as bench cp and ep read them
+            start = comms.timeline.now()
+            runner.train_step(*batch)
+            phases = timeline_phases(comms.timeline, start, comms.timeline.now())
+            comms.timeline.spans.clear()
+            for key, values in seconds.items():
+                values.append(phases[key])
+        step.phases = seconds
+        return step
     return build
 
 
-def _plain_step(model: nn.Module, optimizer, batch):
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(*batch).backward()
-        optimizer.step()
+def _plain_step(model: nn.Module, optimizer, batch, zero_grad=None):
+    step, step.phases = phase_timed(model, optimizer, *batch, zero_grad=zero_grad)
     return step
 
 
@@ -121,13 +81,7 @@ def _alone(world: int):
             if held * world < total:
                 share.append(p)
                 held += p.numel()
-        optimizer = make_optimizer(share, train_cfg)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(*batch).backward()
-            optimizer.step()
-        return step
+        return _plain_step(model, make_optimizer(share, train_cfg), batch, zero_grad=model.zero_grad)
     return build
 
 
@@ -257,7 +211,10 @@ def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, st
     for label, build in {**ours, **peers, ALONE: _alone(info.world_size)}.items():
         runs[label], memory[label] = profiled(lambda: build(model_cfg, train_cfg, batch))
     times = alternate(runs, steps, rounds)
-    return {label: {"s": times[label], **memory[label]} for label in runs}, list(ours), list(peers)
+    # the two profiled steps and the warm-up step left out of the phases
+    return ({label: {"s": times[label], **memory[label], "phases": phase_medians(
+                getattr(runs[label], "phases", None), times[label], times[ALONE], skip=3)} for label in runs},
+            list(ours), list(peers))
 
 
 def _pair(ours: dict, peer: dict) -> dict:
@@ -287,6 +244,8 @@ def run_zero_bench(name: str, args) -> dict:
     headline_ours, headline_peer = ours_labels[0], peer_labels[0]
     out = {"bench": name, "world_size": args.world, "params": model_cfg.num_params(), "ours": headline_ours,
            "peer": headline_peer, **_pair(results[headline_ours], results[headline_peer])}
+    out["phases"] = {"ours": per_rank[0][0][headline_ours]["phases"], "peer": per_rank[0][0][headline_peer]["phases"],
+                     "alone": per_rank[0][0][ALONE]["phases"]}  # rank 0's
     out["alone_s"] = results[ALONE]["s"]
     out["floor_ratio"] = results[ALONE]["s"] / results[headline_peer]["s"]  # the lowest ratio any sharding reaches
     out["implementations"] = results
