@@ -116,18 +116,18 @@ PRESETS = {
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over four
-    # runs (peak 86-96 GFLOP/s per thread; elementwise 10-16 GB/s, a block's own operators as it runs them; attention
-    # 38-44% of the GEMM rate; optimizer 13.5-15.4 GB/s + 33 us per tensor; op 3.1-3.3 us; collectives 72-74% CPU;
-    # collective alphas, measured after a burst of GEMMs as a step issues them, 0.2-2.3 ms). Rerun it on another
-    # machine and pass the file.
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.091, 16, 0.0138, 1024, 6.0, 6.0, 1425, 1425, gemm_fraction=1.0,
-                    gemm_k_half=0.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0, bytes_per_element=4, cores=2,
-                    op_overhead_us=3.2, attention_fraction=0.41, optimizer_tbps=0.0138, optimizer_tensor_us=33,
-                    comm_cpu_fraction=0.72,
-                    collectives={"all_reduce": {"alpha_us": 1425, "gbps": 6.0}, "all_gather": {"alpha_us": 1069, "gbps": 0.88},
-                                 "reduce_scatter": {"alpha_us": 1949, "gbps": 0.61},
-                                 "all_to_all": {"alpha_us": 1108, "gbps": 1.02}, "send": {"alpha_us": 815, "gbps": 1.47}}),
+    # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over three
+    # runs with both cores measuring at once, as two ranks share them (peak 65-80 GFLOP/s per thread; elementwise
+    # 9.7-15.3 GB/s, a block's own operators as it runs them; attention 38-44% of the GEMM rate; optimizer
+    # 9.3-13.3 GB/s + 39-60 us per tensor; op 3.6-5.5 us; collectives 99% CPU; collective alphas, measured after
+    # a burst of GEMMs as a step issues them, 0.35-1.4 ms). Rerun it on another machine and pass the file.
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.0735, 16, 0.01265, 1024, 2.86, 2.86, 502, 502,
+                    gemm_fraction=1.0, gemm_k_half=1.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
+                    bytes_per_element=4, cores=2, op_overhead_us=4.5, attention_fraction=0.395,
+                    optimizer_tbps=0.0105, optimizer_tensor_us=58, comm_cpu_fraction=0.99,
+                    collectives={"all_reduce": {"alpha_us": 502, "gbps": 2.86}, "all_gather": {"alpha_us": 431, "gbps": 1.2},
+                                 "reduce_scatter": {"alpha_us": 830, "gbps": 0.88},
+                                 "all_to_all": {"alpha_us": 988, "gbps": 0.74}, "send": {"alpha_us": 478, "gbps": 3.08}}),
 }
 
 

@@ -7,7 +7,9 @@ backward and optimizer spans per step (the pipeline runtime records its own phas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import statistics
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -93,18 +95,19 @@ def bench_predict(args) -> dict:
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     runs = {name: [] for name in CASES}
     names = list(layouts)
-    for round_ in range(args.rounds):
-        round_start, done = hw, []
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            parallel, before = layouts[name], hw
-            report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
-            hw = _recalibrated(hw, collectives=False) if spec == "calibrate" else hw
-            done.append((name, report, before, hw))
-        hw = _recalibrated(hw, collectives=True) if spec == "calibrate" else hw
-        for name, report, before, after in done:
-            rates = _bracketed(before, after, RATES)
-            measured = _bracketed(_links_of(round_start, rates), _links_of(hw, rates), LINKS)
-            runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
+    with _calibration_pool(spec) as pool:
+        for round_ in range(args.rounds):
+            round_start, done = hw, []
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                parallel, before = layouts[name], hw
+                report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
+                hw = _recalibrated(hw, collectives=False, pool=pool) if pool else hw
+                done.append((name, report, before, hw))
+            hw = _recalibrated(hw, collectives=True) if pool else hw
+            for name, report, before, after in done:
+                rates = _bracketed(before, after, RATES)
+                measured = _bracketed(_links_of(round_start, rates), _links_of(hw, rates), LINKS)
+                runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
     cases = []
     for name, comparisons in runs.items():
         c = sorted(comparisons, key=lambda c: c["measured_s"])[(len(comparisons) - 1) // 2]  # the median round
@@ -143,14 +146,28 @@ def _bracketed(before: Hardware, after: Hardware, keys: tuple) -> Hardware:
     return dataclasses.replace(before, **out)
 
 
-def _recalibrated(hw: Hardware, collectives: bool) -> Hardware:
-    """``hw`` with one rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch; three
-    repeats, about 4 s), or with the collectives measured again (two ranks, about 10 s)."""
-    from parallelisms.perf.calibrate import calibrate_compute, collective_keys, measure_collectives
+@contextlib.contextmanager
+def _calibration_pool(spec: str):
+    """One process per core for the run's calibrations (``--hardware calibrate``; else None), started once."""
+    if spec != "calibrate":
+        yield None
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
+    """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
+    every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
+    about 10 s)."""
+    from parallelisms.perf.calibrate import calibrate_shared, collective_keys, measure_collectives
 
     if collectives:
         return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)))
-    return dataclasses.replace(hw, **calibrate_compute(3)[0])
+    return dataclasses.replace(hw, **calibrate_shared(3, pool)[0])
 
 
 def _hardware(spec: str) -> Hardware:
