@@ -10,15 +10,20 @@ of the schedule over the global batch, and an AdamW step (no clipping: the peer 
 ``floor_s``: the schedule simulated with our measured forward, backward and weight-gradient times per stage and
 nothing between actions (no message time, no host time), without the optimizer step: no executor of these
 stages can take less, so ``floor_ratio`` (floor over the peer's step) bounds the ratio any pipeline reaches here.
+``phases`` (rank 0's, ours and the peer's): forward, backward with the waits, optimizer, and exposed
+communication, the step beyond the floor and the optimizer.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench
+from parallelisms.bench import alternate, bench, phase_medians
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -42,7 +47,7 @@ def _ours(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig, parall
 
     trainer = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms, bounds)
     inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
-    return trainer.forward_backward, lambda: trainer.train_step(inputs, targets)
+    return trainer, lambda: trainer.train_step(inputs, targets)
 
 
 def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int):
@@ -68,15 +73,55 @@ def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int
         optimizer.zero_grad()
         peer.step(*args, target=target, losses=[] if target is not None else None)
         optimizer.step()
-    return step
+    return step, stages.values(), optimizer
+
+
+def _phase_timed(step, modules, optimizer):
+    """``step`` timed by phase on this rank: (step, phase -> seconds per step). Forward: every forward call of
+    the stage ``modules``; optimizer: ``optimizer.step``; backward: the rest (backward actions and every wait
+    between actions), as the other benches count a gradient sync's waits in backward."""
+    seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+    spent, started = {"forward_s": 0.0, "optimizer_s": 0.0}, {}
+
+    def hooks(key):
+        def before(*_):
+            started[key] = time.perf_counter()
+
+        def after(*_):
+            spent[key] += time.perf_counter() - started[key]
+        return before, after
+    for module in modules:
+        before, after = hooks("forward_s")
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+    before, after = hooks("optimizer_s")
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+    def timed():
+        spent.update(forward_s=0.0, optimizer_s=0.0)
+        start = time.perf_counter()
+        step()
+        total = time.perf_counter() - start
+        for key in spent:
+            seconds[key].append(spent[key])
+        seconds["backward_s"].append(total - spent["forward_s"] - spent["optimizer_s"])
+    return timed, seconds
 
 
 def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, rounds: int):
     comms = Comms(parallel.dims.build_meshes())
-    runner, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
-    peer = _peer_step(model_cfg, train_cfg, runner, comms["pp"].rank)
-    times = alternate({"ours": ours, "peer": peer}, 1, steps * rounds)  # one step each, in turn
-    return times, runner.report()["pipeline"]
+    trainer, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
+    runner = trainer.forward_backward
+    runs = {"ours": _phase_timed(ours, runner.stages.values(), trainer.optimizer),
+            "peer": _phase_timed(*_peer_step(model_cfg, train_cfg, runner, comms["pp"].rank))}
+    times = alternate({name: step for name, (step, _) in runs.items()}, 1, steps * rounds)  # one step each, in turn
+    pipeline = runner.report()["pipeline"]
+    phases = {}
+    for name, (_, seconds) in runs.items():  # beyond the floor and the optimizer: messages, waits, host time
+        optimizer_s = statistics.median(seconds["optimizer_s"][1:])
+        phases[name] = phase_medians(seconds, times[name], pipeline["simulated_makespan_s"] + optimizer_s)
+    return times, pipeline, phases
 
 
 def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -92,14 +137,14 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
 def bench_pipeline(args) -> dict:
     """Our executor against torch.distributed.pipelining's schedule of the same name."""
     model_cfg, train_cfg, parallel = _configs(args)
-    times, pipeline = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps, args.rounds,
-                             backend="gloo", threads=1)[0]
+    times, pipeline, phases = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps,
+                                     args.rounds, backend="gloo", threads=1)[0]
     floor = pipeline["simulated_makespan_s"]
     return {"bench": "pipeline", "schedule": args.schedule, "world_size": args.world,
             "microbatches": parallel.microbatches, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
             "peer_s": times["peer"], "ratio": times["ours"] / times["peer"],
-            "floor_s": floor, "floor_ratio": floor / times["peer"], "bubble": pipeline}
+            "floor_s": floor, "floor_ratio": floor / times["peer"], "phases": phases, "bubble": pipeline}
 
 
 # -- balancing by measured runtime ----------------------------------------------------------------------
