@@ -148,37 +148,57 @@ def profiled(build) -> tuple[object, dict]:
     return step, {"peak_bytes": peak or 0, "allocations_per_step": allocations}
 
 
+def plain_step(model, optimizer, batch, zero_grad=None):
+    """One training step on ``batch`` (inputs, targets): zero the gradients (``zero_grad``, a gradient sync's
+    own, else the optimizer's), forward, backward, optimizer step."""
+    def step():
+        (zero_grad or optimizer.zero_grad)()
+        model(*batch).backward()
+        optimizer.step()
+    return step
+
+
 def single_process_step_time(model_cfg, train_cfg: TrainConfig, steps: int) -> float:
     """Median step time of plain training on the whole global batch in one process, one thread."""
     torch.set_num_threads(1)
     model = build_model(model_cfg, train_cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
-    inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
-
-    def step():
-        opt.zero_grad()
-        model(inputs, targets).backward()
-        opt.step()
-    return alternate({"single": step}, steps, 1)["single"]
+    batch = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)
+    return alternate({"single": plain_step(model, opt, batch)}, steps, 1)["single"]
 
 
-def phase_timed(model, optimizer, inputs, targets, zero_grad=None):
-    """A training step that times its phases: (step, phase name -> seconds per step, the warm-up step left
-    out by :func:`phase_medians`). Backward includes the gradient sync's waits inside it. ``zero_grad``: the
-    gradient sync's own, else the optimizer's."""
+def phase_timed(step, modules, optimizer):
+    """``step`` timed by phase on this rank: (timed step, phase name -> seconds per step, for
+    :func:`phase_medians`). Forward: the forward calls of ``modules`` (hooks, so a pipeline's many calls
+    count too); optimizer: ``optimizer.step`` (hooks); backward: the rest of the step, the gradient sync's and
+    a schedule's waits included."""
     seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+    spent, started = {"forward_s": 0.0, "optimizer_s": 0.0}, {}
 
-    def step():
-        (zero_grad or optimizer.zero_grad)()
+    def hooks(key):
+        def before(*_):
+            started[key] = time.perf_counter()
+
+        def after(*_):
+            spent[key] += time.perf_counter() - started[key]
+        return before, after
+    for module in modules:
+        before, after = hooks("forward_s")
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+    before, after = hooks("optimizer_s")
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+    def timed():
+        spent.update(forward_s=0.0, optimizer_s=0.0)
         start = time.perf_counter()
-        loss = model(inputs, targets)
-        forward = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter()
-        optimizer.step()
-        for key, value in zip(seconds, (forward - start, backward - forward, time.perf_counter() - backward)):
-            seconds[key].append(value)
-    return step, seconds
+        step()
+        total = time.perf_counter() - start
+        for key in spent:
+            seconds[key].append(spent[key])
+        seconds["backward_s"].append(total - spent["forward_s"] - spent["optimizer_s"])
+    return timed, seconds
 
 
 def phase_medians(seconds: dict | None, step_s: float, alone_s: float, skip: int = 1) -> dict:
@@ -200,16 +220,15 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
     comms = Comms(meshes)
     batch = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).shard(0, info.rank, info.world_size)
 
-    def adamw(model):
-        return torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
+    def runner(model, zero_grad=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
+        return phase_timed(plain_step(model, optimizer, batch, zero_grad), [model], optimizer)
     ours_model = build_model(model_cfg, train_cfg.seed)
     ours = DataParallel(ours_model, comms, "dp", bucket_cap_mb=train_cfg.bucket_mb)
     peer_model = TorchDDP(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb,
                           gradient_as_bucket_view=True)
-    alone_model = build_model(model_cfg, train_cfg.seed)  # the same step with no gradient sync: the floor
-    runners = {"peer": phase_timed(peer_model, adamw(peer_model), *batch),
-               "ours": phase_timed(ours_model, adamw(ours_model), *batch, zero_grad=ours.zero_grad),
-               "alone": phase_timed(alone_model, adamw(alone_model), *batch)}
+    runners = {"peer": runner(peer_model), "ours": runner(ours_model, ours.zero_grad),
+               "alone": runner(build_model(model_cfg, train_cfg.seed))}  # no gradient sync at all: the floor
     times = alternate({name: step for name, (step, _) in runners.items()}, steps, rounds)
     phases = {name: phase_medians(seconds, times[name], times["alone"]) for name, (_, seconds) in runners.items()}
     return times, phases, "shared memory" if comms["dp"]._shm else "gloo"

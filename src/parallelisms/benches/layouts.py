@@ -33,7 +33,7 @@ def long_context(model_cfg: ModelConfig, seq_len: int) -> ModelConfig:
     return dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
 
 
-def timeline_phases(timeline: Timeline, start: int, end: int) -> dict[str, float]:
+def _phases(timeline: Timeline, start: int, end: int) -> dict[str, float]:
     """Forward, backward (the rest of the step), optimizer and exposed communication between ``start`` and
     ``end`` of a trainer's timeline, in seconds."""
     spent = {name: sum(s.end - s.start for s in timeline.between(start, end) if s.name == name and s.cat == "compute")
@@ -77,7 +77,7 @@ def layouts_rank(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig,
         def timed(step=step, timeline=comms.timeline, phases=phases):
             start = timeline.now()
             step()
-            phases.append(timeline_phases(timeline, start, timeline.now()))
+            phases.append(_phases(timeline, start, timeline.now()))
             timeline.spans.clear()
         runs[name] = timed
         out[name] = {"memory": memory, "phases": phases, "skip": 1, "ledger": comms.ledger,

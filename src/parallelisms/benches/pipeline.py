@@ -17,13 +17,12 @@ communication, the step beyond the floor and the optimizer.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, phase_medians
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -76,45 +75,12 @@ def _peer_step(model_cfg: ModelConfig, train_cfg: TrainConfig, runner, rank: int
     return step, stages.values(), optimizer
 
 
-def _phase_timed(step, modules, optimizer):
-    """``step`` timed by phase on this rank: (step, phase -> seconds per step). Forward: every forward call of
-    the stage ``modules``; optimizer: ``optimizer.step``; backward: the rest (backward actions and every wait
-    between actions), as the other benches count a gradient sync's waits in backward."""
-    seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-    spent, started = {"forward_s": 0.0, "optimizer_s": 0.0}, {}
-
-    def hooks(key):
-        def before(*_):
-            started[key] = time.perf_counter()
-
-        def after(*_):
-            spent[key] += time.perf_counter() - started[key]
-        return before, after
-    for module in modules:
-        before, after = hooks("forward_s")
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
-    before, after = hooks("optimizer_s")
-    optimizer.register_step_pre_hook(before)
-    optimizer.register_step_post_hook(after)
-
-    def timed():
-        spent.update(forward_s=0.0, optimizer_s=0.0)
-        start = time.perf_counter()
-        step()
-        total = time.perf_counter() - start
-        for key in spent:
-            seconds[key].append(spent[key])
-        seconds["backward_s"].append(total - spent["forward_s"] - spent["optimizer_s"])
-    return timed, seconds
-
-
 def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, rounds: int):
     comms = Comms(parallel.dims.build_meshes())
     trainer, ours = _ours(info, model_cfg, train_cfg, parallel, comms)
     runner = trainer.forward_backward
-    runs = {"ours": _phase_timed(ours, runner.stages.values(), trainer.optimizer),
-            "peer": _phase_timed(*_peer_step(model_cfg, train_cfg, runner, comms["pp"].rank))}
+    runs = {"ours": phase_timed(ours, runner.stages.values(), trainer.optimizer),
+            "peer": phase_timed(*_peer_step(model_cfg, train_cfg, runner, comms["pp"].rank))}
     times = alternate({name: step for name, (step, _) in runs.items()}, 1, steps * rounds)  # one step each, in turn
     pipeline = runner.report()["pipeline"]
     phases = {}

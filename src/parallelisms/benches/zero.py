@@ -29,9 +29,8 @@ import sys
 import torch
 from torch import nn
 
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed, profiled
-from parallelisms.benches.layouts import timeline_phases
-from parallelisms.comm import Comms, Timeline
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed, plain_step, profiled
+from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import RankInfo, launch
@@ -46,25 +45,19 @@ from parallelisms.train import parallelize
 
 def _ours(parallel: ParallelConfig, meshes: dict):
     def build(model_cfg, train_cfg, batch):
-        comms = Comms(meshes, timeline=Timeline())
-        runner = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms)
-        seconds = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-
-        def step():  # phases from the trainer's timeline, as bench cp and ep read them
-            start = comms.timeline.now()
-            runner.train_step(*batch)
-            phases = timeline_phases(comms.timeline, start, comms.timeline.now())
-            comms.timeline.spans.clear()
-            for key, values in seconds.items():
-                values.append(phases[key])
-        step.phases = seconds
-        return step
+        trainer = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, Comms(meshes))
+        return _phase_timed(lambda: trainer.train_step(*batch), trainer.forward_backward.model, trainer.optimizer)
     return build
 
 
 def _plain_step(model: nn.Module, optimizer, batch, zero_grad=None):
-    step, step.phases = phase_timed(model, optimizer, *batch, zero_grad=zero_grad)
-    return step
+    return _phase_timed(plain_step(model, optimizer, batch, zero_grad), model, optimizer)
+
+
+def _phase_timed(step, model: nn.Module, optimizer):
+    """``step`` with its phase times as ``.phases`` (``profiled`` and ``alternate`` take the step alone)."""
+    timed, timed.phases = phase_timed(step, [model], optimizer)
+    return timed
 
 
 ALONE = "alone (no communication)"

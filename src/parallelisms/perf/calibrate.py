@@ -32,6 +32,7 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -276,25 +277,26 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
             "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6}, gemms
 
 
-def calibrate_shared(repeats: int, pool=None) -> tuple[dict, list[dict]]:
-    """:func:`calibrate_compute` as each rank gets it when every core runs one: that many processes measure at
-    once (``pool``: a process pool with one worker per core, kept by a caller that calibrates often), and each
-    key is their mean. Ranks that share a machine's caches and memory run slower than one process alone
-    (here a two-rank forward took 62-63 ms where one process alone took 54-55 ms, back to back); the GEMM
-    rows are the first process's."""
+@contextlib.contextmanager
+def calibration_pool():
+    """One process per core, for :func:`calibrate_shared` (a caller that calibrates often keeps one open)."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def calibrate_shared(repeats: int, pool=None) -> tuple[dict, list[dict]]:
+    """:func:`calibrate_compute` as each rank gets it when every core runs one: that many processes measure at
+    once (in ``pool``, else a :func:`calibration_pool` of its own), and each key is their mean. Ranks that
+    share a machine's caches and memory run slower than one process alone (here a two-rank forward took 62-63
+    ms where one process alone took 54-55 ms, back to back); the GEMM rows are the first process's."""
     processes = os.cpu_count() or 1
     if processes == 1:
         return calibrate_compute(repeats)
-    own = pool is None
-    pool = pool or ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        results = list(pool.map(calibrate_compute, [repeats] * processes))
-    finally:
-        if own:
-            pool.shutdown()
+    with contextlib.nullcontext(pool) if pool else calibration_pool() as workers:
+        results = list(workers.map(calibrate_compute, [repeats] * processes))
     keys = {k: statistics.fmean(r[0][k] for r in results) for k in results[0][0]}
     return keys, results[0][1]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -86,6 +85,7 @@ def bench_predict(args) -> dict:
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
+    from parallelisms.perf.calibrate import calibration_pool
     from parallelisms.train import RunSpec, run_layout
 
     spec = getattr(args, "hardware", None) or "calibrate"
@@ -95,18 +95,17 @@ def bench_predict(args) -> dict:
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     runs = {name: [] for name in CASES}
     names = list(layouts)
-    with _calibration_pool(spec) as pool:
+    with calibration_pool() if spec == "calibrate" else contextlib.nullcontext() as pool:
         for round_ in range(args.rounds):
-            round_start, done = hw, []
+            done = []
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 parallel, before = layouts[name], hw
                 report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
                 hw = _recalibrated(hw, collectives=False, pool=pool) if pool else hw
                 done.append((name, report, before, hw))
             hw = _recalibrated(hw, collectives=True) if pool else hw
-            for name, report, before, after in done:
-                rates = _bracketed(before, after, RATES)
-                measured = _bracketed(_links_of(round_start, rates), _links_of(hw, rates), LINKS)
+            for name, report, before, after in done:  # compute around the case, collectives around the round
+                measured = _bracketed(before, _links_of(hw, after))  # ``before`` holds the round start's
                 runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
     cases = []
     for name, comparisons in runs.items():
@@ -133,30 +132,17 @@ def _links_of(source: Hardware, hw: Hardware) -> Hardware:
     return dataclasses.replace(hw, **{k: getattr(source, k) for k in (*LINKS, "collectives")})
 
 
-def _bracketed(before: Hardware, after: Hardware, keys: tuple) -> Hardware:
-    """``before`` with ``keys`` (and, for the links, each collective kind's alpha and bandwidth) at the geometric
-    mean of the measurements just before and just after a run: a shared machine's speed drifts within
-    seconds (consecutive calibrations here: GEMMs 78-92 GFLOP/s, memory 10-17 GB/s; a collective's alpha 1.5-2x
-    from one launch to the next), and two measurements around the run describe it better than one before it."""
+def _bracketed(before: Hardware, after: Hardware) -> Hardware:
+    """``before`` with every measured rate (:data:`RATES`, :data:`LINKS`, each collective kind's alpha and
+    bandwidth) at the geometric mean of the measurements just before and just after a run: a shared machine's
+    speed drifts within seconds (consecutive calibrations here: GEMMs 78-92 GFLOP/s, memory 10-17 GB/s; a
+    collective's alpha 1.5-2x from one launch to the next), and two measurements around the run describe it
+    better than one before it."""
     mean = lambda a, b: (a * b) ** 0.5  # noqa: E731
-    out = {k: mean(getattr(before, k), getattr(after, k)) for k in keys}
-    if keys == LINKS:
-        out["collectives"] = {kind: {k: mean(v, after.collectives[kind][k]) for k, v in row.items()}
-                              for kind, row in before.collectives.items() if kind in after.collectives}
+    out = {k: mean(getattr(before, k), getattr(after, k)) for k in (*RATES, *LINKS)}
+    out["collectives"] = {kind: {k: mean(v, after.collectives[kind][k]) for k, v in row.items()}
+                          for kind, row in before.collectives.items() if kind in after.collectives}
     return dataclasses.replace(before, **out)
-
-
-@contextlib.contextmanager
-def _calibration_pool(spec: str):
-    """One process per core for the run's calibrations (``--hardware calibrate``; else None), started once."""
-    if spec != "calibrate":
-        yield None
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
 
 
 def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
