@@ -6,6 +6,7 @@ The threshold is lowered so that the small test tensors take the shared-memory p
 """
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -44,6 +45,13 @@ def _ranks(info):
     dist.all_gather(everyone, sums)
     out["same_bits"] = all(torch.equal(everyone[0], s) for s in everyone)
     out["ledger"] = [(rec.kind, rec.bytes_per_rank) for rec in comms.ledger.records if rec.kind == "all_reduce"]
+    # the worker thread keeps nothing of a finished call: the caller's last reference frees the tensor, in its
+    # own thread (where the allocator profiler of the benches sees the free)
+    finished = torch.ones(4096)
+    comm.all_reduce(finished, async_op=True, shared_memory=True).wait()
+    finished_ref = weakref.ref(finished)
+    del finished
+    out["released_by_caller"] = finished_ref() is None
     # blocking calls run in this thread, in pieces of at most PARALLELISMS_SHM_CHUNK_BYTES (1,000 here) per slot
     n, gen = info.world_size, torch.Generator().manual_seed(r)
     for numel in (1, 999, 4 * 1001):
@@ -103,6 +111,10 @@ def reports():
 def test_sums_match_gloo_on_every_rank_bit_for_bit(reports):
     for out in reports:
         assert out["used"] and out["close"] and out["same_bits"]
+
+
+def test_the_worker_keeps_no_tensor_of_a_finished_call(reports):
+    assert all(out["released_by_caller"] for out in reports)
 
 
 def test_blocking_calls_run_in_this_thread_in_bounded_pieces(reports):

@@ -122,38 +122,68 @@ def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]
 def profiled(build) -> tuple[object, dict]:
     """Build an implementation (``build()`` returns its step function) and run two steps under the allocator
     profiler; returns the step function and its memory figures."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _allocator_profile() as prof:
         step = build()
         gc.collect()  # the full model's tensors freed by wrapping may sit in reference cycles
         for name in ("bench_step1", "bench_step2"):
-            with record_function(name):
+            with _region(name):
                 step()
     events, regions = _allocations(prof)
-    start, (second_start, second_end) = regions["bench_step1"][0], regions["bench_step2"]
+    peak, allocations = _live_peak(events, regions["bench_step1"][0], regions["bench_step2"])
+    return step, {"peak_bytes": peak, "allocations_per_step": allocations}
+
+
+def transient_peak(run) -> int:
+    """The most bytes ``run()`` holds at once beyond what was allocated before it (activations, temporaries),
+    from the allocator's events."""
+    gc.collect()
+    with _allocator_profile() as prof:
+        with _region("bench_run"):
+            run()
+    events, regions = _allocations(prof)
+    return _live_peak(events, regions["bench_run"][0], regions["bench_run"])[0]
+
+
+def _allocator_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def _region(name: str):
+    from torch.profiler import record_function
+
+    return record_function(name)
+
+
+def _live_peak(events, start: int, counted: tuple[int, int]) -> tuple[int, int]:
+    """(the highest live total from ``start`` on, the allocator calls within ``counted``), counting only blocks
+    allocated inside the profile: frees of earlier blocks (another implementation's garbage) are ignored, and
+    a block freed unseen (on a comm thread) counts as freed when its address is handed out again."""
     live, peak, allocations, mine = 0, None, 0, {}
     for t, size, ptr in events:
         if size > 0:
-            live -= mine.pop(ptr, 0)  # an address handed out again was freed unseen (on a comm thread)
+            live -= mine.pop(ptr, 0)
             mine[ptr] = size
-        elif mine.pop(ptr, None) is None:  # allocated before this window (another implementation's garbage)
+        elif mine.pop(ptr, None) is None:
             continue
         live += size
         if t >= start:
             peak = live if peak is None else max(peak, live)
-        if second_start <= t <= second_end and size > 0:
+        if counted[0] <= t <= counted[1] and size > 0:
             allocations += 1
-    return step, {"peak_bytes": peak or 0, "allocations_per_step": allocations}
+    return peak or 0, allocations
 
 
-def plain_step(model, optimizer, batch, zero_grad=None):
+def plain_step(model, optimizer, batch, zero_grad=None, after_backward=None):
     """One training step on ``batch`` (inputs, targets): zero the gradients (``zero_grad``, a gradient sync's
-    own, else the optimizer's), forward, backward, optimizer step."""
+    own, else the optimizer's), forward, backward, ``after_backward()`` if given, optimizer step."""
     def step():
         (zero_grad or optimizer.zero_grad)()
         model(*batch).backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
     return step
 
@@ -220,15 +250,19 @@ def _ddp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, steps: int, rou
     comms = Comms(meshes)
     batch = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).shard(0, info.rank, info.world_size)
 
-    def runner(model, zero_grad=None):
+    def runner(model, zero_grad=None, after_backward=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
-        return phase_timed(plain_step(model, optimizer, batch, zero_grad), [model], optimizer)
+        return phase_timed(plain_step(model, optimizer, batch, zero_grad, after_backward), [model], optimizer)
     ours_model = build_model(model_cfg, train_cfg.seed)
     ours = DataParallel(ours_model, comms, "dp", bucket_cap_mb=train_cfg.bucket_mb)
     peer_model = TorchDDP(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb,
                           gradient_as_bucket_view=True)
+    one = torch.zeros(1)
     runners = {"peer": runner(peer_model), "ours": runner(ours_model, ours.zero_grad),
-               "alone": runner(build_model(model_cfg, train_cfg.seed))}  # no gradient sync at all: the floor
+               "alone": runner(build_model(model_cfg, train_cfg.seed)),  # no gradient sync at all: the floor
+               # the ranks meet once after backward, as every synchronous data parallelism must: the floor plus
+               # the wait for the later rank (and one tiny all-reduce)
+               "meet": runner(build_model(model_cfg, train_cfg.seed), after_backward=lambda: comms["dp"].all_reduce(one))}
     times = alternate({name: step for name, (step, _) in runners.items()}, steps, rounds)
     phases = {name: phase_medians(seconds, times[name], times["alone"]) for name, (_, seconds) in runners.items()}
     return times, phases, "shared memory" if comms["dp"]._shm else "gloo"
@@ -239,7 +273,10 @@ def bench_ddp(args) -> dict:
     """Our DataParallel against torch DistributedDataParallel (gradient_as_bucket_view, same bucket cap). Ours
     all-reduces through the comm layer: shared memory between ranks of one host unless PARALLELISMS_SHM=0.
     ``floor_ratio``: the same step with no gradient sync at all, on the same ranks in the same rounds, over
-    the peer's: the lowest ratio any data parallelism could reach here (communication free)."""
+    the peer's: the lowest ratio any data parallelism could reach here (communication free). ``meet_ratio``:
+    that step with the ranks meeting once after backward (a one-element all-reduce), over the peer's: what a
+    synchronous data parallelism whose gradient reduction cost nothing would still pay, the wait for the
+    later rank."""
     model_cfg = preset(args.preset).validate()
     train_cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     train_cfg.validate(model_cfg, dp=args.world)
@@ -249,7 +286,8 @@ def bench_ddp(args) -> dict:
     return {"bench": "ddp", "world_size": args.world, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": "torch.nn.parallel.DistributedDataParallel", "peer_s": times["peer"],
             "ratio": times["ours"] / times["peer"], "alone_s": times["alone"],
-            "floor_ratio": times["alone"] / times["peer"], "phases": phases, "single_process_s": single,
+            "floor_ratio": times["alone"] / times["peer"], "meet_s": times["meet"],
+            "meet_ratio": times["meet"] / times["peer"], "phases": phases, "single_process_s": single,
             "ours_scaling_efficiency": single / (args.world * times["ours"]),
             "peer_scaling_efficiency": single / (args.world * times["peer"]),
             "ours_all_reduce_transport": transport}  # PARALLELISMS_SHM=0: gloo, like the peer

@@ -12,13 +12,18 @@ training steps. ``peak_bytes`` is the highest live total during the steps (param
 optimizer state, communication buffers, activations), ``allocations_per_step`` the allocator calls in
 the second step. Frees of blocks allocated outside the window are ignored, so garbage of another
 implementation collected meanwhile does not count; a block freed on a thread the profiler does not see
-(a communication thread dropping the last reference) counts as freed when its address is reused, so
-peaks can still be high by a buffer or two, the same way for every implementation. ``peak_memory_ratio`` = ours / peer. Ranks report
+(a communication thread dropping the last reference) counts as freed when its address is reused. Our
+comm layer's worker thread keeps no tensor of a finished call, so our frees are seen; torch's process
+groups can free a bucket on their own threads, so a peer's peak can be high by a buffer or two (FSDP2's
+measured 72.2-75.4 MB over runs of the same step). ``peak_memory_ratio`` = ours / peer. Ranks report
 their own figures; the maximum over ranks is kept.
 
 ``floor_ratio``: the time of the same step with no communication at all and AdamW over a 1/N share of the
 parameters (:func:`_alone`, in the same processes and rounds) over the headline peer's: no sharded
-data parallelism can go below it on these cores.
+data parallelism can go below it on these cores. ``meet_ratio``: the same step with the ranks meeting once
+after backward (:data:`MEET`), what the sharding would take if its communication cost nothing but the wait
+for the later rank. ``peak_floor_ratio``: the same for memory, the least peak
+the stage can have (:func:`peak_floor`) over the headline peer's peak.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import sys
 import torch
 from torch import nn
 
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed, plain_step, profiled
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed, plain_step, profiled, transient_peak
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
@@ -38,6 +43,7 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.model.transformer import Block
 from parallelisms.optim import make_optimizer
+from parallelisms.parallel.flat import module_units
 from parallelisms.train import parallelize
 
 
@@ -50,8 +56,8 @@ def _ours(parallel: ParallelConfig, meshes: dict):
     return build
 
 
-def _plain_step(model: nn.Module, optimizer, batch, zero_grad=None):
-    return _phase_timed(plain_step(model, optimizer, batch, zero_grad), model, optimizer)
+def _plain_step(model: nn.Module, optimizer, batch, zero_grad=None, after_backward=None):
+    return _phase_timed(plain_step(model, optimizer, batch, zero_grad, after_backward), model, optimizer)
 
 
 def _phase_timed(step, model: nn.Module, optimizer):
@@ -61,12 +67,14 @@ def _phase_timed(step, model: nn.Module, optimizer):
 
 
 ALONE = "alone (no communication)"
+MEET = "alone, ranks meeting after backward"
 
 
-def _alone(world: int):
+def _alone(world: int, meet=None):
     """The floor of every sharded layout's time here: this rank's rows through the plain model with no
     communication at all, and AdamW over a 1/``world`` share of the parameters (a sharded rank's optimizer
-    work)."""
+    work). ``meet``: a one-element all-reduce after backward, the one meeting of the ranks every synchronous
+    data parallelism has (the floor plus the wait for the later rank)."""
     def build(model_cfg, train_cfg, batch):
         model = build_model(model_cfg, train_cfg.seed)
         total, share, held = sum(p.numel() for p in model.parameters()), [], 0
@@ -74,8 +82,30 @@ def _alone(world: int):
             if held * world < total:
                 share.append(p)
                 held += p.numel()
-        return _plain_step(model, make_optimizer(share, train_cfg), batch, zero_grad=model.zero_grad)
+        after_backward = None if meet is None else (lambda one=torch.zeros(1): meet.all_reduce(one))
+        return _plain_step(model, make_optimizer(share, train_cfg), batch, model.zero_grad, after_backward)
     return build
+
+
+def peak_floor(stage: int, world: int, model_cfg, train_cfg: TrainConfig, batch) -> int:
+    """The least peak memory a ZeRO stage can have on this rank (``stage`` 3 for FULL_SHARD too): the
+    transient bytes of the plain model's forward and backward on the rank's rows (activations and
+    temporaries, measured with the gradients already allocated, so that only what comes and goes counts),
+    plus the parameters the stage holds throughout (all of them for stages 1-2; for stage 3 a 1/``world``
+    shard and the largest unit gathered) and AdamW's state over 1/``world`` of them. Gradients are left out
+    (dropped at ``zero_grad``, they grow as backward frees activations), and so are buckets and a prefetched
+    unit: no implementation goes below it."""
+    model = build_model(model_cfg, train_cfg.seed)
+    optimizer = make_optimizer(model.parameters(), train_cfg)
+    plain_step(model, optimizer, batch)()  # gradients and the optimizer's state allocated
+    model.zero_grad(set_to_none=False)
+    transient = transient_peak(lambda: model(*batch).backward())
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    params = nbytes(model.parameters())
+    state = nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    unit = max(nbytes(p for m in modules for p in m.parameters()) for _, modules in module_units(model))
+    held = params // world + unit if stage == 3 else params
+    return transient + held + state // world
 
 
 def _torch_zero1(model_cfg, train_cfg, batch):
@@ -201,13 +231,16 @@ def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, st
         0, info.rank, info.world_size)
     ours, peers = _implementations(name, info.world_size, with_deepspeed)
     runs, memory = {}, {}
-    for label, build in {**ours, **peers, ALONE: _alone(info.world_size)}.items():
+    meet = Comms(ParallelDims(dp_shard=info.world_size).build_meshes())["dp"]
+    floors = {ALONE: _alone(info.world_size), MEET: _alone(info.world_size, meet)}
+    for label, build in {**ours, **peers, **floors}.items():
         runs[label], memory[label] = profiled(lambda: build(model_cfg, train_cfg, batch))
+    floor = peak_floor(3 if name == "fsdp" else int(name[-1]), info.world_size, model_cfg, train_cfg, batch)
     times = alternate(runs, steps, rounds)
     # the two profiled steps and the warm-up step left out of the phases
     return ({label: {"s": times[label], **memory[label], "phases": phase_medians(
                 getattr(runs[label], "phases", None), times[label], times[ALONE], skip=3)} for label in runs},
-            list(ours), list(peers))
+            list(ours), list(peers), floor)
 
 
 def _pair(ours: dict, peer: dict) -> dict:
@@ -230,6 +263,7 @@ def run_zero_bench(name: str, args) -> dict:
     per_rank = launch(_bench_rank, args.world, name, model_cfg, train_cfg, args.steps, args.rounds,
                       why_not is None, backend="gloo", threads=1)
     ours_labels, peer_labels = per_rank[0][1], per_rank[0][2]
+    floor_bytes = max(r[3] for r in per_rank)
     results = {label: {"s": per_rank[0][0][label]["s"],
                        "peak_bytes": max(r[0][label]["peak_bytes"] for r in per_rank),
                        "allocations_per_step": max(r[0][label]["allocations_per_step"] for r in per_rank)}
@@ -238,9 +272,13 @@ def run_zero_bench(name: str, args) -> dict:
     out = {"bench": name, "world_size": args.world, "params": model_cfg.num_params(), "ours": headline_ours,
            "peer": headline_peer, **_pair(results[headline_ours], results[headline_peer])}
     out["phases"] = {"ours": per_rank[0][0][headline_ours]["phases"], "peer": per_rank[0][0][headline_peer]["phases"],
-                     "alone": per_rank[0][0][ALONE]["phases"]}  # rank 0's
+                     "alone": per_rank[0][0][ALONE]["phases"], "meet": per_rank[0][0][MEET]["phases"]}  # rank 0's
     out["alone_s"] = results[ALONE]["s"]
     out["floor_ratio"] = results[ALONE]["s"] / results[headline_peer]["s"]  # the lowest ratio any sharding reaches
+    out["meet_s"] = results[MEET]["s"]
+    out["meet_ratio"] = results[MEET]["s"] / results[headline_peer]["s"]  # ... when the ranks must also meet
+    out["peak_floor_bytes"] = floor_bytes  # the least peak this stage can have (peak_floor)
+    out["peak_floor_ratio"] = floor_bytes / results[headline_peer]["peak_bytes"]
     out["implementations"] = results
     out["comparisons"] = {f"{o} vs {p}": _pair(results[o], results[p]) for o, p in _comparisons(ours_labels,
                                                                                                  peer_labels)}

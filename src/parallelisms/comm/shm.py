@@ -257,6 +257,7 @@ class SharedMemoryCollectives:
             if job is None:
                 return
             call, args, work = job
+            del job  # else the queued tuple keeps the call's tensors alive here until the next call arrives
             try:
                 if call is not None:
                     call(*args)

@@ -178,7 +178,9 @@ class FlatUnit:
 
     def attach(self) -> None:
         """Point the modules' weights at views of ``full`` (called before each forward)."""
-        views = self.full[:self.numel].split(self.numels)
+        # one split of the whole buffer, padding included: its backward is one concatenation of the gradients
+        # (a slice before it would add a zero-filled padded copy of the unit's gradient)
+        views = self.full.split(self.numels + [self.padded - self.numel])
         for (_, owner, attr, _), view, shape in zip(self.slots, views, self.shapes):
             setattr(owner, attr, view.view(shape))
 
