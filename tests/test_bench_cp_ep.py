@@ -8,7 +8,7 @@ import pytest
 from parallelisms.cli import main
 
 PHASES = {"forward_s", "backward_s", "optimizer_s", "exposed_comm_s"}
-COMMON = {"bench", "world_size", "ours_s", "peer", "peer_s", "ratio", "phases", "one_process_s",
+COMMON = {"bench", "world_size", "ours_s", "peer", "peer_s", "ratio", "ratio_rounds", "phases", "one_process_s",
           "ours_scaling_efficiency", "peer_scaling_efficiency"}
 
 
@@ -19,6 +19,7 @@ def _bench(capsys, argv) -> dict:
     assert set(result["phases"]) == {"ours", "peer", "one_process"}
     assert all(set(phases) == PHASES for phases in result["phases"].values())
     assert result["ratio"] == pytest.approx(result["ours_s"] / result["peer_s"])
+    assert result["ratio_rounds"] == pytest.approx([result["ratio"]])  # one round of one step: the headline itself
     return result
 
 

@@ -1,5 +1,6 @@
-"""The benches' allocator measurements: what a call holds at once (and nothing allocated before it), and the
-least peak a ZeRO stage can have, built from it (``bench zero*``'s ``peak_floor_ratio``)."""
+"""The benches' measurements: what a call holds at once (and nothing allocated before it), the
+least peak a ZeRO stage can have, built from it (``bench zero*``'s ``peak_floor_ratio``), and the rounds of
+``alternate`` behind each bench's ``ratio_rounds``."""
 
 import torch
 
@@ -31,3 +32,12 @@ def test_peak_floor_holds_the_stage_s_parameters_and_a_share_of_adam():
     # difference is within a small allocation of the formula's
     assert abs((floors[1] - floors[3]) - (params - params // 2 - unit)) < 0.05 * params
     assert floors[3] > params // 2 + unit + params  # plus Adam's two moments over half the parameters, plus activations
+
+
+def test_alternate_keeps_every_step_for_per_round_ratios():
+    from parallelisms.bench import alternate, round_ratios
+
+    times = alternate({"ours": lambda: None, "peer": lambda: None}, steps=3, rounds=4)
+    assert len(times.samples["ours"]) == 12 and len(times.per_round("ours", 4)) == 4
+    times.samples.update(ours=[1.0] * 6 + [3.0] * 6, peer=[2.0] * 12)  # two rounds of six steps
+    assert round_ratios(times, "ours", "peer", 2) == [0.5, 1.5]

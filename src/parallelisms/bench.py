@@ -88,7 +88,22 @@ def run_bench(args) -> dict:
     return result
 
 
-def alternate(runs: dict, steps: int, rounds: int) -> dict[str, float]:
+class Timings(dict):
+    """Median seconds per step by runner name (what :func:`alternate` returns), with ``samples``: every timed
+    step's seconds by name, in the order they ran."""
+
+    def __init__(self, medians: dict, samples: dict):
+        super().__init__(medians)
+        self.samples = samples
+
+    def per_round(self, name, rounds: int) -> list[float]:
+        """``name``'s steps cut into ``rounds`` consecutive groups, the median of each."""
+        steps = self.samples[name]
+        size = max(1, len(steps) // rounds)
+        return [statistics.median(steps[i:i + size]) for i in range(0, size * rounds, size) if steps[i:i + size]]
+
+
+def alternate(runs: dict, steps: int, rounds: int) -> Timings:
     """Time ``steps`` calls of each runner per round, alternating over ``rounds``; median per-step seconds.
     One untimed warm-up step each first."""
     times = {name: [] for name in runs}
@@ -100,7 +115,13 @@ def alternate(runs: dict, steps: int, rounds: int) -> dict[str, float]:
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return Timings({name: statistics.median(t) for name, t in times.items()}, times)
+
+
+def round_ratios(times: Timings, ours, peer, rounds: int) -> list[float]:
+    """``ours`` over ``peer`` in each of ``rounds`` rounds (medians per round): the spread of the headline
+    ratio, whose value is the ratio of the medians over every round."""
+    return [o / p for o, p in zip(times.per_round(ours, rounds), times.per_round(peer, rounds))]
 
 
 def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
@@ -285,7 +306,8 @@ def bench_ddp(args) -> dict:
     single = single_process_step_time(model_cfg, train_cfg, args.steps)
     return {"bench": "ddp", "world_size": args.world, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": "torch.nn.parallel.DistributedDataParallel", "peer_s": times["peer"],
-            "ratio": times["ours"] / times["peer"], "alone_s": times["alone"],
+            "ratio": times["ours"] / times["peer"], "ratio_rounds": round_ratios(times, "ours", "peer", args.rounds),
+            "alone_s": times["alone"],
             "floor_ratio": times["alone"] / times["peer"], "meet_s": times["meet"],
             "meet_ratio": times["meet"] / times["peer"], "phases": phases, "single_process_s": single,
             "ours_scaling_efficiency": single / (args.world * times["ours"]),

@@ -34,6 +34,7 @@ def _length(args, seq_len: int) -> dict:
                        scaling_efficiency=single["step_s"] / (args.world * figures["step_s"]))
         row[style] = figures
     row["ratio"] = row["ring"]["step_s"] / row["ulysses"]["step_s"]
+    row["ratio_rounds"] = [r / u for r, u in zip(row["ring"]["step_s_rounds"], row["ulysses"]["step_s_rounds"])]
     row["peak_memory_ratio"] = row["ring"]["peak_bytes"] / row["ulysses"]["peak_bytes"]
     print(f"bench cp {seq_len:>6} tokens: one process {single['step_s']:.2f} s, ring {row['ring']['step_s']:.2f} s "
           f"(x{row['ring']['speedup']:.2f}, memory {row['ring']['peak_memory_vs_one_process']:.2f}), ulysses "
@@ -51,6 +52,7 @@ def bench_cp(args) -> dict:
     return {"bench": "cp", "world_size": args.world, "preset": args.preset, "global_batch": args.global_batch,
             "seq_len": last["seq_len"], "ours": "ring attention (zigzag, fused kernel)", "ours_s": ring["step_s"],
             "peer": "ulysses (all-to-all over heads)", "peer_s": ulysses["step_s"], "ratio": last["ratio"],
+            "ratio_rounds": last["ratio_rounds"],
             "phases": {"ours": {k: ring[k] for k in PHASES}, "peer": {k: ulysses[k] for k in PHASES},
                        "one_process": {k: last["one_process"][k] for k in PHASES}},
             "one_process_s": last["one_process"]["step_s"], "ours_speedup": ring["speedup"],

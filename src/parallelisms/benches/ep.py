@@ -41,6 +41,7 @@ def bench_ep(args) -> dict:
     return {"bench": "ep", "world_size": args.world, "preset": args.preset, "params": model_cfg.num_params(),
             "tokens_per_step": tokens, "ours": f"expert parallel (ep {args.world})", "ours_s": ours["step_s"],
             "peer": "experts replicated (ep 1)", "peer_s": peer["step_s"], "ratio": ours["step_s"] / peer["step_s"],
+            "ratio_rounds": [o / p for o, p in zip(ours["step_s_rounds"], peer["step_s_rounds"])],
             "peak_memory_ratio": ours["peak_bytes"] / peer["peak_bytes"],
             "phases": {"ours": {k: ours[k] for k in PHASES}, "peer": {k: peer[k] for k in PHASES},
                        "one_process": {k: single[k] for k in PHASES}},

@@ -85,7 +85,8 @@ def layouts_rank(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig,
     times = alternate(runs, steps, rounds)
     result = {}
     for name, o in out.items():
-        result[name] = {"step_s": times[name], "peak_bytes": o["memory"]["peak_bytes"],
+        result[name] = {"step_s": times[name], "step_s_rounds": times.per_round(name, rounds),
+                        "peak_bytes": o["memory"]["peak_bytes"],
                         **_medians(o["phases"][o["skip"]:])}
         if "ledger" in o:
             result[name]["comm_per_step"] = o["ledger"].summary(since=o["mark"], per=len(o["phases"]),

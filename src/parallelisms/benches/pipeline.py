@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed, round_ratios
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -87,7 +87,7 @@ def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, r
     for name, (_, seconds) in runs.items():  # beyond the floor and the optimizer: messages, waits, host time
         optimizer_s = statistics.median(seconds["optimizer_s"][1:])
         phases[name] = phase_medians(seconds, times[name], pipeline["simulated_makespan_s"] + optimizer_s)
-    return times, pipeline, phases
+    return times, pipeline, phases, round_ratios(times, "ours", "peer", rounds)
 
 
 def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -103,13 +103,13 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
 def bench_pipeline(args) -> dict:
     """Our executor against torch.distributed.pipelining's schedule of the same name."""
     model_cfg, train_cfg, parallel = _configs(args)
-    times, pipeline, phases = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps,
+    times, pipeline, phases, ratio_rounds = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps,
                                      args.rounds, backend="gloo", threads=1)[0]
     floor = pipeline["simulated_makespan_s"]
     return {"bench": "pipeline", "schedule": args.schedule, "world_size": args.world,
             "microbatches": parallel.microbatches, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
-            "peer_s": times["peer"], "ratio": times["ours"] / times["peer"],
+            "peer_s": times["peer"], "ratio": times["ours"] / times["peer"], "ratio_rounds": ratio_rounds,
             "floor_s": floor, "floor_ratio": floor / times["peer"], "phases": phases, "bubble": pipeline}
 
 

@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench
+from parallelisms.bench import alternate, bench, round_ratios
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.launch import RankInfo, launch
@@ -125,7 +125,8 @@ def bench_tp(args) -> dict:
            "shape": [args.global_batch, args.seq_len, model_cfg.dim],
            "ours_s": times[target]["ours"], "peer": "torch DTensor parallelize_module "
            + ("Colwise/Rowwise/SequenceParallel" if sp else "Colwise/RowwiseParallel"),
-           "peer_s": times[target]["peer"], "ratio": times[target]["ours"] / times[target]["peer"]}
+           "peer_s": times[target]["peer"], "ratio": times[target]["ours"] / times[target]["peer"],
+           "ratio_rounds": round_ratios(times[target], "ours", "peer", args.rounds)}
     for name, t in times.items():
         out[f"{name}_ours_s"], out[f"{name}_ours_overlap_s"], out[f"{name}_peer_s"] = t["ours"], t["ours_overlap"], t["peer"]
         out[f"{name}_ratio"] = t["ours"] / t["peer"]

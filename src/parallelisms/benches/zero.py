@@ -238,13 +238,14 @@ def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, st
     floor = peak_floor(3 if name == "fsdp" else int(name[-1]), info.world_size, model_cfg, train_cfg, batch)
     times = alternate(runs, steps, rounds)
     # the two profiled steps and the warm-up step left out of the phases
-    return ({label: {"s": times[label], **memory[label], "phases": phase_medians(
+    return ({label: {"s": times[label], "rounds_s": times.per_round(label, rounds), **memory[label], "phases": phase_medians(
                 getattr(runs[label], "phases", None), times[label], times[ALONE], skip=3)} for label in runs},
             list(ours), list(peers), floor)
 
 
 def _pair(ours: dict, peer: dict) -> dict:
     return {"ours_s": ours["s"], "peer_s": peer["s"], "ratio": ours["s"] / peer["s"],
+            "ratio_rounds": [o / p for o, p in zip(ours["rounds_s"], peer["rounds_s"])],
             "peak_memory_ratio": ours["peak_bytes"] / peer["peak_bytes"],
             "ours_peak_bytes": ours["peak_bytes"], "peer_peak_bytes": peer["peak_bytes"],
             "ours_allocations_per_step": ours["allocations_per_step"],
@@ -264,7 +265,7 @@ def run_zero_bench(name: str, args) -> dict:
                       why_not is None, backend="gloo", threads=1)
     ours_labels, peer_labels = per_rank[0][1], per_rank[0][2]
     floor_bytes = max(r[3] for r in per_rank)
-    results = {label: {"s": per_rank[0][0][label]["s"],
+    results = {label: {"s": per_rank[0][0][label]["s"], "rounds_s": per_rank[0][0][label]["rounds_s"],
                        "peak_bytes": max(r[0][label]["peak_bytes"] for r in per_rank),
                        "allocations_per_step": max(r[0][label]["allocations_per_step"] for r in per_rank)}
                for label in per_rank[0][0]}
