@@ -68,6 +68,20 @@ def _ranks(info):
         out.setdefault("in_thread", []).append(
             torch.allclose(summed, total, rtol=1e-12) and torch.allclose(shard, total.view(n, -1)[r], rtol=1e-12)
             and torch.equal(gathered, torch.cat(everyone)))
+    # all-to-all through shared memory: even, uneven (some blocks empty, some many rounds of a 192-byte
+    # segment), one rank sending nothing, blocking and queued: the same bits as gloo's
+    agree, calls = [], (comm._shm_now.calls, comm._shm.calls)
+    uneven = ([(r * 7 + j * 29) % 60 for j in range(n)], [(i * 7 + r * 29) % 60 for i in range(n)])  # sent, received
+    empty = ([0] * n if r == 0 else [2] * n, [0] + [2] * (n - 1))  # rank 0 sends no row at all
+    for splits, receives in (([3] * n, [3] * n), uneven, empty):
+        x = torch.randn(sum(splits), 5, generator=gen, dtype=torch.float64)
+        expected = x.new_empty(sum(receives), 5)
+        dist.all_to_all_single(expected, x, receives, splits)
+        for async_op in (False, True):
+            got = comm.all_to_all(x, receives, splits, async_op=async_op)
+            agree.append(torch.equal(got.wait() if async_op else got, expected))
+    out["all_to_all"] = agree
+    out["all_to_all_on_shm"] = comm._shm_now.calls > calls[0] and comm._shm.calls > calls[1]
     out["in_thread_chunk"] = comm._shm_now.chunk_bytes
     out["in_thread_mapping"] = comm._shm_now.capacity
     # DDP's buckets opt in: a fresh Comm over the same group carries the first bucket through shared memory
@@ -115,6 +129,11 @@ def test_sums_match_gloo_on_every_rank_bit_for_bit(reports):
 
 def test_the_worker_keeps_no_tensor_of_a_finished_call(reports):
     assert all(out["released_by_caller"] for out in reports)
+
+
+def test_all_to_all_even_and_uneven_gives_gloo_s_bits(reports):
+    for out in reports:
+        assert out["all_to_all"] == [True] * 6 and out["all_to_all_on_shm"]
 
 
 def test_blocking_calls_run_in_this_thread_in_bounded_pieces(reports):

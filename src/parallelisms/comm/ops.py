@@ -11,6 +11,7 @@ them instead, as ``rank R did not arrive at ...``. Every wait ends at the group'
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -30,6 +31,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 # CPU collectives through shared memory move at most this many bytes per rank at a time (0: gloo instead)
 SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 18))
+_A2A_SLOT = object()  # an all-to-all's slot: fixed, since each rank's share of it differs (uneven splits)
 
 
 class CommError(RuntimeError):
@@ -209,8 +211,9 @@ class Comm:
                      in_this_thread: bool = False):
         """The group's shared-memory collectives (:mod:`parallelisms.comm.shm`) for a CPU sum or gather between
         ranks of one host, else None. ``slot``: what each rank puts in (a sum's tensor, a gather's shard), moved
-        SHM_CHUNK_BYTES at a time (0: never). Blocking calls run ``in_this_thread``: no hand-off to gloo's
-        threads, which wait for a core when every core computes; asynchronous ones on the instance's worker."""
+        SHM_CHUNK_BYTES at a time (0: never), or ``_A2A_SLOT`` (an all-to-all's). Blocking calls run
+        ``in_this_thread``: no hand-off to gloo's threads, which wait for a core when every core computes;
+        asynchronous ones on the instance's worker."""
         if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
                 or SHM_CHUNK_BYTES <= 0 or not self._on_one_host()):
             return None
@@ -220,6 +223,8 @@ class Comm:
             setattr(self, name, SharedMemoryCollectives(self.group, self.rank, self.size, self.timeout_s,
                                                         inline=in_this_thread, chunk_bytes=SHM_CHUNK_BYTES))
         shm = getattr(self, name)
+        if slot is _A2A_SLOT:  # the same fixed slot on every rank, whatever each sends
+            return shm if shm.fits(shm.all_to_all_slot_bytes()) else None
         return shm if shm.fits(min(slot.numel() * slot.element_size(), SHM_CHUNK_BYTES)) else None
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
@@ -285,12 +290,19 @@ class Comm:
         rows = tensor.shape[0]
         out_rows = rows if output_splits is None else sum(output_splits)
         out = tensor.new_empty((out_rows, *tensor.shape[1:]))
-        row_bytes = tensor[0:1].numel() * tensor.element_size() if rows else 0
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()  # also when this rank sends no row
         kept = (input_splits[self.rank] if input_splits is not None else rows // self.size)
-        return self._run("all_to_all", tensor, tensor.numel(),
-                         lambda: dist.all_to_all_single(out, tensor, output_splits, input_splits, group=self.group,
-                                                        async_op=True),
-                         async_op, out, sent_bytes=(rows - kept) * row_bytes)
+        shm = self._collectives(tensor, _A2A_SLOT, in_this_thread=not async_op)
+        if shm is not None:  # between ranks of one host: through shared memory, in bytes per block
+            sends = [n * row_bytes for n in (input_splits or [rows // self.size] * self.size)]
+            receives = [n * row_bytes for n in (output_splits or [rows // self.size] * self.size)]
+            args = (out, tensor, sends, receives)
+            launch = (lambda: shm.submit(shm.all_to_all_now, *args)) if async_op else lambda: shm.all_to_all_now(*args)
+        else:
+            launch = lambda: dist.all_to_all_single(out, tensor, output_splits, input_splits, group=self.group,  # noqa: E731
+                                                    async_op=True)
+        return self._run("all_to_all", tensor, tensor.numel(), launch, async_op, out,
+                         sent_bytes=(rows - kept) * row_bytes)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """In-place broadcast from group rank ``src``."""

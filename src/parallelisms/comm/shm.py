@@ -5,7 +5,10 @@ of it CPU per rank (7.6 ms in the kernel), which on a small machine is taken fro
 map one shared file (``/dev/shm``) holding a slot per rank, as intra-node transports do (NCCL's SHM, oneCCL,
 DeepSpeed's CPU all-reduce): for an all-reduce each rank copies its tensor into its slot, sums its 1/N chunk
 over all slots (a reduce-scatter in memory, ranks added in rank order), and copies every rank's reduced chunk
-back (the all-gather); an all-gather or a reduce-scatter is the first half of that. Each phase is closed by a
+back (the all-gather); an all-gather or a reduce-scatter is the first half of that. An all-to-all (expert
+dispatch and combine, Ulysses) puts each destination's block in its own segment of the rank's slot, and each
+rank reads its segment from every other slot (uneven blocks: the slot's first word tells the peers how many
+rounds of segments a rank's largest block needs). Each phase is closed by a
 flag barrier in the same file; slots alternate between two sets so that a call never overwrites what a slower
 rank still reads from the previous one. Every rank holds the same bits afterwards.
 
@@ -207,6 +210,41 @@ class SharedMemoryCollectives:
             slots[self.rank].view(self.size, w).copy_(piece)
             self._arrive("copy-in")
             torch.sum(slots[:, self.rank * w:(self.rank + 1) * w], dim=0, out=mine[start:start + w])
+
+    def all_to_all_slot_bytes(self) -> int:
+        """The slot an all-to-all uses: a 64-byte header and a segment per destination (the chunk over the ranks,
+        at least 64 bytes)."""
+        return 64 + self.size * max(64, (self.chunk_bytes - 64) // self.size // 64 * 64)
+
+    def all_to_all_now(self, out: torch.Tensor, tensor: torch.Tensor, sends: list[int], receives: list[int]) -> None:
+        """Rank i's block j of ``tensor`` into block i of rank j's ``out`` (contiguous, CPU): ``sends[j]`` and
+        ``receives[i]`` bytes, each rank knowing only its own. A round moves up to ``w`` bytes of every block,
+        each destination's in its own segment of the slot (``w`` = the chunk over the ranks: the same on every
+        rank); the slot's first word says how many rounds this rank's sends need, so that after the first
+        round every rank knows how many to run (the most any rank needs)."""
+        source, sink = tensor.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        starts = [sum(sends[:j]) for j in range(self.size)]
+        ends = [sum(receives[:i]) for i in range(self.size)]
+        width = (self.all_to_all_slot_bytes() - 64) // self.size
+        mine = slice(starts[self.rank], starts[self.rank] + sends[self.rank])
+        sink[ends[self.rank]:ends[self.rank] + receives[self.rank]].copy_(source[mine])  # to itself: no slot
+        needed = max(-(-b // width) for j, b in enumerate(sends) if j != self.rank) if self.size > 1 else 0
+        rounds, done = needed, 0
+        while done < rounds or done == 0:
+            slots = self.slots[self._next_call() % 2, :, :64 + self.size * width]
+            slots[self.rank, :8].view(torch.int64)[0] = needed
+            for j in range(self.size):
+                lo, hi = done * width, min((done + 1) * width, sends[j])
+                if j != self.rank and hi > lo:
+                    slots[self.rank, 64 + j * width:64 + j * width + hi - lo].copy_(source[starts[j] + lo:starts[j] + hi])
+            self._arrive("copy-in")
+            if done == 0:
+                rounds = int(slots[:, :8].view(torch.int64).max())
+            for i in range(self.size):
+                lo, hi = done * width, min((done + 1) * width, receives[i])
+                if i != self.rank and hi > lo:
+                    sink[ends[i] + lo:ends[i] + hi].copy_(slots[i, 64 + self.rank * width:64 + self.rank * width + hi - lo])
+            done += 1
 
     def _width(self, tensor: torch.Tensor, rows: int) -> int:
         """Elements per row of a piece, so that ``rows`` rows of them fill at most ``chunk_bytes``."""

@@ -120,14 +120,15 @@ PRESETS = {
     # runs with both cores measuring at once, as two ranks share them (peak 65-80 GFLOP/s per thread; elementwise
     # 9.7-15.3 GB/s, a block's own operators as it runs them; attention 38-44% of the GEMM rate; optimizer
     # 9.3-13.3 GB/s + 39-60 us per tensor; op 3.6-5.5 us; collectives 99% CPU; collective alphas, measured after
-    # a burst of GEMMs as a step issues them, 0.35-1.4 ms). Rerun it on another machine and pass the file.
+    # a burst of GEMMs as a step issues them, 0.35-1.4 ms; the all-to-all, through shared memory since, the median
+    # of three later runs: 197-286 us, 1.2-1.55 GB/s). Rerun it on another machine and pass the file.
     "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.0735, 16, 0.01265, 1024, 2.86, 2.86, 502, 502,
                     gemm_fraction=1.0, gemm_k_half=1.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
                     bytes_per_element=4, cores=2, op_overhead_us=4.5, attention_fraction=0.395,
                     optimizer_tbps=0.0105, optimizer_tensor_us=58, comm_cpu_fraction=0.99,
                     collectives={"all_reduce": {"alpha_us": 502, "gbps": 2.86}, "all_gather": {"alpha_us": 431, "gbps": 1.2},
                                  "reduce_scatter": {"alpha_us": 830, "gbps": 0.88},
-                                 "all_to_all": {"alpha_us": 988, "gbps": 0.74}, "send": {"alpha_us": 478, "gbps": 3.08}}),
+                                 "all_to_all": {"alpha_us": 219, "gbps": 1.34}, "send": {"alpha_us": 478, "gbps": 3.08}}),
 }
 
 
