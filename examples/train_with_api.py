@@ -25,6 +25,7 @@ def main(argv: list[str]) -> None:
         loss = trainer.train_step(inputs, targets)  # forward, backward, gradient sync, clip, AdamW
         if rank == 0 and (step % 5 == 0 or step == cfg.train.steps - 1):
             print(f"{cfg.layout.label()} step {step:3d}: loss {loss.item():.4f} (rank 0's rows)", flush=True)
+    trainer.close()  # every rank: hooks out, one barrier, the shared-memory transports stopped, the groups freed
     if dist.is_initialized():
         dist.destroy_process_group()
 
