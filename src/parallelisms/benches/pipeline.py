@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed, round_ratios
+from parallelisms.bench import alternate, bench, phase_medians, phase_timed, round_ratios, single_process_step_time
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -106,11 +106,14 @@ def bench_pipeline(args) -> dict:
     times, pipeline, phases, ratio_rounds = launch(_pipeline_rank, args.world, model_cfg, train_cfg, parallel, args.steps,
                                      args.rounds, backend="gloo", threads=1)[0]
     floor = pipeline["simulated_makespan_s"]
+    single = single_process_step_time(model_cfg, train_cfg, args.steps)
     return {"bench": "pipeline", "schedule": args.schedule, "world_size": args.world,
             "microbatches": parallel.microbatches, "params": model_cfg.num_params(),
             "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
             "peer_s": times["peer"], "ratio": times["ours"] / times["peer"], "ratio_rounds": ratio_rounds,
-            "floor_s": floor, "floor_ratio": floor / times["peer"], "phases": phases, "bubble": pipeline}
+            "floor_s": floor, "floor_ratio": floor / times["peer"], "phases": phases, "bubble": pipeline,
+            "single_process_s": single, "ours_scaling_efficiency": single / (args.world * times["ours"]),
+            "peer_scaling_efficiency": single / (args.world * times["peer"])}
 
 
 # -- balancing by measured runtime ----------------------------------------------------------------------

@@ -2,6 +2,10 @@
 DTensor ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` (plus ``SequenceParallel``
 norms and sequence-sharded inputs/outputs under ``--sp``), same weights and shapes, forward + backward.
 
+``phases``: forward and backward for ours, the peer and one process running the plain block on the whole
+batch (rank 0, in the same rounds); exposed communication is the time beyond that one process's split
+evenly over the ranks, which is also the floor (``floor_ratio``); scaling efficiency against it.
+
 It also reports what the ``--tp-overlap`` option hides, read from the timeline: the time the
 asynchronous input-gradient reductions of the column-parallel regions were in flight, and the part of it
 a rank spent waiting for them (exposed); the rest overlapped the weight-gradient GEMMs.
@@ -10,11 +14,12 @@ a rank spent waiting for them (exposed); the rest overlapped the weight-gradient
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, round_ratios
+from parallelisms.bench import alternate, bench, phase_medians, round_ratios
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.launch import RankInfo, launch
@@ -65,12 +70,22 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     peer = build_model(model_cfg, train_cfg.seed)
     cos, sin = peer.rope_cos[:train_cfg.seq_len], peer.rope_sin[:train_cfg.seq_len]
     parallelize_module(peer.layers["0"], mesh, _peer_plan(sp))
+    one = build_model(model_cfg, train_cfg.seed).layers["0"]  # the plain block on the whole batch, rank 0 only
+    whole_x, whole_grad = full.clone().requires_grad_(), torch.randn(batch, train_cfg.seq_len, model_cfg.dim, generator=gen)
+    phases = {}
     for target in ("block", "mlp"):
-        fns = {}
+        fns, seconds = {}, {}
         for overlap, (model, _) in runs.items():
-            fns["ours_overlap" if overlap else "ours"] = _step(model.layers["0"], x, grad_out, cos, sin, target)
-        fns["peer"] = _step(peer.layers["0"], x, grad_out, cos, sin, target)
+            name = "ours_overlap" if overlap else "ours"
+            fns[name] = _step(model.layers["0"], x, grad_out, cos, sin, target, seconds.setdefault(name, _phases()))
+        fns["peer"] = _step(peer.layers["0"], x, grad_out, cos, sin, target, seconds.setdefault("peer", _phases()))
+        # the other ranks wait for rank 0 in their next collective, outside rank 0's timing
+        fns["one_process"] = (_step(one, whole_x, whole_grad, cos, sin, target, seconds.setdefault("one_process", _phases()))
+                              if info.rank == 0 else lambda: None)
         timings[target] = alternate(fns, steps, rounds)
+        split = timings[target]["one_process"] / info.world_size  # the one process's time split evenly: no communication
+        phases[target] = {name: phase_medians(seconds[name], timings[target][name], split)
+                          for name in ("ours", "peer", "one_process")} if info.rank == 0 else None
 
     # What the overlap hides: block backwards traced per setting (``steps`` each, alternating; medians).
     # Its only input-gradient reductions are the two column-parallel regions' (all-reduce; SP: reduce-scatter).
@@ -91,21 +106,30 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     hidden = {("overlap" if overlap else "sync"): dict(zip(("backward_ms", "reduction_ms", "exposed_ms"),
                                                           (statistics.median(col) for col in zip(*rows))))
               for overlap, rows in traced.items()}
-    return {"timings": timings, "overlap": hidden}
+    return {"timings": timings, "overlap": hidden, "phases": phases}
 
 
-def _step(block, x, grad_out, cos, sin, target: str):
+def _phases() -> dict:
+    return {"forward_s": [], "backward_s": []}
+
+
+def _step(block, x, grad_out, cos, sin, target: str, seconds: dict):
+    """Forward and backward of ``block`` (or its MLP) on ``x``; each call appends its two phases' seconds."""
     module = block if target == "block" else block.feed_forward
     params = list(module.parameters())
 
     def run():
         for p in params:
             p.grad = None
+        start = time.perf_counter()
         out = module(x, cos, sin) if target == "block" else module(x)
         out = out.to_local() if hasattr(out, "to_local") else out
         if hasattr(out, "trigger_wait"):   # DTensor's output all-reduce is lazy: wait as a consumer would
             out.trigger_wait()
+        middle = time.perf_counter()
         out.backward(grad_out)
+        seconds["forward_s"].append(middle - start)
+        seconds["backward_s"].append(time.perf_counter() - middle)
     return run
 
 
@@ -126,7 +150,11 @@ def bench_tp(args) -> dict:
            "ours_s": times[target]["ours"], "peer": "torch DTensor parallelize_module "
            + ("Colwise/Rowwise/SequenceParallel" if sp else "Colwise/RowwiseParallel"),
            "peer_s": times[target]["peer"], "ratio": times[target]["ours"] / times[target]["peer"],
-           "ratio_rounds": round_ratios(times[target], "ours", "peer", args.rounds)}
+           "ratio_rounds": round_ratios(times[target], "ours", "peer", args.rounds),
+           "phases": result[0]["phases"][target], "single_process_s": times[target]["one_process"],
+           "floor_ratio": times[target]["one_process"] / args.world / times[target]["peer"],
+           "ours_scaling_efficiency": times[target]["one_process"] / (args.world * times[target]["ours"]),
+           "peer_scaling_efficiency": times[target]["one_process"] / (args.world * times[target]["peer"])}
     for name, t in times.items():
         out[f"{name}_ours_s"], out[f"{name}_ours_overlap_s"], out[f"{name}_peer_s"] = t["ours"], t["ours_overlap"], t["peer"]
         out[f"{name}_ratio"] = t["ours"] / t["peer"]

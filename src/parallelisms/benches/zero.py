@@ -34,7 +34,8 @@ import sys
 import torch
 from torch import nn
 
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed, plain_step, profiled, transient_peak
+from parallelisms.bench import (alternate, bench, phase_medians, phase_timed, plain_step, profiled,
+                               single_process_step_time, transient_peak)
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
@@ -283,6 +284,10 @@ def run_zero_bench(name: str, args) -> dict:
     out["implementations"] = results
     out["comparisons"] = {f"{o} vs {p}": _pair(results[o], results[p]) for o, p in _comparisons(ours_labels,
                                                                                                  peer_labels)}
+    single = single_process_step_time(model_cfg, train_cfg, args.steps)
+    out["single_process_s"] = single
+    out["ours_scaling_efficiency"] = single / (args.world * results[headline_ours]["s"])
+    out["peer_scaling_efficiency"] = single / (args.world * results[headline_peer]["s"])
     out["deepspeed"] = "included" if why_not is None else f"not run: {why_not}"
     return out
 

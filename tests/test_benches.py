@@ -1,4 +1,4 @@
-"""``bench cp`` and ``bench ep`` at a tiny size: the JSON's shape only (benchmarks are not tests: no timing
+"""The benches at a tiny size: the JSON's shape only (benchmarks are not tests: no timing
 asserts), and their flags' one-line errors."""
 
 import json
@@ -49,3 +49,18 @@ def test_bad_bench_flags(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.mark.parametrize("argv", [["tp"], ["tp", "--sp"], ["zero1"], ["pipeline", "--schedule", "1f1b"]])
+def test_every_bench_reports_phases_and_scaling_against_one_process(capsys, argv):
+    """The keys every bench's JSON carries: the headline ratio and its rounds, the peer, ours' and the peer's
+    phases, and the scaling efficiency against one process training the same global batch."""
+    assert main(["bench", *argv, "--preset", "tiny", "--seq-len", "32", "--steps", "1", "--rounds", "2",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"ratio", "ratio_rounds", "peer", "phases", "single_process_s", "ours_scaling_efficiency",
+            "peer_scaling_efficiency"} <= set(result)
+    assert len(result["ratio_rounds"]) == 2
+    assert {"forward_s", "backward_s", "exposed_comm_s"} <= set(result["phases"]["ours"]) & set(result["phases"]["peer"])
+    assert result["ours_scaling_efficiency"] == pytest.approx(
+        result["single_process_s"] / (result["world_size"] * result["ours_s"]))
