@@ -51,7 +51,8 @@ def test_bad_bench_flags(capsys, argv, fragment):
     assert len(err) == 1 and fragment in err[0], err
 
 
-@pytest.mark.parametrize("argv", [["tp"], ["tp", "--sp"], ["zero1"], ["pipeline", "--schedule", "1f1b"]])
+@pytest.mark.parametrize("argv", [["tp"], ["tp", "--sp"], ["zero1"], ["pipeline", "--schedule", "1f1b"],
+                                  ["pipeline-balance"]])
 def test_every_bench_reports_phases_and_scaling_against_one_process(capsys, argv):
     """The keys every bench's JSON carries: the headline ratio and its rounds, the peer, ours' and the peer's
     phases, and the scaling efficiency against one process training the same global batch."""

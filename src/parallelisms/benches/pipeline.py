@@ -124,8 +124,18 @@ BIG_HEAD = ModelConfig(vocab_size=8192, dim=128, n_layers=8, n_heads=4, n_kv_hea
 
 def _balance_rank(info: RankInfo, model_cfg, train_cfg, parallel, layouts: dict, steps: int, rounds: int):
     comms = Comms(parallel.dims.build_meshes())
-    runs = {name: _ours(info, model_cfg, train_cfg, parallel, comms, bounds)[1] for name, bounds in layouts.items()}
-    return alternate(runs, 1, steps * rounds)
+    runs, reports = {}, {}
+    for name, bounds in layouts.items():
+        trainer, step = _ours(info, model_cfg, train_cfg, parallel, comms, bounds)
+        runs[name] = phase_timed(step, trainer.forward_backward.stages.values(), trainer.optimizer)
+        reports[name] = trainer.forward_backward
+    times = alternate({name: step for name, (step, _) in runs.items()}, 1, steps * rounds)
+    phases = {}
+    for name, (_, seconds) in runs.items():  # beyond the layout's own floor and the optimizer, as bench pipeline
+        optimizer_s = statistics.median(seconds["optimizer_s"][1:])
+        floor = reports[name].report()["pipeline"]["simulated_makespan_s"]
+        phases[name] = phase_medians(seconds, times[name], floor + optimizer_s)
+    return times, phases, round_ratios(times, "balanced", "equal", rounds)
 
 
 @bench("pipeline-balance")
@@ -142,12 +152,16 @@ def bench_pipeline_balance(args) -> dict:
     layers, first, last = profile_costs(BIG_HEAD, args.global_batch // parallel.microbatches, args.seq_len)
     layouts = {"equal": equal_bounds(BIG_HEAD.n_layers, args.world),
                "balanced": balanced_bounds(layers, first, last, args.world)}
-    times = launch(_balance_rank, args.world, BIG_HEAD, train_cfg, parallel, layouts, args.steps, args.rounds,
-                   backend="gloo", threads=1)[0]
+    times, phases, ratio_rounds = launch(_balance_rank, args.world, BIG_HEAD, train_cfg, parallel, layouts,
+                                         args.steps, args.rounds, backend="gloo", threads=1)[0]
+    single = single_process_step_time(BIG_HEAD, train_cfg, args.steps)
     return {"bench": "pipeline-balance", "schedule": schedule, "world_size": args.world,
             "microbatches": parallel.microbatches, "layer_s": layers, "embedding_s": first, "head_s": last,
             "bounds": layouts,
             "predicted_stage_s": {k: stage_costs(b, layers, first, last) for k, b in layouts.items()},
             "ours_s": times["balanced"], "peer": "equal layer counts", "peer_s": times["equal"],
-            "ratio": times["balanced"] / times["equal"],
-            "improvement": 1.0 - times["balanced"] / times["equal"]}
+            "ratio": times["balanced"] / times["equal"], "ratio_rounds": ratio_rounds,
+            "improvement": 1.0 - times["balanced"] / times["equal"],
+            "phases": {"ours": phases["balanced"], "peer": phases["equal"]}, "single_process_s": single,
+            "ours_scaling_efficiency": single / (args.world * times["balanced"]),
+            "peer_scaling_efficiency": single / (args.world * times["equal"])}
