@@ -121,7 +121,19 @@ def alternate(runs: dict, steps: int, rounds: int) -> Timings:
 def round_ratios(times: Timings, ours, peer, rounds: int) -> list[float]:
     """``ours`` over ``peer`` in each of ``rounds`` rounds (medians per round): the spread of the headline
     ratio, whose value is the ratio of the medians over every round."""
-    return [o / p for o, p in zip(times.per_round(ours, rounds), times.per_round(peer, rounds))]
+    return ratios(times.per_round(ours, rounds), times.per_round(peer, rounds))
+
+
+def ratios(ours: list[float], peer: list[float]) -> list[float]:
+    """Round by round, ours over the peer's."""
+    return [o / p for o, p in zip(ours, peer)]
+
+
+def scaling(single_s: float, world: int, ours_s: float, peer_s: float) -> dict:
+    """One process's step time on the same global batch, and ours' and the peer's scaling efficiency against
+    it: single / (world x step)."""
+    return {"single_process_s": single_s, "ours_scaling_efficiency": single_s / (world * ours_s),
+            "peer_scaling_efficiency": single_s / (world * peer_s)}
 
 
 def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
@@ -309,9 +321,8 @@ def bench_ddp(args) -> dict:
             "ratio": times["ours"] / times["peer"], "ratio_rounds": round_ratios(times, "ours", "peer", args.rounds),
             "alone_s": times["alone"],
             "floor_ratio": times["alone"] / times["peer"], "meet_s": times["meet"],
-            "meet_ratio": times["meet"] / times["peer"], "phases": phases, "single_process_s": single,
-            "ours_scaling_efficiency": single / (args.world * times["ours"]),
-            "peer_scaling_efficiency": single / (args.world * times["peer"]),
+            "meet_ratio": times["meet"] / times["peer"], "phases": phases,
+            **scaling(single, args.world, times["ours"], times["peer"]),
             "ours_all_reduce_transport": transport}  # PARALLELISMS_SHM=0: gloo, like the peer
 
 

@@ -7,7 +7,7 @@ external implementation is the peer: the headline compares our two context-paral
 
 from __future__ import annotations
 
-from parallelisms.bench import bench
+from parallelisms.bench import bench, ratios
 from parallelisms.benches.layouts import ONE_PROCESS, PHASES, layouts_rank, long_context, per_rank_max
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
@@ -34,7 +34,7 @@ def _length(args, seq_len: int) -> dict:
                        scaling_efficiency=single["step_s"] / (args.world * figures["step_s"]))
         row[style] = figures
     row["ratio"] = row["ring"]["step_s"] / row["ulysses"]["step_s"]
-    row["ratio_rounds"] = [r / u for r, u in zip(row["ring"]["step_s_rounds"], row["ulysses"]["step_s_rounds"])]
+    row["ratio_rounds"] = ratios(row["ring"]["step_s_rounds"], row["ulysses"]["step_s_rounds"])
     row["peak_memory_ratio"] = row["ring"]["peak_bytes"] / row["ulysses"]["peak_bytes"]
     print(f"bench cp {seq_len:>6} tokens: one process {single['step_s']:.2f} s, ring {row['ring']['step_s']:.2f} s "
           f"(x{row['ring']['speedup']:.2f}, memory {row['ring']['peak_memory_vs_one_process']:.2f}), ulysses "

@@ -7,7 +7,7 @@ one process on the same global batch.
 
 from __future__ import annotations
 
-from parallelisms.bench import bench
+from parallelisms.bench import bench, ratios
 from parallelisms.benches.layouts import ONE_PROCESS, PHASES, layouts_rank, per_rank_max
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -41,7 +41,7 @@ def bench_ep(args) -> dict:
     return {"bench": "ep", "world_size": args.world, "preset": args.preset, "params": model_cfg.num_params(),
             "tokens_per_step": tokens, "ours": f"expert parallel (ep {args.world})", "ours_s": ours["step_s"],
             "peer": "experts replicated (ep 1)", "peer_s": peer["step_s"], "ratio": ours["step_s"] / peer["step_s"],
-            "ratio_rounds": [o / p for o, p in zip(ours["step_s_rounds"], peer["step_s_rounds"])],
+            "ratio_rounds": ratios(ours["step_s_rounds"], peer["step_s_rounds"]),
             "peak_memory_ratio": ours["peak_bytes"] / peer["peak_bytes"],
             "phases": {"ours": {k: ours[k] for k in PHASES}, "peer": {k: peer[k] for k in PHASES},
                        "one_process": {k: single[k] for k in PHASES}},

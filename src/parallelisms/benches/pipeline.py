@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, phase_medians, phase_timed, round_ratios, single_process_step_time
+from parallelisms.bench import (alternate, bench, phase_medians, phase_timed, round_ratios, scaling,
+                               single_process_step_time)
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.errors import require
@@ -83,11 +84,15 @@ def _pipeline_rank(info: RankInfo, model_cfg, train_cfg, parallel, steps: int, r
             "peer": phase_timed(*_peer_step(model_cfg, train_cfg, runner, comms["pp"].rank))}
     times = alternate({name: step for name, (step, _) in runs.items()}, 1, steps * rounds)  # one step each, in turn
     pipeline = runner.report()["pipeline"]
-    phases = {}
-    for name, (_, seconds) in runs.items():  # beyond the floor and the optimizer: messages, waits, host time
-        optimizer_s = statistics.median(seconds["optimizer_s"][1:])
-        phases[name] = phase_medians(seconds, times[name], pipeline["simulated_makespan_s"] + optimizer_s)
+    floor = pipeline["simulated_makespan_s"]
+    phases = {name: _beyond_floor(seconds, times[name], floor) for name, (_, seconds) in runs.items()}
     return times, pipeline, phases, round_ratios(times, "ours", "peer", rounds)
+
+
+def _beyond_floor(seconds: dict, step_s: float, floor_s: float) -> dict:
+    """Phase medians with exposed communication the step beyond the simulated floor and the optimizer:
+    messages, their waits, host time between actions."""
+    return phase_medians(seconds, step_s, floor_s + statistics.median(seconds["optimizer_s"][1:]))
 
 
 def _configs(args) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -112,8 +117,7 @@ def bench_pipeline(args) -> dict:
             "ours_s": times["ours"], "peer": f"torch.distributed.pipelining.{PEERS[args.schedule]}",
             "peer_s": times["peer"], "ratio": times["ours"] / times["peer"], "ratio_rounds": ratio_rounds,
             "floor_s": floor, "floor_ratio": floor / times["peer"], "phases": phases, "bubble": pipeline,
-            "single_process_s": single, "ours_scaling_efficiency": single / (args.world * times["ours"]),
-            "peer_scaling_efficiency": single / (args.world * times["peer"])}
+            **scaling(single, args.world, times["ours"], times["peer"])}
 
 
 # -- balancing by measured runtime ----------------------------------------------------------------------
@@ -124,17 +128,14 @@ BIG_HEAD = ModelConfig(vocab_size=8192, dim=128, n_layers=8, n_heads=4, n_kv_hea
 
 def _balance_rank(info: RankInfo, model_cfg, train_cfg, parallel, layouts: dict, steps: int, rounds: int):
     comms = Comms(parallel.dims.build_meshes())
-    runs, reports = {}, {}
+    runs, runners = {}, {}
     for name, bounds in layouts.items():
         trainer, step = _ours(info, model_cfg, train_cfg, parallel, comms, bounds)
-        runs[name] = phase_timed(step, trainer.forward_backward.stages.values(), trainer.optimizer)
-        reports[name] = trainer.forward_backward
+        runners[name] = trainer.forward_backward
+        runs[name] = phase_timed(step, runners[name].stages.values(), trainer.optimizer)
     times = alternate({name: step for name, (step, _) in runs.items()}, 1, steps * rounds)
-    phases = {}
-    for name, (_, seconds) in runs.items():  # beyond the layout's own floor and the optimizer, as bench pipeline
-        optimizer_s = statistics.median(seconds["optimizer_s"][1:])
-        floor = reports[name].report()["pipeline"]["simulated_makespan_s"]
-        phases[name] = phase_medians(seconds, times[name], floor + optimizer_s)
+    phases = {name: _beyond_floor(seconds, times[name], runners[name].report()["pipeline"]["simulated_makespan_s"])
+              for name, (_, seconds) in runs.items()}  # each partition against its own floor
     return times, phases, round_ratios(times, "balanced", "equal", rounds)
 
 
@@ -162,6 +163,5 @@ def bench_pipeline_balance(args) -> dict:
             "ours_s": times["balanced"], "peer": "equal layer counts", "peer_s": times["equal"],
             "ratio": times["balanced"] / times["equal"], "ratio_rounds": ratio_rounds,
             "improvement": 1.0 - times["balanced"] / times["equal"],
-            "phases": {"ours": phases["balanced"], "peer": phases["equal"]}, "single_process_s": single,
-            "ours_scaling_efficiency": single / (args.world * times["balanced"]),
-            "peer_scaling_efficiency": single / (args.world * times["equal"])}
+            "phases": {"ours": phases["balanced"], "peer": phases["equal"]},
+            **scaling(single, args.world, times["balanced"], times["equal"])}

@@ -19,7 +19,7 @@ import time
 import torch
 
 from parallelisms.support import validate_layout
-from parallelisms.bench import alternate, bench, phase_medians, round_ratios
+from parallelisms.bench import alternate, bench, phase_medians, round_ratios, scaling
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.launch import RankInfo, launch
@@ -151,10 +151,9 @@ def bench_tp(args) -> dict:
            + ("Colwise/Rowwise/SequenceParallel" if sp else "Colwise/RowwiseParallel"),
            "peer_s": times[target]["peer"], "ratio": times[target]["ours"] / times[target]["peer"],
            "ratio_rounds": round_ratios(times[target], "ours", "peer", args.rounds),
-           "phases": result[0]["phases"][target], "single_process_s": times[target]["one_process"],
+           "phases": result[0]["phases"][target],
            "floor_ratio": times[target]["one_process"] / args.world / times[target]["peer"],
-           "ours_scaling_efficiency": times[target]["one_process"] / (args.world * times[target]["ours"]),
-           "peer_scaling_efficiency": times[target]["one_process"] / (args.world * times[target]["peer"])}
+           **scaling(times[target]["one_process"], args.world, times[target]["ours"], times[target]["peer"])}
     for name, t in times.items():
         out[f"{name}_ours_s"], out[f"{name}_ours_overlap_s"], out[f"{name}_peer_s"] = t["ours"], t["ours_overlap"], t["peer"]
         out[f"{name}_ratio"] = t["ours"] / t["peer"]

@@ -34,7 +34,7 @@ import sys
 import torch
 from torch import nn
 
-from parallelisms.bench import (alternate, bench, phase_medians, phase_timed, plain_step, profiled,
+from parallelisms.bench import (alternate, bench, phase_medians, phase_timed, plain_step, profiled, ratios, scaling,
                                single_process_step_time, transient_peak)
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
@@ -246,7 +246,7 @@ def _bench_rank(info: RankInfo, name: str, model_cfg, train_cfg: TrainConfig, st
 
 def _pair(ours: dict, peer: dict) -> dict:
     return {"ours_s": ours["s"], "peer_s": peer["s"], "ratio": ours["s"] / peer["s"],
-            "ratio_rounds": [o / p for o, p in zip(ours["rounds_s"], peer["rounds_s"])],
+            "ratio_rounds": ratios(ours["rounds_s"], peer["rounds_s"]),
             "peak_memory_ratio": ours["peak_bytes"] / peer["peak_bytes"],
             "ours_peak_bytes": ours["peak_bytes"], "peer_peak_bytes": peer["peak_bytes"],
             "ours_allocations_per_step": ours["allocations_per_step"],
@@ -284,10 +284,8 @@ def run_zero_bench(name: str, args) -> dict:
     out["implementations"] = results
     out["comparisons"] = {f"{o} vs {p}": _pair(results[o], results[p]) for o, p in _comparisons(ours_labels,
                                                                                                  peer_labels)}
-    single = single_process_step_time(model_cfg, train_cfg, args.steps)
-    out["single_process_s"] = single
-    out["ours_scaling_efficiency"] = single / (args.world * results[headline_ours]["s"])
-    out["peer_scaling_efficiency"] = single / (args.world * results[headline_peer]["s"])
+    out.update(scaling(single_process_step_time(model_cfg, train_cfg, args.steps), args.world,
+                       results[headline_ours]["s"], results[headline_peer]["s"]))
     out["deepspeed"] = "included" if why_not is None else f"not run: {why_not}"
     return out
 

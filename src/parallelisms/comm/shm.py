@@ -223,27 +223,27 @@ class SharedMemoryCollectives:
         rank); the slot's first word says how many rounds this rank's sends need, so that after the first
         round every rank knows how many to run (the most any rank needs)."""
         source, sink = tensor.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
-        starts = [sum(sends[:j]) for j in range(self.size)]
-        ends = [sum(receives[:i]) for i in range(self.size)]
-        width = (self.all_to_all_slot_bytes() - 64) // self.size
-        mine = slice(starts[self.rank], starts[self.rank] + sends[self.rank])
-        sink[ends[self.rank]:ends[self.rank] + receives[self.rank]].copy_(source[mine])  # to itself: no slot
-        needed = max(-(-b // width) for j, b in enumerate(sends) if j != self.rank) if self.size > 1 else 0
-        rounds, done = needed, 0
-        while done < rounds or done == 0:
+        sent_at = [sum(sends[:j]) for j in range(self.size)]        # where block j starts in ``tensor``
+        received_at = [sum(receives[:i]) for i in range(self.size)]  # where block i lands in ``out``
+        me, width = self.rank, (self.all_to_all_slot_bytes() - 64) // self.size
+        sink[received_at[me]:received_at[me] + receives[me]].copy_(source[sent_at[me]:sent_at[me] + sends[me]])
+        needed = max([-(-b // width) for j, b in enumerate(sends) if j != me], default=0)
+        rounds, done = 1, 0  # one round at least: it carries every rank's count
+        while done < rounds:
             slots = self.slots[self._next_call() % 2, :, :64 + self.size * width]
-            slots[self.rank, :8].view(torch.int64)[0] = needed
-            for j in range(self.size):
-                lo, hi = done * width, min((done + 1) * width, sends[j])
-                if j != self.rank and hi > lo:
-                    slots[self.rank, 64 + j * width:64 + j * width + hi - lo].copy_(source[starts[j] + lo:starts[j] + hi])
+            slots[me, :8].view(torch.int64)[0] = needed
+            lo = done * width
+            for j in range(self.size):  # this round's piece of every block, each in its destination's segment
+                hi = min(lo + width, sends[j])
+                if j != me and hi > lo:
+                    slots[me, 64 + j * width:64 + j * width + hi - lo].copy_(source[sent_at[j] + lo:sent_at[j] + hi])
             self._arrive("copy-in")
             if done == 0:
-                rounds = int(slots[:, :8].view(torch.int64).max())
-            for i in range(self.size):
-                lo, hi = done * width, min((done + 1) * width, receives[i])
-                if i != self.rank and hi > lo:
-                    sink[ends[i] + lo:ends[i] + hi].copy_(slots[i, 64 + self.rank * width:64 + self.rank * width + hi - lo])
+                rounds = max(1, int(slots[:, :8].view(torch.int64).max()))
+            for i in range(self.size):  # and this rank's segment of every other slot
+                hi = min(lo + width, receives[i])
+                if i != me and hi > lo:
+                    sink[received_at[i] + lo:received_at[i] + hi].copy_(slots[i, 64 + me * width:64 + me * width + hi - lo])
             done += 1
 
     def _width(self, tensor: torch.Tensor, rows: int) -> int:
