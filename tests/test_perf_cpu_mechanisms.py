@@ -11,7 +11,7 @@ from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import LayerShape, _attention_core, eager_elementwise_bytes, layer_times
 from parallelisms.perf.hardware import PRESETS, load_hardware
-from parallelisms.perf.step import _comm, _layer_comm, predict_step
+from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
@@ -25,8 +25,9 @@ def _step(hw, dims, **options):
 def test_gpu_presets_keep_the_cpu_mechanisms_off():
     for name in ("a100", "h100", "h200"):
         hw = PRESETS[name]
-        assert (hw.attention_fraction, hw.optimizer_tbps, hw.optimizer_tensor_us, hw.comm_cpu_fraction) == (1, 0, 0, 0)
-        assert hw.shared(64) is hw  # no cores: a device each
+        assert (hw.attention_fraction, hw.optimizer_tbps, hw.optimizer_tensor_us, hw.comm_cpu_fraction,
+                hw.meeting_overhead_us) == (1, 0, 0, 0, 0)
+        assert hw.ranks_per_core(64) == 1  # no cores: a device each
 
 
 def test_attention_time_scales_with_the_measured_fraction():
@@ -65,17 +66,47 @@ def test_overlapped_collectives_cost_their_cpu_share():
     assert busy["step_s"] > hidden["step_s"]
 
 
-def test_shared_cores_divide_rates_and_multiply_host_time():
-    """Compute and memory rates divide by ranks per core; a collective's time (latency too) multiplies in its CPU
-    share: through shared memory the per-call Python and system calls run on the shared core."""
-    hw = CPU.shared(8)  # 8 ranks on 2 cores
-    assert hw.peak_tflops == pytest.approx(CPU.peak_tflops / 4)
-    assert hw.op_overhead_us == pytest.approx(CPU.op_overhead_us * 4)
-    slower = 1 + CPU.comm_cpu_fraction * 3
-    assert hw.collectives["send"]["gbps"] == pytest.approx(CPU.collectives["send"]["gbps"] / slower)
-    assert hw.collectives["send"]["alpha_us"] == pytest.approx(CPU.collectives["send"]["alpha_us"] * slower)
-    assert hw.intra_latency_us == pytest.approx(CPU.intra_latency_us * slower)
-    assert CPU.shared(2) is CPU
+def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
+    """Eight ranks on two cores: the cores run whichever rank is ready, so the step is four times one rank's
+    CPU work (compute, optimizer, the CPU share of every collective, each blocking collective's meeting
+    overhead), with no bubble; each microsecond of meeting overhead adds the rank's meetings four times.
+    Two ranks keep the critical path and never pay the overhead."""
+    dims, options = ParallelDims(dp_replicate=2, tp=2, pp=2), {"sequence_parallel": True, "microbatches": 4}
+    step = _step(CPU, dims, **options)
+    t = step["time_breakdown"]
+    assert t["bubble"] == 0 and step["bubble_fraction"] == 0 and t["shared_cores"] > 0
+    assert step["step_s"] == pytest.approx(t["compute"] + sum(t["exposed_comm"].values()) + t["optimizer"]
+                                           + t["shared_cores"])
+    lay = Layout.of(SMALL, ParallelConfig(dims, **options), TRAIN)
+    meetings = _meetings(SMALL, ParallelConfig(dims, **options), lay,
+                         _data_parallel_traffic(SMALL, ParallelConfig(dims, **options), TRAIN, CPU))
+    assert t["shared_cores"] == pytest.approx(4 * meetings * CPU.meeting_overhead_us * 1e-6)
+    slower = dataclasses.replace(CPU, meeting_overhead_us=CPU.meeting_overhead_us + 100)
+    assert _step(slower, dims, **options)["step_s"] == pytest.approx(step["step_s"] + 4 * meetings * 100e-6)
+    alone = _step(dataclasses.replace(CPU, cores=8), dims, **options)
+    assert alone["step_s"] < step["step_s"] / 2 and "shared_cores" not in alone["time_breakdown"]
+    two = ParallelDims(tp=2)
+    assert _step(slower, two, sequence_parallel=True)["step_s"] == _step(CPU, two, sequence_parallel=True)["step_s"]
+    assert CPU.ranks_per_core(2) == 1 and CPU.ranks_per_core(8) == 4
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2", "--sp", "--grad-accum", "2"], ["--dp", "2", "--zero", "3"],
+                                  ["--pp", "2", "--dp", "1"], ["--cp", "2", "--dp", "1", "--cp-attention", "ulysses"]])
+def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
+    """The blocking collectives the model charges a meeting overhead for are the calls a real run's ledger
+    records per step (rank 0: the whole model, or the first pipeline stage with its one send and one receive
+    per microbatch)."""
+    from parallelisms.api import configure
+    from parallelisms.cli import main
+
+    argv = [*argv, "--steps", "3", "--global-batch", "4", "--seq-len", "32"]
+    assert main(["train", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    c = configure(argv)
+    traffic = _data_parallel_traffic(c.model, c.layout, c.train, CPU)
+    assert sum(v["calls"] for v in report["comm"].values()) == _meetings(c.model, c.layout,
+                                                                         Layout.of(c.model, c.layout, c.train), traffic)
+
 
 
 def test_sequence_parallel_prices_the_norm_weight_all_reduces():

@@ -31,7 +31,9 @@ def explain(result: dict) -> list[str]:
     return [
         f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters",
         f"step {seconds(result['step_s'])} = compute {seconds(t['compute'])} + exposed communication {comm} + "
-        f"pipeline bubble {seconds(t['bubble'])} + optimizer {seconds(t['optimizer'])}",
+        f"pipeline bubble {seconds(t['bubble'])} + optimizer {seconds(t['optimizer'])}"
+        + (f" + ranks sharing cores {seconds(t['shared_cores'])} (each waits for its peers while another works; the "
+           f"cores are the bound)" if "shared_cores" in t else ""),
         f"{result['tokens_per_s']:,.0f} tokens/s; MFU {result['mfu']:.1%} ({result['model_tflops_per_gpu']:.3g} TFLOP/s "
         f"per GPU), HFU {result['hfu']:.1%} ({result['hardware_tflops_per_gpu']:.3g}); bubble fraction "
         f"{result['bubble_fraction']:.3f}",

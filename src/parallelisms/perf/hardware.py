@@ -16,14 +16,16 @@ kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention 
 fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
 for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
 spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NCCL, whose copies run on the
-GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too), ``collectives``:
+GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too),
+``meeting_overhead_us`` (CPUs: the CPU time each blocking collective costs a rank beyond its own work when ranks
+outnumber the cores: it sleeps until its peer arrives, another rank runs, and the caches hold that rank's data
+when it wakes; ``parallelisms calibrate`` measures it at four ranks per core), ``collectives``:
 {kind: {"alpha_us", "gbps"}} measured per collective kind, and ``measurements`` (what ``calibrate`` measured;
 not read).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -53,12 +55,13 @@ class Hardware:
     hbm_fraction: float = 0.8
     link_fraction: float = 0.8
     bytes_per_element: int = 2
-    cores: int = 0          # CPUs: cores the ranks share (compute slows by world / cores beyond it); 0: a device each
+    cores: int = 0          # CPUs: cores the ranks share (beyond them a step is the ranks' CPU work over the cores); 0: a device each
     op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
     attention_fraction: float = 1.0
     optimizer_tbps: float = 0.0
     optimizer_tensor_us: float = 0.0
     comm_cpu_fraction: float = 0.0
+    meeting_overhead_us: float = 0.0  # CPUs: CPU time a blocking collective costs a rank beyond its work when ranks outnumber the cores
     collectives: dict = field(default_factory=dict, hash=False)
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -78,27 +81,10 @@ class Hardware:
     def optimizer_bytes_per_s(self) -> float:
         return self.optimizer_tbps * 1e12 if self.optimizer_tbps else self.memory_bytes_per_s
 
-    def shared(self, ranks: int) -> "Hardware":
-        """A CPU whose ``cores`` ``ranks`` processes share: every rate each rank gets (compute, memory, the
-        optimizer's) divides by ranks / cores and every host time per operator multiplies by it; a collective's
-        time, latency and bandwidth, multiplies in the share of it that is the rank's own CPU work
-        (``comm_cpu_fraction``). Through shared memory nearly all of it is: copies, and per call the comm layer's
-        Python and the system calls of a wait, which at 8 ranks on 2 cores run at a quarter of a core (the time
-        a rank waits for a late peer is not, but there the peer is late by the same factor)."""
-        if not self.cores or ranks <= self.cores:
-            return self
-        share = self.cores / ranks
-        slower = 1 + self.comm_cpu_fraction * (1 / share - 1)  # the CPU part runs 1/share slower
-        collectives = {k: {"alpha_us": v["alpha_us"] * slower, "gbps": v["gbps"] / slower}
-                       for k, v in self.collectives.items()}
-        return dataclasses.replace(self, peak_tflops=self.peak_tflops * share, hbm_tbps=self.hbm_tbps * share,
-                                   optimizer_tbps=self.optimizer_tbps * share,
-                                   op_overhead_us=self.op_overhead_us / share,
-                                   optimizer_tensor_us=self.optimizer_tensor_us / share,
-                                   intra_node_gbps=self.intra_node_gbps / slower,
-                                   inter_node_gbps=self.inter_node_gbps / slower,
-                                   intra_latency_us=self.intra_latency_us * slower,
-                                   inter_latency_us=self.inter_latency_us * slower, collectives=collectives)
+    def ranks_per_core(self, ranks: int) -> float:
+        """How many of ``ranks`` processes share each core of a CPU (``cores``); 1 where each has its own (or a
+        device)."""
+        return ranks / self.cores if self.cores and ranks > self.cores else 1.0
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""
@@ -121,11 +107,12 @@ PRESETS = {
     # 9.7-15.3 GB/s, a block's own operators as it runs them; attention 38-44% of the GEMM rate; optimizer
     # 9.3-13.3 GB/s + 39-60 us per tensor; op 3.6-5.5 us; collectives 99% CPU; collective alphas, measured after
     # a burst of GEMMs as a step issues them, 0.35-1.4 ms; the all-to-all, through shared memory since, the median
-    # of three later runs: 197-286 us, 1.2-1.55 GB/s). Rerun it on another machine and pass the file.
+    # of three later runs: 197-286 us, 1.2-1.55 GB/s; a blocking collective with four ranks per core: 270-580 us of
+    # CPU beyond the work, median of eleven runs 410). Rerun it on another machine and pass the file.
     "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.0735, 16, 0.01265, 1024, 2.86, 2.86, 502, 502,
                     gemm_fraction=1.0, gemm_k_half=1.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
                     bytes_per_element=4, cores=2, op_overhead_us=4.5, attention_fraction=0.395,
-                    optimizer_tbps=0.0105, optimizer_tensor_us=58, comm_cpu_fraction=0.99,
+                    optimizer_tbps=0.0105, optimizer_tensor_us=58, comm_cpu_fraction=0.99, meeting_overhead_us=410,
                     collectives={"all_reduce": {"alpha_us": 502, "gbps": 2.86}, "all_gather": {"alpha_us": 431, "gbps": 1.2},
                                  "reduce_scatter": {"alpha_us": 830, "gbps": 0.88},
                                  "all_to_all": {"alpha_us": 219, "gbps": 1.34}, "send": {"alpha_us": 478, "gbps": 3.08}}),
@@ -163,7 +150,7 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
             zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores",
-                           "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction")
+                           "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction", "meeting_overhead_us")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
     shares = ("gemm_fraction", "hbm_fraction", "link_fraction", "attention_fraction", "comm_cpu_fraction")

@@ -124,7 +124,8 @@ def bench_predict(args) -> dict:
 
 RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "optimizer_tbps",
          "optimizer_tensor_us")
-LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latency_us", "comm_cpu_fraction")
+LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latency_us", "comm_cpu_fraction",
+         "meeting_overhead_us")
 
 
 def _links_of(source: Hardware, hw: Hardware) -> Hardware:
@@ -148,11 +149,12 @@ def _bracketed(before: Hardware, after: Hardware) -> Hardware:
 def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
     """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
     every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
-    about 10 s)."""
-    from parallelisms.perf.calibrate import calibrate_shared, collective_keys, measure_collectives
+    about 10 s) and the meetings of ranks outnumbering the cores (about 18 s)."""
+    from parallelisms.perf.calibrate import calibrate_shared, collective_keys, measure_collectives, measure_meeting_overhead
 
     if collectives:
-        return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)))
+        return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)),
+                                   meeting_overhead_us=measure_meeting_overhead() * 1e6)
     return dataclasses.replace(hw, **calibrate_shared(3, pool)[0])
 
 

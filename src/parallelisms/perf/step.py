@@ -18,7 +18,12 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   paired chunk's compute);
 * pipeline: the schedule simulator (Qi et al. 2024's cost model) with these F, B, W and p2p times gives the
   makespan, so interleaved, zero-bubble and DualPipe schedules come out of their own orders;
-* optimizer: Adam reads and writes its fp32 state once per step (memory-bound).
+* optimizer: Adam reads and writes its fp32 state once per step (memory-bound);
+* ranks outnumbering a CPU's cores (``hw.cores``): the cores run whichever rank is ready, so a rank's waits
+  (for a peer, for the pipeline) are other ranks' working time. The step is then one rank's CPU work (compute,
+  optimizer, the CPU share of every collective, and each blocking collective's ``meeting_overhead_us``: the
+  switch to another rank and the caches it leaves) times the ranks per core, where that exceeds the critical
+  path; no bubble remains.
 
 Memory per rank: model states per ZeRO stage / FSDP strategy (Rajbhandari et al. 2020), activations per
 layer per recompute mode (Korthikanti et al. 2023, Table 2, with the MLP's own width and GQA) times the
@@ -34,7 +39,8 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.compute import LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
-from parallelisms.perf.model import activation_bytes_per_layer, comm_per_step, model_flops_per_token, model_state_bytes
+from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, grad_norm_volumes, model_flops_per_token,
+                                     model_state_bytes)
 from parallelisms.perf.network import collective_time
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
@@ -172,7 +178,6 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
     across calls with the same model and hardware) reuses per-layer and data-parallel times."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
-    hw = hw.shared(dims.world_size)  # ranks sharing a CPU's cores share its compute, memory and host time
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
 
     def per_layer():
@@ -201,6 +206,21 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
 
+    breakdown = {"compute": compute_s, "exposed_comm": exposed, "bubble": pipeline_s - lay.m * (t_f + t_b + t_w),
+                 "optimizer": optimizer_s}
+    stage_s = {"forward": t_f, "input_grad": t_b, "weight_grad": t_w, "p2p": t_comm}
+    sharing = hw.ranks_per_core(dims.world_size)
+    if sharing > 1:  # ranks outnumber the cores: the cores run whichever rank is ready
+        work = _cpu_work(breakdown, traffic, hw, 2 * lay.m * t_comm if dims.pp > 1 else 0.0,
+                         _meetings(cfg, parallel, lay, traffic))
+        if sharing * sum(work.values()) > step_s:
+            step_s = sharing * sum(work.values())
+            breakdown = {"compute": sharing * work["compute"], "exposed_comm": {k: sharing * v for k, v in work.items()
+                                                                                if "/" in k},
+                         "bubble": 0.0, "optimizer": sharing * work["optimizer"],
+                         "shared_cores": sharing * work["meetings"]}
+            stage_s, bubble = {k: sharing * v for k, v in stage_s.items()}, 0.0  # the cores never idle
+
     tokens = train.global_batch * train.seq_len
     world = dims.world_size
     model_flops = model_flops_per_token(cfg, train.seq_len) * tokens
@@ -215,12 +235,52 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         "model_tflops_per_gpu": model_flops / step_s / world / 1e12,
         "hardware_tflops_per_gpu": hardware_flops / step_s / world / 1e12,
         "bubble_fraction": bubble, "memory_per_rank": memory, "fits": memory["total"] <= hw.memory_bytes,
-        "time_breakdown": {"compute": compute_s, "exposed_comm": exposed, "bubble": pipeline_s - lay.m * (t_f + t_b + t_w),
-                           "optimizer": optimizer_s},
-        "per_microbatch_stage_s": {"forward": t_f, "input_grad": t_b, "weight_grad": t_w, "p2p": t_comm},
+        "time_breakdown": breakdown, "per_microbatch_stage_s": stage_s,
         "layer_s": {"forward": layer.forward, "backward": layer.input_grad + layer.weight_grad + recompute,
                     "tp_comm_forward": comm_f, "tp_comm_backward": comm_b},
     }
+
+
+def _cpu_work(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, meetings: int) -> dict:
+    """Seconds of CPU one rank spends per step: its compute and optimizer, the CPU share of every collective
+    (``hw.comm_cpu_fraction``; the data-parallel ones whole, overlapped or not) and of its pipeline sends, and
+    ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each. Where ranks outnumber a CPU's cores
+    the cores run whichever rank is ready, so while one waits for a peer (or for the pipeline) another works:
+    the step is this work times the ranks per core, when that exceeds the critical path."""
+    share = hw.comm_cpu_fraction
+    work = {"compute": breakdown["compute"], "optimizer": breakdown["optimizer"],
+            "meetings": meetings * hw.meeting_overhead_us * 1e-6}
+    for name, v in breakdown["exposed_comm"].items():
+        if name.endswith(("/tp", "/cp", "/ep")):
+            work[name] = share * v
+    for name, _, seconds, _ in traffic:
+        work[name] = work.get(name, 0.0) + share * seconds
+    if p2p_s:
+        work["send/pp"] = share * p2p_s
+    return work
+
+
+def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: list) -> int:
+    """Collectives a rank of the busiest stage meets its peers in per step (as the ledger counts them): per
+    layer and microbatch, tensor parallelism's (Megatron's f and g per sublayer both ways; with sequence
+    parallelism the backward's re-gather and the norms' two all-reduces), ring attention's hops or Ulysses'
+    all-to-alls, the experts' dispatch and combine (a full recompute repeats the forward's); per microbatch the
+    vocabulary-parallel embedding's and head's (with the cross-entropy's two all-reduces; the last stage holds
+    the head) and a pipeline send and receive; per step the data-parallel calls and the gradient norm's."""
+    dims, sp = parallel.dims, parallel.sequence_parallel
+    forward = backward = ends = 0  # ring attention: one exchange per hop (its sends and receives together)
+    if dims.tp > 1:
+        forward, backward = (4, 8) if sp else (2, 2)
+        ends = (6 if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
+    if dims.cp > 1:
+        forward, backward = (forward + dims.cp - 1, backward + dims.cp) if parallel.cp_attention == "ring" else \
+            (forward + 4, backward + 4)
+    if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
+        forward, backward = forward + 3, backward + 2
+    per_layer = forward * (2 if parallel.recompute == "full" else 1) + backward
+    per_microbatch = lay.layers * per_layer + ends + (2 if dims.pp > 1 else 0)
+    norms = sum(1 for v in grad_norm_volumes(parallel) if v.dim in ("tp", "pp", "ep"))
+    return lay.m * per_microbatch + sum(calls for _, _, _, calls in traffic) + norms
 
 
 def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
@@ -230,6 +290,8 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+    pp = parallel.dims.pp  # wrapped units on a stage: its blocks, the embedding and the head (one each at the ends)
+    units = math.ceil(cfg.n_layers / pp) + (2 if pp == 1 else 1)
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
         if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
             continue
@@ -237,8 +299,8 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per layer and pass
-        calls = 1 if full < 64 else (cfg.n_layers + 1) * (2 if v.kind == "all_gather" else 1) if per_unit \
+        per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per unit and pass
+        calls = 1 if full < 64 else units * (2 if v.kind == "all_gather" else 1) if per_unit \
             else max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
                 else "update" if v.kind == "all_gather" else "reduce")
