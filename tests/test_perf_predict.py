@@ -22,3 +22,22 @@ def test_train_predict_sets_the_model_beside_the_run(capsys):
     memory = prediction["memory"]
     # measured also holds AdamW's step counters (one 4-byte scalar per parameter tensor)
     assert memory["predicted_model_states"] == pytest.approx(memory["measured_model_states"], rel=1e-4)
+
+
+def test_bench_predict_takes_the_collectives_median_over_the_run():
+    """Collective alphas and the meeting overhead scatter from one launch to the next: each case gets their
+    median over the run's calibrations, while its compute rates stay the ones measured around it."""
+    import dataclasses
+
+    from parallelisms.perf.hardware import PRESETS
+    from parallelisms.perf.predict import _links_of, _pooled_links
+
+    cpu = PRESETS["cpu"]
+    runs = [dataclasses.replace(cpu, intra_latency_us=alpha, meeting_overhead_us=meeting, peak_tflops=peak,
+                                collectives={"send": {"alpha_us": alpha, "gbps": gbps}})
+            for alpha, meeting, peak, gbps in ((300, 500, 0.07, 3.0), (900, 270, 0.08, 1.0), (500, 410, 0.09, 2.0))]
+    pooled = _pooled_links(runs)
+    assert (pooled.intra_latency_us, pooled.meeting_overhead_us) == (500, 410)
+    assert pooled.collectives == {"send": {"alpha_us": 500, "gbps": 2.0}}
+    case = _links_of(pooled, runs[1])
+    assert case.peak_tflops == 0.08 and case.collectives["send"]["alpha_us"] == 500

@@ -81,7 +81,8 @@ def bench_predict(args) -> dict:
     (``bench predict``). Each round runs the cases in a rotated order, so no case always comes first. The
     hardware is this machine measured at the start of the run, its compute rates measured again after every
     case and its collectives after every round (``--hardware calibrate``, the default: each case is predicted
-    with the measurements around it, :func:`_bracketed`), a preset or a ``parallelisms calibrate`` file."""
+    with the compute rates around it, :func:`_bracketed`, and the collectives' median over the run,
+    :func:`_pooled_links`), a preset or a ``parallelisms calibrate`` file."""
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
@@ -94,19 +95,21 @@ def bench_predict(args) -> dict:
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     runs = {name: [] for name in CASES}
-    names = list(layouts)
+    names, done, links = list(layouts), [], [hw]
     with calibration_pool() if spec == "calibrate" else contextlib.nullcontext() as pool:
         for round_ in range(args.rounds):
-            done = []
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 parallel, before = layouts[name], hw
                 report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
                 hw = _recalibrated(hw, collectives=False, pool=pool) if pool else hw
                 done.append((name, report, before, hw))
-            hw = _recalibrated(hw, collectives=True) if pool else hw
-            for name, report, before, after in done:  # compute around the case, collectives around the round
-                measured = _bracketed(before, _links_of(hw, after))  # ``before`` holds the round start's
-                runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
+            if pool:
+                hw = _recalibrated(hw, collectives=True)
+                links.append(hw)
+    pooled = _pooled_links(links)
+    for name, report, before, after in done:  # compute rates around the case, collectives pooled over the run
+        measured = _links_of(pooled, _bracketed(before, after))
+        runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
     cases = []
     for name, comparisons in runs.items():
         c = sorted(comparisons, key=lambda c: c["measured_s"])[(len(comparisons) - 1) // 2]  # the median round
@@ -131,6 +134,18 @@ LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latenc
 def _links_of(source: Hardware, hw: Hardware) -> Hardware:
     """``hw`` with ``source``'s collectives and links."""
     return dataclasses.replace(hw, **{k: getattr(source, k) for k in (*LINKS, "collectives")})
+
+
+def _pooled_links(measured: list[Hardware]) -> Hardware:
+    """The first of ``measured`` with every link key (:data:`LINKS`) and each collective kind's alpha and
+    bandwidth at their median over all of them: these measurements scatter from one launch to the next (an
+    all-reduce's alpha 1.5-2x, the meeting overhead 270-580 us) more than the machine drifts, so the run's
+    median (the start's and one per round) describes every case better than the two around it."""
+    median = statistics.median
+    out = {k: median(getattr(hw, k) for hw in measured) for k in LINKS}
+    out["collectives"] = {kind: {k: median(hw.collectives[kind][k] for hw in measured) for k in row}
+                          for kind, row in measured[0].collectives.items()}
+    return dataclasses.replace(measured[0], **out)
 
 
 def _bracketed(before: Hardware, after: Hardware) -> Hardware:
