@@ -107,6 +107,9 @@ def bench_predict(args) -> dict:
                 hw = _recalibrated(hw, collectives=True)
                 links.append(hw)
     pooled = _pooled_links(links)
+    print(f"collectives, median of {len(links)} calibration(s): meeting overhead {pooled.meeting_overhead_us:.0f} us; "
+          + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s" for k, v in pooled.collectives.items()),
+          flush=True)
     for name, report, before, after in done:  # compute rates around the case, collectives pooled over the run
         measured = _links_of(pooled, _bracketed(before, after))
         runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
@@ -119,7 +122,8 @@ def bench_predict(args) -> dict:
                       "measured_rounds_s": [r["measured_s"] for r in comparisons]})
     errors = [abs(c["error"]) for c in cases]
     mean = statistics.mean(errors)
-    return {"bench": "predict", "hardware": hw.name, "cases": cases, "mean_error": mean, "max_error": max(errors),
+    return {"bench": "predict", "hardware": hw.name, "cases": cases,
+            "collectives": {"meeting_overhead_us": pooled.meeting_overhead_us, **pooled.collectives}, "mean_error": mean, "max_error": max(errors),
             "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
             "peer_s": statistics.mean(c["measured_s"] for c in cases),
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
