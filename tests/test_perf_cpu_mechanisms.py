@@ -91,7 +91,7 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2", "--sp", "--grad-accum", "2"], ["--dp", "2", "--zero", "3"],
-                                  ["--pp", "2", "--dp", "1"], ["--cp", "2", "--dp", "1", "--cp-attention", "ulysses"]])
+                                  ["--pp", "2", "--dp", "1"]])
 def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
     """The blocking collectives the model charges a meeting overhead for are the calls a real run's ledger
     records per step (rank 0: the whole model, or the first pipeline stage with its one send and one receive

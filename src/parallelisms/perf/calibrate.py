@@ -293,18 +293,18 @@ def _meetings_rank(info, cores: int, iterations: int, repeats: int) -> tuple[flo
     return alone, loop()
 
 
-def measure_meeting_overhead(iterations: int = 200, repeats: int = 3) -> float:
+def measure_meeting_overhead(iterations: int = 200, repeats: int = 3, per_core: int = 4) -> float:
     """Seconds of CPU each blocking collective costs a rank beyond its own work when four ranks share each core
     (``meeting_overhead_us``): the rank sleeps until its peer arrives, another rank's work runs in between, and
     the core's caches hold that rank's data when it wakes. The same loop of bursts and two-rank meetings
-    (:func:`_meetings_rank`) on one rank per core and on four, CPU time per iteration, mean over the ranks:
-    the difference. Needs an even number of cores (0 where there is one)."""
+    (:func:`_meetings_rank`) on one rank per core and on ``per_core``, CPU time per iteration, mean over the
+    ranks: the difference. Needs an even number of cores (0 where there is one)."""
     from parallelisms.launch import launch
 
     cores = os.cpu_count() or 1
     if cores < 2 or cores % 2:
         return 0.0
-    runs = launch(_meetings_rank, 4 * cores, cores, iterations, repeats, backend="gloo", threads=1)
+    runs = launch(_meetings_rank, per_core * cores, cores, iterations, repeats, backend="gloo", threads=1)
     alone = statistics.fmean(a for a, _ in runs if a is not None)
     return max(statistics.fmean(s for _, s in runs) - alone, 0.0)
 
@@ -356,7 +356,7 @@ def calibrate(quick: bool = False) -> dict:
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
     cores = os.cpu_count() or 1
-    meeting = measure_meeting_overhead(*((20, 1) if quick else (200, 3)))
+    meeting = measure_meeting_overhead(*((20, 1, 2) if quick else (200, 3, 4)))  # quick: a test's four ranks
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
             "meeting_overhead_us": meeting * 1e6,
             "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, **collective_keys(collectives),
