@@ -77,14 +77,22 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
     assert t["bubble"] == 0 and step["bubble_fraction"] == 0 and t["shared_cores"] > 0
     assert step["step_s"] == pytest.approx(t["compute"] + sum(t["exposed_comm"].values()) + t["optimizer"]
                                            + t["shared_cores"])
-    lay = Layout.of(SMALL, ParallelConfig(dims, **options), TRAIN)
-    meetings = _meetings(SMALL, ParallelConfig(dims, **options), lay,
-                         _data_parallel_traffic(SMALL, ParallelConfig(dims, **options), TRAIN, CPU))
+    layout = ParallelConfig(dims, **options)
+    traffic = _data_parallel_traffic(SMALL, layout, TRAIN, CPU)
+    meetings = _meetings(SMALL, layout, Layout.of(SMALL, layout, TRAIN), traffic)
     assert t["shared_cores"] == pytest.approx(4 * meetings * CPU.meeting_overhead_us * 1e-6)
     slower = dataclasses.replace(CPU, meeting_overhead_us=CPU.meeting_overhead_us + 100)
     assert _step(slower, dims, **options)["step_s"] == pytest.approx(step["step_s"] + 4 * meetings * 100e-6)
-    alone = _step(dataclasses.replace(CPU, cores=8), dims, **options)
+    alone = _step(dataclasses.replace(CPU, cores=8), dims, **options)  # a core each: the critical path
     assert alone["step_s"] < step["step_s"] / 2 and "shared_cores" not in alone["time_breakdown"]
+    for part in ("compute", "optimizer"):
+        assert t[part] == pytest.approx(4 * alone["time_breakdown"][part])
+    share = 4 * CPU.comm_cpu_fraction  # every collective's CPU share: tp, the pipeline's sends, dp's overlapped or not
+    assert t["exposed_comm"]["send/pp"] == pytest.approx(share * 2 * 4 * alone["per_microbatch_stage_s"]["p2p"])
+    for name in ("all_gather+reduce_scatter/tp", "all_reduce/tp"):
+        assert t["exposed_comm"][name] == pytest.approx(share * alone["time_breakdown"]["exposed_comm"][name])
+    assert t["exposed_comm"]["all_reduce/dp"] == pytest.approx(share * sum(s for n, _, s, _ in traffic
+                                                                           if n == "all_reduce/dp"))
     two = ParallelDims(tp=2)
     assert _step(slower, two, sequence_parallel=True)["step_s"] == _step(CPU, two, sequence_parallel=True)["step_s"]
     assert CPU.ranks_per_core(2) == 1 and CPU.ranks_per_core(8) == 4
@@ -106,7 +114,6 @@ def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
     traffic = _data_parallel_traffic(c.model, c.layout, c.train, CPU)
     assert sum(v["calls"] for v in report["comm"].values()) == _meetings(c.model, c.layout,
                                                                          Layout.of(c.model, c.layout, c.train), traffic)
-
 
 
 def test_sequence_parallel_prices_the_norm_weight_all_reduces():

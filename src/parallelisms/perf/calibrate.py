@@ -294,9 +294,9 @@ def _meetings_rank(info, cores: int, iterations: int, repeats: int) -> tuple[flo
 
 
 def measure_meeting_overhead(iterations: int = 200, repeats: int = 3, per_core: int = 4) -> float:
-    """Seconds of CPU each blocking collective costs a rank beyond its own work when four ranks share each core
-    (``meeting_overhead_us``): the rank sleeps until its peer arrives, another rank's work runs in between, and
-    the core's caches hold that rank's data when it wakes. The same loop of bursts and two-rank meetings
+    """Seconds of CPU each blocking collective costs a rank beyond its own work when ``per_core`` ranks (four
+    for ``meeting_overhead_us``) share each core: the rank sleeps until its peer arrives, another rank's work
+    runs in between, and the core's caches hold that rank's data when it wakes. The same loop of bursts and two-rank meetings
     (:func:`_meetings_rank`) on one rank per core and on ``per_core``, CPU time per iteration, mean over the
     ranks: the difference. Needs an even number of cores (0 where there is one)."""
     from parallelisms.launch import launch

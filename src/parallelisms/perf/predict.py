@@ -153,22 +153,17 @@ def _pooled_links(measured: list[Hardware]) -> Hardware:
 
 
 def _bracketed(before: Hardware, after: Hardware) -> Hardware:
-    """``before`` with every measured rate (:data:`RATES`, :data:`LINKS`, each collective kind's alpha and
-    bandwidth) at the geometric mean of the measurements just before and just after a run: a shared machine's
-    speed drifts within seconds (consecutive calibrations here: GEMMs 78-92 GFLOP/s, memory 10-17 GB/s; a
-    collective's alpha 1.5-2x from one launch to the next), and two measurements around the run describe it
-    better than one before it."""
-    mean = lambda a, b: (a * b) ** 0.5  # noqa: E731
-    out = {k: mean(getattr(before, k), getattr(after, k)) for k in (*RATES, *LINKS)}
-    out["collectives"] = {kind: {k: mean(v, after.collectives[kind][k]) for k, v in row.items()}
-                          for kind, row in before.collectives.items() if kind in after.collectives}
-    return dataclasses.replace(before, **out)
+    """``before`` with every compute rate (:data:`RATES`) at the geometric mean of the measurements just before
+    and just after a run: a shared machine's speed drifts within seconds (consecutive calibrations here: GEMMs
+    78-92 GFLOP/s, memory 10-17 GB/s), and two measurements around the run describe it better than one before
+    it. The collectives are pooled over the whole run instead (:func:`_pooled_links`)."""
+    return dataclasses.replace(before, **{k: (getattr(before, k) * getattr(after, k)) ** 0.5 for k in RATES})
 
 
 def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
     """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
     every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
-    about 10 s) and the meetings of ranks outnumbering the cores (about 18 s)."""
+    about 10 s) and the meetings of ranks outnumbering the cores (about 15 s)."""
     from parallelisms.perf.calibrate import calibrate_shared, collective_keys, measure_collectives, measure_meeting_overhead
 
     if collectives:

@@ -211,14 +211,11 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     stage_s = {"forward": t_f, "input_grad": t_b, "weight_grad": t_w, "p2p": t_comm}
     sharing = hw.ranks_per_core(dims.world_size)
     if sharing > 1:  # ranks outnumber the cores: the cores run whichever rank is ready
-        work = _cpu_work(breakdown, traffic, hw, 2 * lay.m * t_comm if dims.pp > 1 else 0.0,
-                         _meetings(cfg, parallel, lay, traffic))
-        if sharing * sum(work.values()) > step_s:
-            step_s = sharing * sum(work.values())
-            breakdown = {"compute": sharing * work["compute"], "exposed_comm": {k: sharing * v for k, v in work.items()
-                                                                                if "/" in k},
-                         "bubble": 0.0, "optimizer": sharing * work["optimizer"],
-                         "shared_cores": sharing * work["meetings"]}
+        bound = _cores_bound(breakdown, traffic, hw, 2 * lay.m * t_comm if dims.pp > 1 else 0.0,
+                             _meetings(cfg, parallel, lay, traffic), sharing)
+        cores_s = bound["compute"] + sum(bound["exposed_comm"].values()) + bound["optimizer"] + bound["shared_cores"]
+        if cores_s > step_s:
+            step_s, breakdown = cores_s, bound
             stage_s, bubble = {k: sharing * v for k, v in stage_s.items()}, 0.0  # the cores never idle
 
     tokens = train.global_batch * train.seq_len
@@ -241,23 +238,20 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     }
 
 
-def _cpu_work(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, meetings: int) -> dict:
-    """Seconds of CPU one rank spends per step: its compute and optimizer, the CPU share of every collective
-    (``hw.comm_cpu_fraction``; the data-parallel ones whole, overlapped or not) and of its pipeline sends, and
-    ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each. Where ranks outnumber a CPU's cores
-    the cores run whichever rank is ready, so while one waits for a peer (or for the pipeline) another works:
-    the step is this work times the ranks per core, when that exceeds the critical path."""
-    share = hw.comm_cpu_fraction
-    work = {"compute": breakdown["compute"], "optimizer": breakdown["optimizer"],
-            "meetings": meetings * hw.meeting_overhead_us * 1e-6}
-    for name, v in breakdown["exposed_comm"].items():
-        if name.endswith(("/tp", "/cp", "/ep")):
-            work[name] = share * v
+def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, meetings: int, sharing: float) -> dict:
+    """The step's breakdown where ranks outnumber a CPU's cores: the cores run whichever rank is ready, so while
+    one waits for a peer (or for the pipeline) another works, and the step is one rank's CPU work times the
+    ``sharing`` ranks per core, with no bubble. The work: compute and optimizer, the CPU share
+    (``hw.comm_cpu_fraction``) of every collective (the data-parallel ones whole, overlapped or not) and of the
+    pipeline sends, and ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
+    share = sharing * hw.comm_cpu_fraction
+    comm = {name: share * v for name, v in breakdown["exposed_comm"].items() if name.endswith(("/tp", "/cp", "/ep"))}
     for name, _, seconds, _ in traffic:
-        work[name] = work.get(name, 0.0) + share * seconds
+        comm[name] = comm.get(name, 0.0) + share * seconds
     if p2p_s:
-        work["send/pp"] = share * p2p_s
-    return work
+        comm["send/pp"] = share * p2p_s
+    return {"compute": sharing * breakdown["compute"], "exposed_comm": comm, "bubble": 0.0,
+            "optimizer": sharing * breakdown["optimizer"], "shared_cores": sharing * meetings * hw.meeting_overhead_us * 1e-6}
 
 
 def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: list) -> int:
