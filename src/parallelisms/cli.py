@@ -321,7 +321,7 @@ def _rounding_note(explained: dict) -> str:
 def verify_result(args, announce: bool = False) -> dict | None:
     """Verify as ``args`` say; the comparison (the ``--json`` object), None on non-zero torchrun ranks."""
     from parallelisms.train import RunSpec
-    from parallelisms.verify import check_reference, compare, compare_mixed_precision
+    from parallelisms.verify import check_reference, compare_mixed_precision, compare_settled
 
     model, train, parallel, placement = prepare(args, announce)
     tolerance = _tolerance(args, train)
@@ -333,12 +333,9 @@ def verify_result(args, announce: bool = False) -> dict | None:
     if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
         fp32 = reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))
         result = compare_mixed_precision(report, reference, fp32, tolerance)
-    else:
-        result = compare(report, reference, tolerance)
-    if not result["ok"] and train.dtype == "float32" and parallel.mixed_precision == "fp32" and not result["nonfinite"]:
-        # fp32 parameters beyond the tolerance: is it rounding? float64 training says (verify.ROUNDING_FACTOR)
-        result = compare(report, reference, tolerance, exact=reference_for(model, train.replace(dtype="float64"),
-                                                                           parallel))
+    else:  # fp32 parameters beyond the tolerance: rounding? float64 training says
+        result = compare_settled(report, reference, lambda: reference_for(model, train.replace(dtype="float64"),
+                                                                          parallel), tolerance)
     return {"layout": report["layout"], "world_size": report["world_size"], "steps": train.steps,
             "dtype": train.dtype, "device": report["device"], "backend": report["backend"], **result}
 
