@@ -39,13 +39,21 @@ def train_each(info, world: int, specs: dict) -> dict:
     return out
 
 
+def settled(report: dict, model, train, reference=None, splits: int = 1, tolerance: float = TOLERANCE) -> dict:
+    """``report`` compared with single-process training on ``splits`` batch slices (``reference``, else trained
+    here), fp32 parameters beyond ``tolerance`` settled against float64 training as ``verify`` does
+    (:func:`parallelisms.verify.compare_settled`)."""
+    reference = reference or reference_train(model, train, splits=splits)
+    return compare_settled(report, reference, lambda: reference_train(model, train.replace(dtype="float64"), splits=splits),
+                           tolerance)
+
+
 def assert_reproduces(report: dict, model, train, splits: int, tolerance: float = TOLERANCE) -> None:
     """Losses, gradient norms and final parameters within ``tolerance`` of single-process training on ``splits``
     batch slices (fp32 parameters beyond it settled against float64 training, as ``verify`` does); with clipping, every reference step was clipped and the run is far from the unclipped one (so
     the clip was exercised)."""
     reference = reference_train(model, train, splits=splits)
-    result = compare_settled(report, reference, lambda: reference_train(model, train.replace(dtype="float64"), splits=splits),
-                             tolerance)
+    result = settled(report, model, train, reference, splits, tolerance)
     assert result["ok"], result
     if train.grad_clip:
         assert min(reference.grad_norms) > train.grad_clip, reference.grad_norms

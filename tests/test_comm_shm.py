@@ -19,7 +19,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.data import DataParallel
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+
+from _launching import settled
 
 MODEL = preset("tiny")
 TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=32)
@@ -150,7 +151,7 @@ def test_ledger_counts_the_logical_all_reduce(reports):
 def test_ddp_on_shared_memory_reproduces_single_process_training(reports):
     assert all(out["ddp_bucket_on_shm"] for out in reports)
     ddp = reports[0]["ddp"]
-    result = compare(ddp, reference_train(MODEL, TRAIN))
+    result = settled(ddp, MODEL, TRAIN)
     assert result["ok"], result
 
 

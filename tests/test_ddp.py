@@ -15,7 +15,9 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.data import DataParallel
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import reference_train
+
+from _launching import settled
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=5, global_batch=16, seq_len=32)
@@ -101,7 +103,7 @@ def references():
 def test_reproduces_single_process_training(run, references, scenario):
     _, reports = run
     report = reports[scenario]
-    result = compare(report, references[scenario])
+    result = settled(report, MODEL, SCENARIOS[scenario][0], references[scenario])
     assert result["ok"], result
     assert result["max_loss_rel_diff"] < 1e-6
 

@@ -16,7 +16,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.model.moe import MoE, grouped_swiglu
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+
+from _launching import settled
 
 MOE = preset("tiny-moe")
 
@@ -109,7 +110,7 @@ def test_expert_parallel_training_matches_single_process(trained):
     _, reports = trained
     for name, report in reports.items():
         model, train = (LAYOUTS[name][0], TRAIN) if name in LAYOUTS else (SHARDED[name][0], SHARDED[name][2])
-        result = compare(report, reference_train(model, train))
+        result = settled(report, model, train)
         assert result["ok"], (name, result)
 
 
@@ -148,7 +149,7 @@ def test_expert_parallel_with_a_rank_whose_expert_gets_no_token():
         model(*BatchLoader(load_corpus(), EP8_TRAIN.global_batch, EP8_TRAIN.seq_len, EP8_TRAIN.seed).shard(0, 0, 1))
     assert model.layers["1"].feed_forward.tokens_per_expert[2] == 0  # the case is hit
     report = launch(_train_ep8, 8, threads=1)[0]
-    result = compare(report, reference_train(MOE, EP8_TRAIN))
+    result = settled(report, MOE, EP8_TRAIN)
     assert result["ok"], result
     assert report["comm"]["all_to_all"]["calls"] == MOE.n_layers * 5
 

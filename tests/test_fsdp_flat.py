@@ -11,9 +11,9 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import reference_train
 
-from _launching import launch_once_per_world
+from _launching import launch_once_per_world, settled
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=8, seq_len=32)
@@ -62,7 +62,7 @@ def references():
 @pytest.mark.parametrize("name, world", [(n, w) for n, (*_, worlds) in SCENARIOS.items() for w in worlds])
 def test_reproduces_single_process_adamw(runs, references, name, world):
     report = runs(world)[name]
-    result = compare(report, references[SCENARIOS[name][1]])
+    result = settled(report, MODEL, SCENARIOS[name][1], references[SCENARIOS[name][1]])
     assert result["ok"], result
 
 

@@ -15,7 +15,9 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.train import RunSpec, parallelize, train_rank
-from parallelisms.verify import compare, reference_train
+from parallelisms.verify import reference_train
+
+from _launching import settled
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=16, seq_len=32)
@@ -71,7 +73,7 @@ def references():
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_reproduces_single_process_adamw(run, references, scenario):
     _, reports = run
-    result = compare(reports[scenario], references[SCENARIOS[scenario][2]])
+    result = settled(reports[scenario], MODEL, SCENARIOS[scenario][2], references[SCENARIOS[scenario][2]])
     assert result["ok"], result
 
 

@@ -9,7 +9,8 @@ import pytest
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.compute import LayerShape, _attention_core, eager_elementwise_bytes, layer_times
+from parallelisms.perf.compute import (LayerShape, _attention_core, _linears, eager_elementwise_bytes, gemm_time,
+                                       layer_times)
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
 
@@ -34,6 +35,36 @@ def test_attention_time_scales_with_the_measured_fraction():
     shape = LayerShape(SMALL, 4, 128)
     half = dataclasses.replace(CPU, attention_fraction=CPU.attention_fraction / 2)
     assert _attention_core(half, shape)[0] == pytest.approx(2 * _attention_core(CPU, shape)[0])
+
+
+def test_attention_backward_is_the_measured_multiple_of_its_forward():
+    """The attention kernel's backward is ``attention_backward`` times its forward (2.5 on GPUs: FlashAttention's
+    FLOPs), and nothing else in the layer moves with it."""
+    shape = LayerShape(SMALL, 4, 128)
+    assert PRESETS["h100"].attention_backward == 2.5
+    forward, backward, _ = _attention_core(CPU, shape)
+    assert backward == pytest.approx(CPU.attention_backward * forward)
+    slower = dataclasses.replace(CPU, attention_backward=CPU.attention_backward + 1)
+    assert layer_times(slower, shape).input_grad - layer_times(CPU, shape).input_grad == pytest.approx(forward)
+    assert layer_times(slower, shape).forward == layer_times(CPU, shape).forward
+
+
+def test_cold_operands_cost_their_bytes_at_memory_bandwidth_on_cpus_only():
+    """On a CPU a GEMM waits for the operand elements it reads from memory (a weight once per pass): ``cold``
+    elements add their bytes over the elementwise bandwidth; a GPU streams them under the compute (roofline)."""
+    m, n, k = 128, 1376, 256
+    extra = gemm_time(CPU, m, n, k, cold=n * k) - gemm_time(CPU, m, n, k)
+    assert extra == pytest.approx(n * k * CPU.bytes_per_element / CPU.memory_bytes_per_s)
+    gpu = PRESETS["h100"]
+    assert gemm_time(gpu, m, n, k, cold=n * k) == gemm_time(gpu, m, n, k)
+    # the weight gradient loads each linear's saved input; the forward and input gradient its weight
+    shape = LayerShape(SMALL, 1, 128)
+    warm = dataclasses.replace(CPU, cores=0, op_overhead_us=0)  # the same rates, no cold loads (nor dispatch)
+    weights = SMALL.dim * (SMALL.dim + 2 * SMALL.n_kv_heads * SMALL.head_dim) + SMALL.dim ** 2 + 3 * SMALL.dim * SMALL.ffn_dim
+    cold = layer_times(dataclasses.replace(CPU, op_overhead_us=0), shape)
+    assert cold.weight_grad - layer_times(warm, shape).weight_grad == pytest.approx(
+        4 * 128 * (3 * SMALL.dim + SMALL.ffn_dim) / CPU.memory_bytes_per_s)  # the saved inputs, once each
+    assert sum(n * k for _, n, k, _ in _linears(shape)) == weights  # what the forward and input gradient load
 
 
 def test_cpu_elementwise_counts_the_eager_operators():

@@ -13,9 +13,8 @@ import pytest
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare, reference_train
 
-from _launching import launch_once_per_world
+from _launching import launch_once_per_world, settled
 
 MODEL = preset("tiny")
 BASE = TrainConfig(steps=3, global_batch=8, seq_len=32, grad_clip=0.0)
@@ -50,7 +49,7 @@ def reports():
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_reproduces_single_process_adamw(reports, name):
     cfg = SCENARIOS[name][1]
-    result = compare(reports[name], reference_train(MODEL, cfg, splits=2))
+    result = settled(reports[name], MODEL, cfg, splits=2)
     assert result["ok"], result
 
 

@@ -11,9 +11,9 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
 * Elementwise bandwidth (``hbm_tbps``): the operators of one ``small`` block's forward other than its GEMMs and
   attention, timed as they are dispatched, at 512 and 1,024 tokens, after a few training steps
   (:func:`measure_block_bandwidth`): the bytes compute.py counts for them over their time less dispatch.
-* Attention (``attention_fraction``): causal ``scaled_dot_product_attention`` forward and backward over a few
-  shapes, its FLOPs (half the score matrix, backward 2.5 x forward: compute.py's count) at the GEMM peak over
-  the measured time, median.
+* Attention (``attention_fraction``, ``attention_backward``): causal ``scaled_dot_product_attention`` over a
+  few shapes, forward and backward timed apart: the forward's share of compute.py's GEMM time for its QK^T and
+  AV (half the score blocks), and the backward's time over the forward's, medians (:func:`measure_attention`).
 * Optimizer (``optimizer_tbps``, ``optimizer_tensor_us``): the runtime's step (global gradient norm, clipping,
   ``make_optimizer``'s AdamW) over a few large tensors (the nominal 36 bytes per parameter over the time per
   parameter) and over many small ones (the time per tensor beyond that: the per-tensor operators' overhead).
@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallelisms.perf.collectives import fit
+from parallelisms.perf.hardware import PRESETS
 
 GEMMS = [(512, 512, 512), (1024, 1024, 1024), (256, 256, 256), (2048, 256, 256), (1024, 1024, 32),
          (1024, 1024, 64), (1024, 1024, 128), (128, 128, 128), (4096, 64, 64)]
@@ -144,17 +145,31 @@ def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
 ATTENTION_SHAPES = [(4, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64), (1, 2, 512, 128)]  # batch, heads, seq, d
 
 
-def measure_attention_fraction(peak_flops: float, repeats: int = 7) -> float:
-    """The share of ``peak_flops`` causal attention reaches, forward and backward (module docstring)."""
+def measure_attention(hw, repeats: int = 7) -> tuple[float, float]:
+    """(``attention_fraction``, ``attention_backward``): causal ``scaled_dot_product_attention`` over a few
+    shapes, the forward's share of what compute.py's :func:`causal_attention_gemms` gives on ``hw`` (this
+    machine's GEMM rate), and the backward's time over the forward's; medians. Here (2026-12-02): 0.37-0.38 and
+    2.5. Inside the model's forward the same kernel ran slower than this (1.5 ms a call at 4 x 8 x 128 x 32
+    against 1.05 alone) and its backward faster (2.0 against 2.5 ms): not modelled yet."""
+    from parallelisms.perf.compute import causal_attention_gemms
+
     torch.set_num_threads(1)
-    shares = []
+    shares, ratios = [], []
     for b, heads, s, d in ATTENTION_SHAPES:
         q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
         grad = torch.randn(b, heads, s, d)
-        step = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-        flops = 3.5 * 4 * b * heads * s * s * d / 2
-        shares.append(flops / _median_seconds(step, repeats) / peak_flops)
-    return min(1.0, statistics.median(shares))
+        forwards, backwards = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            middle = time.perf_counter()
+            out.backward(grad)
+            forwards.append(middle - start)
+            backwards.append(time.perf_counter() - middle)
+        forward, backward = statistics.median(forwards[1:]), statistics.median(backwards[1:])
+        shares.append(causal_attention_gemms(hw, b * heads, s, s, d) / forward)
+        ratios.append(backward / forward)
+    return min(1.0, statistics.median(shares)), statistics.median(ratios)
 
 
 def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
@@ -319,10 +334,12 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
     per_operator = measure_op_overhead(repeats)
     bandwidth = measure_block_bandwidth(per_operator, repeats)
     optimizer_bandwidth, optimizer_tensor_s = measure_optimizer(repeats)
-    return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12,
-            "gemm_k_half": max(k_half, 0.0), "op_overhead_us": per_operator * 1e6,
-            "attention_fraction": measure_attention_fraction(peak * 1e12, repeats),
-            "optimizer_tbps": optimizer_bandwidth / 1e12, "optimizer_tensor_us": optimizer_tensor_s * 1e6}, gemms
+    keys = {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "gemm_k_half": max(k_half, 0.0),
+            "op_overhead_us": per_operator * 1e6, "optimizer_tbps": optimizer_bandwidth / 1e12,
+            "optimizer_tensor_us": optimizer_tensor_s * 1e6}
+    keys["attention_fraction"], keys["attention_backward"] = measure_attention(
+        dataclasses.replace(PRESETS["cpu"], **keys, attention_fraction=1.0), repeats)
+    return keys, gemms
 
 
 @contextlib.contextmanager
@@ -398,7 +415,7 @@ def run_calibrate(args) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
-          f"attention {result['attention_fraction']:.0%} of it, {result['op_overhead_us']:.1f} us per operator, "
+          f"attention {result['attention_fraction']:.0%} of it (backward {result['attention_backward']:.2f}x the forward), {result['op_overhead_us']:.1f} us per operator, "
           f"optimizer {result['optimizer_tbps'] * 1e3:.1f} GB/s + {result['optimizer_tensor_us']:.0f} us per tensor, "
           f"collectives {result['comm_cpu_fraction']:.0%} CPU, memory "
           f"{result['hbm_tbps'] * 1e3:.1f} GB/s; " + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s"

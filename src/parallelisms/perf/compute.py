@@ -53,13 +53,24 @@ def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1
     return eff
 
 
-def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
-    """Seconds for ``batch`` GEMMs [m, k] x [k, n]: compute at the shape's efficiency, or memory if slower."""
+def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1, cold: float = 0.0) -> float:
+    """Seconds for ``batch`` GEMMs [m, k] x [k, n]: compute at the shape's efficiency, or memory if slower. On a
+    CPU (``hw.cores``) ``cold`` elements of the operands come from memory rather than cache first (a weight is
+    read once per pass, evicted by the rest of the pass since), a load the core waits for: measured here, a
+    layer's GEMMs at 128 rows ran at 127 GFLOP/s on cached operands and 108 after the weights were evicted,
+    the difference the weights' bytes at the elementwise bandwidth."""
     if min(m, n, k, batch) <= 0:
         return 0.0
     flops = 2 * m * n * k * batch
     traffic = (m * k + k * n + m * n) * batch * hw.bytes_per_element
-    return max(flops / (hw.peak_flops * gemm_efficiency(hw, m, n, k, batch)), traffic / hw.memory_bytes_per_s)
+    load = cold * batch * hw.bytes_per_element / hw.memory_bytes_per_s if hw.cores else 0.0
+    return max(flops / (hw.peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
+
+
+def causal_attention_gemms(hw: Hardware, heads: float, s_q: float, s_kv: float, d: float) -> float:
+    """Seconds of causal attention's QK^T and AV at GEMM efficiency over ``heads`` (batch x heads) problems,
+    half the score blocks computed (flash); the attention kernel reaches ``hw.attention_fraction`` of it."""
+    return (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / 2
 
 
 @dataclass(frozen=True)
@@ -116,8 +127,8 @@ def _attention_core(hw: Hardware, shape: LayerShape) -> tuple[float, float, floa
     s_q, s_kv, d = shape.seq / shape.cp, shape.seq, cfg.head_dim
     flops = 4 * heads * s_q * s_kv * d
     if shape.attention == "flash":  # causal: half the score blocks computed; nothing materialised
-        fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / 2 / hw.attention_fraction
-        return fwd, 2.5 * fwd, flops
+        fwd = causal_attention_gemms(hw, heads, s_q, s_kv, d) / hw.attention_fraction
+        return fwd, hw.attention_backward * fwd, flops
     scores = heads * s_q * s_kv
     e = hw.bytes_per_element
     fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / hw.attention_fraction
@@ -155,10 +166,11 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
     fwd = dgrad = wgrad = flops = 0.0
     linears = _linears(shape)
-    dgrads = [gemm_time(hw, m, k, n, b) for m, n, k, b in linears]
-    wgrads = [gemm_time(hw, k, n, m, b) for m, n, k, b in linears]
+    # cold operands: the weight (forward, input gradient), the input saved since the forward (weight gradient)
+    dgrads = [gemm_time(hw, m, k, n, b, cold=n * k) for m, n, k, b in linears]
+    wgrads = [gemm_time(hw, k, n, m, b, cold=m * k) for m, n, k, b in linears]
     for m, n, k, b in linears:
-        fwd += gemm_time(hw, m, n, k, b)
+        fwd += gemm_time(hw, m, n, k, b, cold=n * k)
         flops += 2 * m * n * k * b
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
@@ -175,9 +187,9 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
 def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int) -> PassTimes:
     """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits."""
     v = cfg.vocab_size / tp
-    fwd = gemm_time(hw, tokens, v, cfg.dim)
+    fwd = gemm_time(hw, tokens, v, cfg.dim, cold=v * cfg.dim)
     loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
     return PassTimes(with_dispatch(hw, fwd + loss, HEAD_OPS[0]),
-                     with_dispatch(hw, gemm_time(hw, tokens, cfg.dim, v) + loss, HEAD_OPS[1]),
-                     gemm_time(hw, cfg.dim, v, tokens), 0.0,
+                     with_dispatch(hw, gemm_time(hw, tokens, cfg.dim, v, cold=v * cfg.dim) + loss, HEAD_OPS[1]),
+                     gemm_time(hw, cfg.dim, v, tokens, cold=tokens * cfg.dim), 0.0,
                      2 * tokens * v * cfg.dim)

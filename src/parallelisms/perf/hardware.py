@@ -11,7 +11,9 @@ prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 tur
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
 ``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
 (host time per dispatched operator), ``attention_fraction`` (the share of the GEMM efficiency the attention
-kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``optimizer_tbps``
+kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``attention_backward`` (its backward's time over its forward's: 2.5 for FlashAttention, whose
+backward recomputes the scores and runs four GEMMs where the forward runs two; a CPU kernel's ratio is
+measured), ``optimizer_tbps``
 (the rate the optimizer step streams its nominal 36 bytes per parameter at; 0: the elementwise bandwidth, as a
 fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
 for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
@@ -58,6 +60,7 @@ class Hardware:
     cores: int = 0          # CPUs: cores the ranks share (beyond them a step is the ranks' CPU work over the cores); 0: a device each
     op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
     attention_fraction: float = 1.0
+    attention_backward: float = 2.5  # the attention kernel's backward seconds over its forward's
     optimizer_tbps: float = 0.0
     optimizer_tensor_us: float = 0.0
     comm_cpu_fraction: float = 0.0
