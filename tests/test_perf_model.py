@@ -64,16 +64,29 @@ def test_comm_volumes_follow_the_spec():
     zero2 = comm_per_step(cfg, ParallelConfig(ParallelDims(dp_shard=4), zero=2), train)
     assert sum(c.bytes_per_rank for c in zero2) == pytest.approx(1.5 * g + norm_over_4)
     tp = comm_per_step(cfg, ParallelConfig(ParallelDims(tp=2)), train)
-    a = 16 * 32 * cfg.dim * 4
-    # per-block all-reduces, then the norm of the tensor-parallel shards summed over tp (norm weights replicate)
-    assert [(c.kind, c.bytes_per_rank) for c in tp] == [("all_reduce", 2 * cfg.n_layers * 4 * (1 / 2) * a),
-                                                        ("all_reduce", 2 * (1 / 2) * 4)]
+    tokens = 16 * 32
+    a = tokens * cfg.dim * 4
+    # all-reduces of A: two per block each way, the embedding's output, the head input's gradient; the
+    # cross-entropy's (one fp32 per token, then two); then the norm of the tensor-parallel shards summed over tp
+    assert [(c.kind, c.bytes_per_rank) for c in tp] == [
+        ("all_reduce", 2 * (1 / 2) * ((4 * cfg.n_layers + 2) * a + 3 * 4 * tokens)), ("all_reduce", 2 * (1 / 2) * 4)]
+    sp = comm_per_step(cfg, ParallelConfig(ParallelDims(tp=2), sequence_parallel=True), train)
+    # per block all-gathers 2 forward, 4 backward (2 re-gathers), reduce-scatters 2 and 2; the embedding's
+    # reduce-scatter and gradient all-gather; the head's gather, re-gather and gradient reduce-scatter; the
+    # norm weights' gradients (two per block and the final one) all-reduced
+    assert [(c.kind, c.bytes_per_rank) for c in sp[:3]] == [
+        ("all_gather", (6 * cfg.n_layers + 3) * a / 2), ("reduce_scatter", (4 * cfg.n_layers + 2) * a / 2),
+        ("all_reduce", 3 * 4 * tokens + (2 * cfg.n_layers + 1) * cfg.dim * 4)]
 
 
 @pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"],
                                   ["--dp", "2", "--zero", "3", "--mixed-precision", "bf16", "--grad-clip", "0"],
                                   ["--dp", "1", "--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--preset",
-                                   "small", "--grad-clip", "0"]])
+                                   "small", "--grad-clip", "0"],
+                                  ["--dp", "1", "--tp", "2", "--grad-accum", "2"],
+                                  ["--dp", "1", "--tp", "2", "--sp", "--recompute", "full"],
+                                  ["--dp", "1", "--pp", "2", "--tp", "2", "--sp", "--microbatches", "4"],
+                                  ["--dp", "1", "--pp", "2", "--tp", "2", "--schedule", "zb-v", "--preset", "small"]])
 def test_prediction_matches_the_ledger_of_a_real_run(capsys, argv):
     import json
 

@@ -106,9 +106,9 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
                   pipeline: bool = True) -> list[CommVolume]:
     """Bytes rank 0 sends per step, by collective and mesh dimension, from the spec's formulas.
 
-    Main terms only: the per-block TP/SP collectives (not the embedding, head and loss ones, nor SP's
-    re-gather of saved shards in backward), and expert all-to-alls assuming uniform routing. Parameter
-    all-gathers move the compute dtype (``dtype_bytes``, 2 in bf16); gradient reductions are fp32.
+    Every collective the runtime's ledger counts (:func:`_tensor_parallel_volumes` for tensor parallelism's),
+    expert all-to-alls assuming uniform routing. Parameter all-gathers and activations move the compute dtype
+    (``dtype_bytes``, 2 in bf16); gradient reductions and the cross-entropy's are fp32.
     """
     dims = parallel.dims
     out = []
@@ -131,14 +131,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         rows = tokens * cfg.top_k * (dims.ep - 1) / dims.ep  # assignments leaving the rank under uniform routing
         out.append(CommVolume("all_to_all", "ep", 4 * rows * cfg.dim * 4 * cfg.n_layers))  # 2 forward, 2 backward
     if dims.tp > 1:
-        tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
-        block_activation = tokens * cfg.dim * dtype_bytes  # A: one block's residual activation
-        per_block = 4 * (dims.tp - 1) / dims.tp * block_activation  # two collectives of A forward
-        both_ways = 2 * per_block * cfg.n_layers // dims.pp
-        if parallel.sequence_parallel:
-            out += [CommVolume("all_gather", "tp", both_ways / 2), CommVolume("reduce_scatter", "tp", both_ways / 2)]
-        else:
-            out.append(CommVolume("all_reduce", "tp", both_ways))
+        out += _tensor_parallel_volumes(cfg, parallel, train, dtype_bytes)
     if dims.cp > 1:
         tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
         kv_block = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
@@ -161,6 +154,40 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                             dtype_bytes: int) -> list[CommVolume]:
+    """Rank 0's tensor-parallel bytes per step, as its ledger counts them, with A the residual activation of its
+    tokens. Per block and pass, Megatron's f and g (Shoeybi et al. 2019) for attention and the MLP: all-reduces
+    of A (forward g, backward f); under sequence parallelism (Korthikanti et al. 2023) all-gathers and
+    reduce-scatters of A instead, the backward re-gathering each column layer's input for its weight gradient,
+    and the two norm weights' gradients all-reduced per microbatch. A full recompute repeats the forward's.
+    The ends: the vocabulary-parallel embedding (an all-reduce of its output, or a reduce-scatter into the
+    sequence shards and an all-gather back), and on the rank holding the head (one stage, or rank 0 of a
+    V-shaped schedule) the cross-entropy's two all-reduces (row maxima; sums of exponentials and target
+    logits), the head input's f (or, under SP, the final norm's output gathered, re-gathered, its gradient
+    reduce-scattered, and the final norm weight's gradient all-reduced)."""
+    dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
+    elem = 8 if train.dtype == "float64" else 4
+    m = (parallel.microbatches or 2 * dims.pp) if dims.pp > 1 else train.grad_accum
+    layers = cfg.n_layers // dims.pp
+    head = dims.pp == 1 or parallel.schedule in ("zb-v", "dualpipev")
+    gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
+    forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
+    small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
+    out = []
+    if sp:
+        gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
+        scatters = forward * 2 + layers * 2 + 1 + head
+        out += [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather)]
+        small += m * (2 * layers + head) * cfg.dim * elem  # the norm weights' gradients, per microbatch
+        reduces = 0
+    else:
+        reduces = forward * 2 + layers * 2 + 1 + head  # blocks; the embedding's output; the head input's f
+    out.append(CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small))
+    return out
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

@@ -130,15 +130,23 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
 
 
 def _head_comm(cfg, parallel, hw, shape: LayerShape) -> tuple[float, float]:
-    """(forward, backward) seconds of the head's tp collectives: the vocabulary-parallel cross-entropy's two
-    all-reduces (row maxima; sums of exponentials and target logits: Megatron-LM's) and, under sequence
-    parallelism, the final norm weight's gradient all-reduce."""
+    """(forward, backward) seconds of the ends' tp collectives per microbatch: the vocabulary-parallel
+    cross-entropy's two all-reduces (row maxima; sums of exponentials and target logits: Megatron-LM's), the
+    head input's f (its gradient all-reduced) or, under sequence parallelism, the final norm's output gathered,
+    re-gathered and its gradient reduce-scattered, and the final norm weight's gradient all-reduced; on a single
+    stage also the vocabulary-parallel embedding's (its output all-reduced; under SP reduce-scattered, and its
+    gradient all-gathered). The rest of a pipeline's first stage is lighter than the last's."""
     if parallel.dims.tp == 1:
         return 0.0, 0.0
+    activation, embedding = shape.tokens * cfg.dim * hw.bytes_per_element, parallel.dims.pp == 1
     forward = sum(_comm(hw, parallel, "all_reduce", "tp", nbytes) for nbytes in (4 * shape.tokens, 8 * shape.tokens))
     if not parallel.sequence_parallel:
-        return forward, 0.0
-    return forward, _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element)
+        reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
+        return forward + embedding * reduce, reduce
+    gather = _comm(hw, parallel, "all_gather", "tp", activation)
+    scatter = _comm(hw, parallel, "reduce_scatter", "tp", activation)
+    return (forward + gather + embedding * scatter,
+            gather + scatter + _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element) + embedding * gather)
 
 
 def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float, t_comm: float,
