@@ -5,17 +5,19 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
 
 * GEMM: fp32 matmul throughput on one thread (what each rank gets when the ranks share the cores) over square,
   thin and short-k shapes, each in a linear layer's three layouts (forward x w^T, input gradient g w, weight
-  gradient g^T x) with the outputs kept alive as activations are (fresh memory, not a cache-hot buffer), medians.
-  ``peak_tflops`` is the median over the shapes with every side at least 256 (smaller ones run from cache);
-  ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) (the mechanism compute.py models).
+  gradient g^T x) with the outputs kept alive as activations are (fresh memory, not a cache-hot buffer), medians:
+  ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) against the shapes with every side
+  at least 256 (the mechanism compute.py models). ``peak_tflops`` is the rate a block's own GEMMs reach, forward
+  and backward, in the ``small`` model, with their cold operands' loads (:func:`measure_block_kernels`).
 * Elementwise bandwidth (``hbm_tbps``): the operators of one ``small`` block's forward other than its GEMMs and
   attention, timed as they are dispatched, at 512 and 1,024 tokens, after a few training steps
   (:func:`measure_block_bandwidth`): the bytes compute.py counts for them over their time less dispatch.
-* Attention (``attention_fraction``, ``attention_backward``): causal ``scaled_dot_product_attention`` over a
-  few shapes, forward and backward timed apart: the forward's share of compute.py's GEMM time for its QK^T and
-  AV (half the score blocks), and the backward's time over the forward's, medians (:func:`measure_attention`).
+* Attention (``attention_fraction``, ``attention_backward``): the same model's attention kernel, forward and
+  backward timed apart: the forward's share of compute.py's GEMM time for its QK^T and AV (half the score
+  blocks) at that peak, and the backward's time over the forward's (:func:`measure_block_kernels`).
 * Optimizer (``optimizer_tbps``, ``optimizer_tensor_us``): the runtime's step (global gradient norm, clipping,
-  ``make_optimizer``'s AdamW) over a few large tensors (the nominal 36 bytes per parameter over the time per
+  ``make_optimizer``'s AdamW), each step after the caches are flushed (training's forward and backward leave none
+  of the optimizer's state there), over a few large tensors (the nominal 36 bytes per parameter over the time per
   parameter) and over many small ones (the time per tensor beyond that: the per-tensor operators' overhead).
 * Operator dispatch: a one-block model too small to compute anything, per operator it dispatches.
 * Collectives: two ranks over the project's comm layer (gloo, or shared memory where the runtime uses it: the
@@ -54,10 +56,13 @@ GEMMS = [(512, 512, 512), (1024, 1024, 1024), (256, 256, 256), (2048, 256, 256),
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _median_seconds(fn, repeats: int, before=None) -> float:
+    """Median seconds of ``fn`` (after one untimed call), ``before()`` run untimed ahead of each."""
     fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -142,34 +147,64 @@ def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
     return moved / max(seconds, 1e-9)
 
 
-ATTENTION_SHAPES = [(4, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64), (1, 2, 512, 128)]  # batch, heads, seq, d
+class _KernelTimes(TorchDispatchMode):
+    """Seconds inside it of GEMMs, of the attention kernel's forward and of its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        seconds, name = time.perf_counter() - start, func.__name__
+        if name.split(".")[0] in ("mm", "addmm", "bmm"):
+            self.seconds["gemm"] += seconds
+        elif "scaled_dot_product" in name:
+            self.seconds["attention_backward" if "backward" in name else "attention"] += seconds
+        return out
 
 
-def measure_attention(hw, repeats: int = 7) -> tuple[float, float]:
-    """(``attention_fraction``, ``attention_backward``): causal ``scaled_dot_product_attention`` over a few
-    shapes, the forward's share of what compute.py's :func:`causal_attention_gemms` gives on ``hw`` (this
-    machine's GEMM rate), and the backward's time over the forward's; medians. Here (2026-12-02): 0.37-0.38 and
-    2.5. Inside the model's forward the same kernel ran slower than this (1.5 ms a call at 4 x 8 x 128 x 32
-    against 1.05 alone) and its backward faster (2.0 against 2.5 ms): not modelled yet."""
-    from parallelisms.perf.compute import causal_attention_gemms
+def measure_block_kernels(hw, repeats: int = 7) -> dict:
+    """``peak_tflops``, ``attention_fraction`` and ``attention_backward`` as a model runs its kernels: the
+    ``small`` model (four layers: a layer's weights are evicted by the others before they are used again, as in
+    training), forward and backward at 128, 512 and 1,024 tokens, each GEMM and attention call timed as it is
+    dispatched, after a few steps; medians over ``repeats``. The peak makes compute.py's GEMM time of the model
+    (:func:`layer_gemms`, :func:`head_gemms`: the cold operands' loads at ``hw``'s bandwidth, its
+    ``gemm_k_half``) equal the measured; the attention fraction does the same for :func:`causal_attention_gemms`
+    at that peak. Measured alone instead, in a loop that keeps their operands in cache, the same attention calls
+    took 1.05 ms forward and 2.5 backward where in the model they took 1.5 and 2.0 (4 x 8 heads x 128 x 32)."""
+    from parallelisms.config import preset
+    from parallelisms.model import build_model
+    from parallelisms.perf.compute import (LayerShape, causal_attention_gemms, gemm_efficiency, head_gemms,
+                                           layer_gemms)
 
     torch.set_num_threads(1)
-    shares, ratios = [], []
-    for b, heads, s, d in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, heads, s, d)
-        forwards, backwards = [], []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            middle = time.perf_counter()
-            out.backward(grad)
-            forwards.append(middle - start)
-            backwards.append(time.perf_counter() - middle)
-        forward, backward = statistics.median(forwards[1:]), statistics.median(backwards[1:])
-        shares.append(causal_attention_gemms(hw, b * heads, s, s, d) / forward)
-        ratios.append(backward / forward)
-    return min(1.0, statistics.median(shares)), statistics.median(ratios)
+    cfg, seq = preset("small"), 128
+    model = build_model(cfg)
+    measured = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
+    work = load = attention = 0.0  # GEMM seconds at 1 FLOP/s; cold loads; attention's GEMM seconds at the peak
+    for batch in (1, 4, 8):
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        for _ in range(3):
+            model(tokens, tokens).backward()
+        runs = []
+        for _ in range(repeats):
+            with _KernelTimes() as timed:
+                model(tokens, tokens).backward()
+            runs.append(timed.seconds)
+        for key in measured:
+            measured[key] += statistics.median(r[key] for r in runs)
+        gemms = [g for gemms in layer_gemms(LayerShape(cfg, batch, seq)) for g in gemms] * cfg.n_layers
+        for m, n, k, b, cold in gemms + list(head_gemms(cfg, batch * seq, 1)):
+            work += 2 * m * n * k * b / gemm_efficiency(hw, m, n, k, b)
+            load += cold * b * hw.bytes_per_element / hw.memory_bytes_per_s
+    peak = work / max(measured["gemm"] - load, 1e-9) / 1e12
+    at_peak = dataclasses.replace(hw, peak_tflops=peak)
+    for batch in (1, 4, 8):
+        attention += cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
+    return {"peak_tflops": peak, "attention_fraction": min(1.0, attention / measured["attention"]),
+            "attention_backward": measured["attention_backward"] / measured["attention"]}
 
 
 def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
@@ -191,7 +226,10 @@ def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
         def step():
             clip_grad_norm_(params, 1.0, comms, norm=global_grad_norm(params, comms))
             optimizer.step()
-        return _median_seconds(step, repeats)
+        return _median_seconds(step, repeats, before=lambda: evict.add_(1.0))
+
+    evict = torch.zeros(2**26)  # 256 MB written before each step: the forward and backward leave none of the
+    # optimizer's state in cache (here 5.5-6.8 GB/s so, against 9.4 on the same tensors stepped back to back)
 
     large = 8 * 2**18  # a model's parameter tensors: 1 MB each
     per_param = seconds(8, 2**18) / large
@@ -337,8 +375,7 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
     keys = {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "gemm_k_half": max(k_half, 0.0),
             "op_overhead_us": per_operator * 1e6, "optimizer_tbps": optimizer_bandwidth / 1e12,
             "optimizer_tensor_us": optimizer_tensor_s * 1e6}
-    keys["attention_fraction"], keys["attention_backward"] = measure_attention(
-        dataclasses.replace(PRESETS["cpu"], **keys, attention_fraction=1.0), repeats)
+    keys.update(measure_block_kernels(dataclasses.replace(PRESETS["cpu"], **keys), repeats))
     return keys, gemms
 
 

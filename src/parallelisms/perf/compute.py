@@ -162,34 +162,43 @@ def eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
     return shape.tokens * per_token * e
 
 
+def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:
+    """The forward, input-gradient and weight-gradient GEMMs of one layer on one rank, each (m, n, k, batch,
+    cold elements): the cold operand is the weight in the forward and the input gradient, the input saved since
+    the forward in the weight gradient."""
+    linears = _linears(shape)
+    return ([(m, n, k, b, n * k) for m, n, k, b in linears], [(m, k, n, b, n * k) for m, n, k, b in linears],
+            [(k, n, m, b, m * k) for m, n, k, b in linears])
+
+
 def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
-    fwd = dgrad = wgrad = flops = 0.0
-    linears = _linears(shape)
-    # cold operands: the weight (forward, input gradient), the input saved since the forward (weight gradient)
-    dgrads = [gemm_time(hw, m, k, n, b, cold=n * k) for m, n, k, b in linears]
-    wgrads = [gemm_time(hw, k, n, m, b, cold=m * k) for m, n, k, b in linears]
-    for m, n, k, b in linears:
-        fwd += gemm_time(hw, m, n, k, b, cold=n * k)
-        flops += 2 * m * n * k * b
+    forwards, input_grads, weight_grads = layer_gemms(shape)
+    fwd = sum(gemm_time(hw, *g) for g in forwards)
+    flops = sum(2 * m * n * k * b for m, n, k, b, _ in forwards)
+    dgrads, wgrads = [gemm_time(hw, *g) for g in input_grads], [gemm_time(hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
     moved = (eager_elementwise_bytes(shape, hw.bytes_per_element) if hw.cores
              else _elementwise_bytes(shape) * hw.bytes_per_element / 2)
     elementwise = moved / hw.memory_bytes_per_s
-    column = (0, len(linears) - 2)  # QKV and the MLP's input projection
+    column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
     ops_f, ops_b = BLOCK_OPS[shape.cfg.mlp]
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),
                      with_dispatch(hw, dgrad + core_b + 2 * elementwise, ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
 
 
+def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, tuple]:
+    """The output projection's forward, input-gradient and weight-gradient GEMMs, as :func:`layer_gemms`."""
+    v = cfg.vocab_size / tp
+    return (tokens, v, cfg.dim, 1, v * cfg.dim), (tokens, cfg.dim, v, 1, v * cfg.dim), (cfg.dim, v, tokens, 1, tokens * cfg.dim)
+
+
 def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int) -> PassTimes:
     """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits."""
     v = cfg.vocab_size / tp
-    fwd = gemm_time(hw, tokens, v, cfg.dim, cold=v * cfg.dim)
+    forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
     loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
-    return PassTimes(with_dispatch(hw, fwd + loss, HEAD_OPS[0]),
-                     with_dispatch(hw, gemm_time(hw, tokens, cfg.dim, v, cold=v * cfg.dim) + loss, HEAD_OPS[1]),
-                     gemm_time(hw, cfg.dim, v, tokens, cold=tokens * cfg.dim), 0.0,
-                     2 * tokens * v * cfg.dim)
+    return PassTimes(with_dispatch(hw, forward + loss, HEAD_OPS[0]), with_dispatch(hw, input_grad + loss, HEAD_OPS[1]),
+                     weight_grad, 0.0, 2 * tokens * v * cfg.dim)

@@ -105,20 +105,21 @@ PRESETS = {
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    # this 2-core machine, fp32 over gloo/shared memory: `parallelisms calibrate`, the median of each key over three
-    # runs with both cores measuring at once, as two ranks share them (peak 65-80 GFLOP/s per thread; elementwise
-    # 9.7-15.3 GB/s, a block's own operators as it runs them; attention 38-44% of the GEMM rate; optimizer
-    # 9.3-13.3 GB/s + 39-60 us per tensor; op 3.6-5.5 us; collectives 99% CPU; collective alphas, measured after
-    # a burst of GEMMs as a step issues them, 0.35-1.4 ms; the all-to-all, through shared memory since, the median
-    # of three later runs: 197-286 us, 1.2-1.55 GB/s; a blocking collective with four ranks per core: 270-580 us of
-    # CPU beyond the work, median of eleven runs 410). Rerun it on another machine and pass the file.
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.0735, 16, 0.01265, 1024, 2.86, 2.86, 502, 502,
-                    gemm_fraction=1.0, gemm_k_half=1.6, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
-                    bytes_per_element=4, cores=2, op_overhead_us=4.5, attention_fraction=0.395,
-                    optimizer_tbps=0.0105, optimizer_tensor_us=58, comm_cpu_fraction=0.99, meeting_overhead_us=410,
-                    collectives={"all_reduce": {"alpha_us": 502, "gbps": 2.86}, "all_gather": {"alpha_us": 431, "gbps": 1.2},
-                                 "reduce_scatter": {"alpha_us": 830, "gbps": 0.88},
-                                 "all_to_all": {"alpha_us": 219, "gbps": 1.34}, "send": {"alpha_us": 478, "gbps": 3.08}}),
+    # this 2-core machine (a KVM Xeon with AVX-512, as re-measured on 2026-12-02), fp32 over gloo/shared memory:
+    # `parallelisms calibrate`, two runs with both cores measuring at once, as two ranks share them: GEMMs in the
+    # `small` model 148-155 GFLOP/s per thread with their cold loads (k_half 2-6); elementwise 12.0-12.4 GB/s, a
+    # block's own operators as it runs them; attention in the model 20-21% of the GEMM rate, its backward
+    # 1.64-1.68x its forward; optimizer with its state cold 6.6 GB/s + 42 us per tensor; op 3.1-3.2 us;
+    # collectives 99-100% CPU; alphas over four runs: all-reduce 164-220 us, all-gather 132-168, reduce-scatter
+    # 143-211, all-to-all 184-208, send 185-229; a blocking collective with four ranks per core 75-154 us of CPU
+    # beyond the work. Rerun it on another machine and pass the file.
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.152, 16, 0.0122, 1024, 2.6, 2.6, 200, 200,
+                    gemm_fraction=1.0, gemm_k_half=4.0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
+                    bytes_per_element=4, cores=2, op_overhead_us=3.2, attention_fraction=0.205, attention_backward=1.66,
+                    optimizer_tbps=0.0066, optimizer_tensor_us=42, comm_cpu_fraction=0.99, meeting_overhead_us=110,
+                    collectives={"all_reduce": {"alpha_us": 200, "gbps": 2.6}, "all_gather": {"alpha_us": 140, "gbps": 2.6},
+                                 "reduce_scatter": {"alpha_us": 155, "gbps": 1.75},
+                                 "all_to_all": {"alpha_us": 200, "gbps": 1.95}, "send": {"alpha_us": 200, "gbps": 3.35}}),
 }
 
 
