@@ -8,18 +8,17 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
   gradient g^T x) with the outputs kept alive as activations are (fresh memory, not a cache-hot buffer), medians:
   ``gemm_k_half`` is fitted to the short-k shapes' efficiency k / (k + k_half) against the shapes with every side
   at least 256 (the mechanism compute.py models). ``peak_tflops`` is the rate a block's own GEMMs reach, forward
-  and backward, in the ``small`` model, with their cold operands' loads (:func:`measure_block_kernels`).
-* Elementwise bandwidth (``hbm_tbps``): the operators of one ``small`` block's forward other than its GEMMs and
-  attention, timed as they are dispatched, at 512 and 1,024 tokens, after a few training steps
-  (:func:`measure_block_bandwidth`): the bytes compute.py counts for them over their time less dispatch.
+  and backward, in the ``small`` model, with their cold operands' loads (:func:`measure_model_compute`).
+* Elementwise bandwidth (``hbm_tbps``) and operator dispatch (``op_overhead_us``): the same model's step less
+  its GEMM and attention calls, at four sizes: a straight line in the elementwise bytes compute.py counts, its
+  intercept the operators' dispatch, its slope the bandwidth (:func:`measure_model_compute`).
 * Attention (``attention_fraction``, ``attention_backward``): the same model's attention kernel, forward and
   backward timed apart: the forward's share of compute.py's GEMM time for its QK^T and AV (half the score
-  blocks) at that peak, and the backward's time over the forward's (:func:`measure_block_kernels`).
+  blocks) at that peak, and the backward's time over the forward's (:func:`measure_model_compute`).
 * Optimizer (``optimizer_tbps``, ``optimizer_tensor_us``): the runtime's step (global gradient norm, clipping,
   ``make_optimizer``'s AdamW), each step after the caches are flushed (training's forward and backward leave none
   of the optimizer's state there), over a few large tensors (the nominal 36 bytes per parameter over the time per
   parameter) and over many small ones (the time per tensor beyond that: the per-tensor operators' overhead).
-* Operator dispatch: a one-block model too small to compute anything, per operator it dispatches.
 * Collectives: two ranks over the project's comm layer (gloo, or shared memory where the runtime uses it: the
   all-reduce as DDP's gradient buckets call it), each kind over message sizes, medians; alpha and beta fitted
   per kind (Hockney) on the ledger's ring bytes. Each call follows a burst of GEMMs on both ranks, as a
@@ -97,56 +96,6 @@ def measure_gemms(repeats: int = 7) -> list[dict]:
     return rows
 
 
-class _ElementwiseTimes(TorchDispatchMode):
-    """Seconds and count of the operators dispatched inside it other than GEMMs and attention."""
-
-    def __init__(self):
-        super().__init__()
-        self.seconds, self.calls = 0.0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        seconds, name = time.perf_counter() - start, func.__name__
-        if name.split(".")[0] not in ("mm", "addmm", "bmm") and "scaled_dot_product" not in name:
-            self.seconds += seconds
-            self.calls += 1
-        return out
-
-
-def measure_block_bandwidth(per_operator_s: float, repeats: int = 7) -> float:
-    """Bytes per second of an eager block's operators other than its GEMMs and attention, as the block runs
-    them: the forward of one layer of the ``small`` shape at 512 and 1,024 tokens, each operator timed as it is
-    dispatched, after a few training steps have put the allocator where training leaves it; compute.py's count
-    of their bytes (:func:`eager_elementwise_bytes`) over their time less ``per_operator_s`` each (dispatch,
-    :func:`measure_op_overhead`). Micro-benchmarks of the same kinds of operator on inputs they had just read
-    ran at twice this: the block's operators read tensors other operators wrote, and each writes a new one."""
-    from parallelisms.config import preset
-    from parallelisms.model import build_model
-    from parallelisms.perf.compute import LayerShape, eager_elementwise_bytes
-
-    torch.set_num_threads(1)
-    cfg = dataclasses.replace(preset("small"), n_layers=1)
-    model = build_model(cfg)
-    block, seq = model.layers["0"], 128
-    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-    moved = seconds = 0.0
-    for batch in (4, 8):
-        tokens = torch.zeros(batch, seq, dtype=torch.long)
-        for _ in range(3):
-            model(tokens, tokens).backward()
-        x = torch.randn(batch, seq, cfg.dim)
-        runs = []
-        for _ in range(repeats):
-            with _ElementwiseTimes() as timed:
-                out = block(x, cos, sin)  # its graph keeps the activations alive, as a training forward does
-            runs.append(timed)
-            del out
-        moved += eager_elementwise_bytes(LayerShape(cfg, batch, seq), 4)
-        seconds += statistics.median(r.seconds - r.calls * per_operator_s for r in runs)
-    return moved / max(seconds, 1e-9)
-
-
 class _KernelTimes(TorchDispatchMode):
     """Seconds inside it of GEMMs, of the attention kernel's forward and of its backward."""
 
@@ -165,46 +114,67 @@ class _KernelTimes(TorchDispatchMode):
         return out
 
 
-def measure_block_kernels(hw, repeats: int = 7) -> dict:
-    """``peak_tflops``, ``attention_fraction`` and ``attention_backward`` as a model runs its kernels: the
-    ``small`` model (four layers: a layer's weights are evicted by the others before they are used again, as in
-    training), forward and backward at 128, 512 and 1,024 tokens, each GEMM and attention call timed as it is
-    dispatched, after a few steps; medians over ``repeats``. The peak makes compute.py's GEMM time of the model
-    (:func:`layer_gemms`, :func:`head_gemms`: the cold operands' loads at ``hw``'s bandwidth, its
-    ``gemm_k_half``) equal the measured; the attention fraction does the same for :func:`causal_attention_gemms`
-    at that peak. Measured alone instead, in a loop that keeps their operands in cache, the same attention calls
-    took 1.05 ms forward and 2.5 backward where in the model they took 1.5 and 2.0 (4 x 8 heads x 128 x 32)."""
+def measure_model_compute(hw, repeats: int = 7) -> dict:
+    """The compute keys as the ``small`` model (four layers: a layer's weights are evicted by the others before
+    they are used again, as in training) runs its work, forward and backward at 128, 256, 512 and 1,024 tokens
+    after a few steps, medians over ``repeats``:
+
+    * ``op_overhead_us`` and ``hbm_tbps``: the step's time outside its GEMM and attention calls (each timed as
+      it is dispatched, in a second run) is its operators' dispatch and the elementwise bytes compute.py counts
+      (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the four sizes, whose
+      intercept over the operators compute.py charges (``BLOCK_OPS``, ``HEAD_OPS``) is the time per operator
+      (Python, autograd and allocation included: 5.4 us here, where a model too small to compute anything gave
+      3.1-3.3) and whose slope the bandwidth (10.3 GB/s, where a block's forward operators alone, timed one by
+      one less 3.2 us each, gave 12-14);
+    * ``peak_tflops``: the GEMM calls' rate, their cold operands' loads (:func:`layer_gemms`,
+      :func:`head_gemms`) at that bandwidth taken out, at ``hw``'s ``gemm_k_half``;
+    * ``attention_fraction`` and ``attention_backward``: the attention calls' forward against
+      :func:`causal_attention_gemms` at that peak, and their backward over their forward. Alone in a loop that
+      keeps their operands in cache, the same calls took 1.05 ms forward and 2.5 backward where in the model
+      they took 1.5 and 2.0 (4 x 8 heads x 128 x 32)."""
     from parallelisms.config import preset
     from parallelisms.model import build_model
-    from parallelisms.perf.compute import (LayerShape, causal_attention_gemms, gemm_efficiency, head_gemms,
-                                           layer_gemms)
+    from parallelisms.perf.compute import (BLOCK_OPS, HEAD_OPS, LayerShape, causal_attention_gemms,
+                                           eager_elementwise_bytes, gemm_efficiency, head_gemms, layer_gemms)
 
     torch.set_num_threads(1)
-    cfg, seq = preset("small"), 128
+    cfg, seq, batches = preset("small"), 128, (1, 2, 4, 8)
     model = build_model(cfg)
-    measured = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
-    work = load = attention = 0.0  # GEMM seconds at 1 FLOP/s; cold loads; attention's GEMM seconds at the peak
-    for batch in (1, 4, 8):
+    kernels = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
+    moved, rest = [], []  # per size: elementwise bytes; seconds outside GEMMs and attention
+    work = cold = attention = 0.0  # GEMM seconds at 1 FLOP/s; cold bytes; attention's GEMM seconds at the peak
+    for batch in batches:
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         for _ in range(3):
             model(tokens, tokens).backward()
-        runs = []
+        walls, runs = [], []
         for _ in range(repeats):
+            start = time.perf_counter()
+            model(tokens, tokens).backward()
+            walls.append(time.perf_counter() - start)
             with _KernelTimes() as timed:
                 model(tokens, tokens).backward()
             runs.append(timed.seconds)
-        for key in measured:
-            measured[key] += statistics.median(r[key] for r in runs)
-        gemms = [g for gemms in layer_gemms(LayerShape(cfg, batch, seq)) for g in gemms] * cfg.n_layers
-        for m, n, k, b, cold in gemms + list(head_gemms(cfg, batch * seq, 1)):
+        measured = {key: statistics.median(r[key] for r in runs) for key in kernels}
+        for key in kernels:
+            kernels[key] += measured[key]
+        rest.append(statistics.median(walls) - sum(measured.values()))
+        shape, rows = LayerShape(cfg, batch, seq), batch * seq
+        moved.append(cfg.n_layers * 3 * eager_elementwise_bytes(shape, 4) + 2 * 3 * rows * cfg.vocab_size * 4)
+        gemms = [g for gemms in layer_gemms(shape) for g in gemms] * cfg.n_layers
+        for m, n, k, b, elements in gemms + list(head_gemms(cfg, rows, 1)):
             work += 2 * m * n * k * b / gemm_efficiency(hw, m, n, k, b)
-            load += cold * b * hw.bytes_per_element / hw.memory_bytes_per_s
-    peak = work / max(measured["gemm"] - load, 1e-9) / 1e12
+            cold += elements * b * hw.bytes_per_element
+    slope, intercept = statistics.linear_regression(moved, rest)
+    operators = cfg.n_layers * sum(BLOCK_OPS[cfg.mlp]) + sum(HEAD_OPS)
+    bandwidth = 1 / max(slope, 1e-15)
+    peak = work / max(kernels["gemm"] - cold / bandwidth, 1e-9) / 1e12
     at_peak = dataclasses.replace(hw, peak_tflops=peak)
-    for batch in (1, 4, 8):
+    for batch in batches:
         attention += cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
-    return {"peak_tflops": peak, "attention_fraction": min(1.0, attention / measured["attention"]),
-            "attention_backward": measured["attention_backward"] / measured["attention"]}
+    return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "op_overhead_us": max(intercept, 0.0) / operators * 1e6,
+            "attention_fraction": min(1.0, attention / kernels["attention"]),
+            "attention_backward": kernels["attention_backward"] / kernels["attention"]}
 
 
 def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
@@ -235,29 +205,6 @@ def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
     per_param = seconds(8, 2**18) / large
     small = seconds(64, 2**10)
     return 36 / per_param, max(0.0, (small - 64 * 2**10 * per_param) / 64)
-
-
-def measure_op_overhead(repeats: int = 7) -> float:
-    """Seconds per dispatched operator: a one-block model so small its work is negligible, forward and
-    backward, divided by the operators it dispatches (counted with TorchDispatchMode)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from parallelisms.config import ModelConfig
-    from parallelisms.model import build_model
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    torch.set_num_threads(1)
-    model = build_model(ModelConfig(vocab_size=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
-    tokens = torch.zeros(1, 4, dtype=torch.long)
-    with Count():
-        model(tokens, tokens).backward()
-    return _median_seconds(lambda: model(tokens, tokens).backward(), repeats * 5) / Count.ops
 
 
 def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
@@ -369,13 +316,10 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
     peak = statistics.median(r["tflops"] for r in gemms if min(r["m"], r["n"], r["k"]) >= 256)
     short = [r for r in gemms if r["k"] <= 128 and min(r["m"], r["n"]) >= 1024]
     k_half = statistics.median(r["k"] * (peak / r["tflops"] - 1) for r in short) if short else 0.0
-    per_operator = measure_op_overhead(repeats)
-    bandwidth = measure_block_bandwidth(per_operator, repeats)
     optimizer_bandwidth, optimizer_tensor_s = measure_optimizer(repeats)
-    keys = {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "gemm_k_half": max(k_half, 0.0),
-            "op_overhead_us": per_operator * 1e6, "optimizer_tbps": optimizer_bandwidth / 1e12,
+    keys = {"gemm_k_half": max(k_half, 0.0), "optimizer_tbps": optimizer_bandwidth / 1e12,
             "optimizer_tensor_us": optimizer_tensor_s * 1e6}
-    keys.update(measure_block_kernels(dataclasses.replace(PRESETS["cpu"], **keys), repeats))
+    keys.update(measure_model_compute(dataclasses.replace(PRESETS["cpu"], **keys), repeats))
     return keys, gemms
 
 
