@@ -121,8 +121,9 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
 
     * ``op_overhead_us`` and ``hbm_tbps``: the step's time outside its GEMM and attention calls (each timed as
       it is dispatched, in a second run) is its operators' dispatch and the elementwise bytes compute.py counts
-      (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the four sizes, whose
-      intercept over the operators compute.py charges (``BLOCK_OPS``, ``HEAD_OPS``) is the time per operator
+      (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the four sizes (least
+      squares on relative errors), whose intercept over the operators compute.py charges (``BLOCK_OPS``,
+      ``HEAD_OPS``) is the time per operator
       (Python, autograd and allocation included: 5.4 us here, where a model too small to compute anything gave
       3.1-3.3) and whose slope the bandwidth (10.3 GB/s, where a block's forward operators alone, timed one by
       one less 3.2 us each, gave 12-14);
@@ -165,14 +166,16 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
         for m, n, k, b, elements in gemms + list(head_gemms(cfg, rows, 1)):
             work += 2 * m * n * k * b / gemm_efficiency(hw, m, n, k, b)
             cold += elements * b * hw.bytes_per_element
-    slope, intercept = statistics.linear_regression(moved, rest)
     operators = cfg.n_layers * sum(BLOCK_OPS[cfg.mlp]) + sum(HEAD_OPS)
-    bandwidth = 1 / max(slope, 1e-15)
+    # least squares on relative errors (each size weighs alike: the smallest sets the intercept)
+    rows = torch.tensor([[operators / r, b / r] for b, r in zip(moved, rest)], dtype=torch.float64)
+    per_operator, per_byte = torch.linalg.lstsq(rows, torch.ones(len(rest), 1, dtype=torch.float64)).solution.flatten().tolist()
+    bandwidth = 1 / max(per_byte, 1e-15)
     peak = work / max(kernels["gemm"] - cold / bandwidth, 1e-9) / 1e12
     at_peak = dataclasses.replace(hw, peak_tflops=peak)
     for batch in batches:
         attention += cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
-    return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "op_overhead_us": max(intercept, 0.0) / operators * 1e6,
+    return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "op_overhead_us": max(per_operator, 0.0) * 1e6,
             "attention_fraction": min(1.0, attention / kernels["attention"]),
             "attention_backward": kernels["attention_backward"] / kernels["attention"]}
 
