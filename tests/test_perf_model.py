@@ -86,7 +86,9 @@ def test_comm_volumes_follow_the_spec():
                                   ["--dp", "1", "--tp", "2", "--grad-accum", "2"],
                                   ["--dp", "1", "--tp", "2", "--sp", "--recompute", "full"],
                                   ["--dp", "1", "--pp", "2", "--tp", "2", "--sp", "--microbatches", "4"],
-                                  ["--dp", "1", "--pp", "2", "--tp", "2", "--schedule", "zb-v", "--preset", "small"]])
+                                  ["--dp", "1", "--pp", "2", "--tp", "2", "--schedule", "zb-v", "--preset", "small"],
+                                  ["--dp", "2", "--tp", "2", "--sp"],
+                                  ["--dp", "2", "--pp", "2", "--schedule", "zb-v", "--preset", "small"]])
 def test_prediction_matches_the_ledger_of_a_real_run(capsys, argv):
     import json
 

@@ -112,7 +112,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     """
     dims = parallel.dims
     out = []
-    local_params = cfg.num_params() / (dims.tp * dims.pp)
+    local_params = _rank0_params(cfg, parallel)
     expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
@@ -154,6 +154,17 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def _rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks, their matrices split over tp and
+    their two norm weights whole (replicated over tp), the vocabulary-parallel embedding, and the head with the
+    final norm where rank 0 holds the last layers too (one stage, or a V-shaped schedule)."""
+    dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
+    block = (cfg.num_params() - 2 * vocab * d - d) / cfg.n_layers - 2 * d  # one block's split parameters
+    head = dims.pp == 1 or parallel.schedule in ("zb-v", "dualpipev")
+    return (cfg.n_layers // dims.pp * (block / dims.tp + 2 * d) + vocab * d / dims.tp * (1 + head)
+            + head * d)
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
