@@ -170,3 +170,56 @@ def test_hardware_file_rejects_bad_mechanism_values(tmp_path, key, value):
     path.write_text(json.dumps({**raw, key: value}))
     with pytest.raises(ConfigError, match=key if key != "attention_fraction" else "at most 1"):
         load_hardware(str(path))
+
+
+def _dispatched(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.ops
+
+
+def _tp_operator_counts(info):
+    """Operators a tp 2 block (and the model around it) dispatches, forward and backward, with and without SP."""
+    import torch
+
+    from parallelisms.comm import CommLedger, Comms
+    from parallelisms.model import build_model
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+
+    out = {}
+    comms = Comms(ParallelDims(tp=2).build_meshes(), CommLedger())
+    for sp in (False, True):
+        model = apply_tensor_parallel(build_model(SMALL, 0), comms["tp"], sequence_parallel=sp)
+        tokens = torch.zeros(1, 128, dtype=torch.long)
+        model(tokens, tokens).backward()  # first calls set up the transports
+        block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
+        h = torch.randn(1, 64 if sp else 128, SMALL.dim, requires_grad=True)
+        y = []
+        forward = _dispatched(lambda: y.append(block(h, cos, sin)))
+        backward = _dispatched(lambda: y[0].backward(torch.ones_like(y[0])))
+        loss = []
+        model_f = _dispatched(lambda: loss.append(model(tokens, tokens)))
+        model_b = _dispatched(lambda: loss[0].backward())
+        out[sp] = (forward, backward, model_f - SMALL.n_layers * forward, model_b - SMALL.n_layers * backward)
+    return out
+
+
+def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
+    """The operators compute.py charges a tp 2 block and the ends (with and without SP) are what they dispatch
+    (within 5% or 5 operators: the ends are the model's count less four blocks', and counts move with torch versions)."""
+    from parallelisms.launch import launch
+    from parallelisms.perf.compute import block_ops, head_ops
+
+    counts = launch(_tp_operator_counts, 2, backend="gloo", threads=1)[0]
+    for sp, (forward, backward, ends_f, ends_b) in counts.items():
+        expected = (*block_ops("swiglu", 2, sp), *head_ops(2, sp))
+        assert all(abs(got - want) <= max(5, 0.05 * want) for got, want in zip((forward, backward, ends_f, ends_b), expected)), \
+            (sp, (forward, backward, ends_f, ends_b), expected)

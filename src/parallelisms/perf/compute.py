@@ -31,8 +31,27 @@ ATTENTION_KERNELS = ("flash", "fused-softmax")
 # Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
 # Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``: on a CPU
 # in addition to its work, on a GPU hidden behind the kernels unless they are shorter (launch-bound models).
+# Tensor parallelism adds the comm layer's and the sharded modules' own (output buffers, contiguous copies,
+# views; under SP the sequence shards' and the norms' gradient reductions): counted the same way at tp 2 on
+# `small` (SwiGLU; GELU within 3), one sequence of 128 tokens.
 BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
 HEAD_OPS = (21, 34)
+TP_BLOCK_OPS = {"tp": (38, 28), "sp": (62, 98)}  # beyond BLOCK_OPS
+TP_HEAD_OPS = {"tp": (90, 55), "sp": (101, 90)}  # instead of HEAD_OPS
+
+
+def block_ops(mlp: str, tp: int = 1, sp: bool = False) -> tuple[int, int]:
+    """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's)."""
+    forward, backward = BLOCK_OPS[mlp]
+    if tp == 1:
+        return forward, backward
+    extra = TP_BLOCK_OPS["sp" if sp else "tp"]
+    return forward + extra[0], backward + extra[1]
+
+
+def head_ops(tp: int = 1, sp: bool = False) -> tuple[int, int]:
+    """Operators the embedding, final norm, head and loss dispatch forward and backward."""
+    return HEAD_OPS if tp == 1 else TP_HEAD_OPS["sp" if sp else "tp"]
 
 
 def with_dispatch(hw: Hardware, seconds: float, ops: int) -> float:
@@ -183,7 +202,7 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
              else _elementwise_bytes(shape) * hw.bytes_per_element / 2)
     elementwise = moved / hw.memory_bytes_per_s
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
-    ops_f, ops_b = BLOCK_OPS[shape.cfg.mlp]
+    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp)
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),
                      with_dispatch(hw, dgrad + core_b + 2 * elementwise, ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
@@ -195,10 +214,11 @@ def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, 
     return (tokens, v, cfg.dim, 1, v * cfg.dim), (tokens, cfg.dim, v, 1, v * cfg.dim), (cfg.dim, v, tokens, 1, tokens * cfg.dim)
 
 
-def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int) -> PassTimes:
+def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool = False) -> PassTimes:
     """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits."""
     v = cfg.vocab_size / tp
     forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
     loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
-    return PassTimes(with_dispatch(hw, forward + loss, HEAD_OPS[0]), with_dispatch(hw, input_grad + loss, HEAD_OPS[1]),
+    ops_f, ops_b = head_ops(tp, sp)
+    return PassTimes(with_dispatch(hw, forward + loss, ops_f), with_dispatch(hw, input_grad + loss, ops_b),
                      weight_grad, 0.0, 2 * tokens * v * cfg.dim)

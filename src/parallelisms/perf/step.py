@@ -190,7 +190,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
 
     def per_layer():
         layer = layer_times(hw, shape)
-        return layer, head_times(hw, cfg, shape.tokens, dims.tp), _layer_comm(cfg, parallel, hw, shape, layer)
+        return layer, head_times(hw, cfg, shape.tokens, dims.tp, parallel.sequence_parallel), _layer_comm(cfg, parallel, hw, shape, layer)
     layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
