@@ -153,7 +153,7 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores",
+            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "op_overhead_us",
                            "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction", "meeting_overhead_us")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
