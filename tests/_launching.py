@@ -50,8 +50,8 @@ def settled(report: dict, model, train, reference=None, splits: int = 1, toleran
 
 def assert_reproduces(report: dict, model, train, splits: int, tolerance: float = TOLERANCE) -> None:
     """Losses, gradient norms and final parameters within ``tolerance`` of single-process training on ``splits``
-    batch slices (fp32 parameters beyond it settled against float64 training, as ``verify`` does); with clipping, every reference step was clipped and the run is far from the unclipped one (so
-    the clip was exercised)."""
+    batch slices (fp32 parameters beyond it settled against float64 training, as ``verify`` does); with clipping,
+    every reference step was clipped and the run is far from the unclipped one (so the clip was exercised)."""
     reference = reference_train(model, train, splits=splits)
     result = settled(report, model, train, reference, splits, tolerance)
     assert result["ok"], result

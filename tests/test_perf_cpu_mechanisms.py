@@ -9,7 +9,7 @@ import pytest
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.compute import (LayerShape, _attention_core, _linears, eager_elementwise_bytes, gemm_time,
+from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elementwise_bytes, gemm_time, layer_gemms,
                                        layer_times)
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
@@ -64,7 +64,9 @@ def test_cold_operands_cost_their_bytes_at_memory_bandwidth_on_cpus_only():
     cold = layer_times(dataclasses.replace(CPU, op_overhead_us=0), shape)
     assert cold.weight_grad - layer_times(warm, shape).weight_grad == pytest.approx(
         4 * 128 * (3 * SMALL.dim + SMALL.ffn_dim) / CPU.memory_bytes_per_s)  # the saved inputs, once each
-    assert sum(n * k for _, n, k, _ in _linears(shape)) == weights  # what the forward and input gradient load
+    forwards, input_grads, weight_grads = layer_gemms(shape)  # what layer_times prices: (m, n, k, batch, cold)
+    assert sum(g[4] for g in forwards) == sum(g[4] for g in input_grads) == weights
+    assert sum(g[4] for g in weight_grads) == 128 * (3 * SMALL.dim + SMALL.ffn_dim)
 
 
 def test_cpu_elementwise_counts_the_eager_operators():
@@ -214,12 +216,13 @@ def _tp_operator_counts(info):
 
 def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
     """The operators compute.py charges a tp 2 block and the ends (with and without SP) are what they dispatch
-    (within 5% or 5 operators: the ends are the model's count less four blocks', and counts move with torch versions)."""
+    (within 5% or 5 operators: the ends are the model's count less four blocks', and counts move with torch
+    versions)."""
     from parallelisms.launch import launch
     from parallelisms.perf.compute import block_ops, head_ops
 
     counts = launch(_tp_operator_counts, 2, backend="gloo", threads=1)[0]
     for sp, (forward, backward, ends_f, ends_b) in counts.items():
         expected = (*block_ops("swiglu", 2, sp), *head_ops(2, sp))
-        assert all(abs(got - want) <= max(5, 0.05 * want) for got, want in zip((forward, backward, ends_f, ends_b), expected)), \
-            (sp, (forward, backward, ends_f, ends_b), expected)
+        got = (forward, backward, ends_f, ends_b)
+        assert all(abs(g - want) <= max(5, 0.05 * want) for g, want in zip(got, expected)), (sp, got, expected)

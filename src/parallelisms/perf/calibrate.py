@@ -123,10 +123,9 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
       it is dispatched, in a second run) is its operators' dispatch and the elementwise bytes compute.py counts
       (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the four sizes (least
       squares on relative errors), whose intercept over the operators compute.py charges (``BLOCK_OPS``,
-      ``HEAD_OPS``) is the time per operator
-      (Python, autograd and allocation included: 5.4 us here, where a model too small to compute anything gave
-      3.1-3.3) and whose slope the bandwidth (10.3 GB/s, where a block's forward operators alone, timed one by
-      one less 3.2 us each, gave 12-14);
+      ``HEAD_OPS``) is the time per operator (Python, autograd and allocation included: 4.6-4.7 us here, where a
+      model too small to compute anything gave 3.1-3.3) and whose slope the bandwidth (10.6-10.8 GB/s, where a
+      block's forward operators alone, timed one by one less 3.2 us each, gave 12-14);
     * ``peak_tflops``: the GEMM calls' rate, their cold operands' loads (:func:`layer_gemms`,
       :func:`head_gemms`) at that bandwidth taken out, at ``hw``'s ``gemm_k_half``;
     * ``attention_fraction`` and ``attention_backward``: the attention calls' forward against
@@ -160,10 +159,10 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
         for key in kernels:
             kernels[key] += measured[key]
         rest.append(statistics.median(walls) - sum(measured.values()))
-        shape, rows = LayerShape(cfg, batch, seq), batch * seq
-        moved.append(cfg.n_layers * 3 * eager_elementwise_bytes(shape, 4) + 2 * 3 * rows * cfg.vocab_size * 4)
+        shape, positions = LayerShape(cfg, batch, seq), batch * seq
+        moved.append(cfg.n_layers * 3 * eager_elementwise_bytes(shape, 4) + 2 * 3 * positions * cfg.vocab_size * 4)
         gemms = [g for gemms in layer_gemms(shape) for g in gemms] * cfg.n_layers
-        for m, n, k, b, elements in gemms + list(head_gemms(cfg, rows, 1)):
+        for m, n, k, b, elements in gemms + list(head_gemms(cfg, positions, 1)):
             work += 2 * m * n * k * b / gemm_efficiency(hw, m, n, k, b)
             cold += elements * b * hw.bytes_per_element
     operators = cfg.n_layers * sum(BLOCK_OPS[cfg.mlp]) + sum(HEAD_OPS)

@@ -11,10 +11,10 @@ prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 tur
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
 ``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
 (host time per dispatched operator), ``attention_fraction`` (the share of the GEMM efficiency the attention
-kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``attention_backward`` (its backward's time over its forward's: 2.5 for FlashAttention, whose
-backward recomputes the scores and runs four GEMMs where the forward runs two; a CPU kernel's ratio is
-measured), ``optimizer_tbps``
-(the rate the optimizer step streams its nominal 36 bytes per parameter at; 0: the elementwise bandwidth, as a
+kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``attention_backward``
+(its backward's time over its forward's: 2.5 for FlashAttention, whose backward recomputes the scores and runs
+four GEMMs where the forward runs two; a CPU kernel's ratio is measured), ``optimizer_tbps`` (the rate the
+optimizer step streams its nominal 36 bytes per parameter at; 0: the elementwise bandwidth, as a
 fused Adam does) and ``optimizer_tensor_us`` (host time per parameter tensor of an unfused, per-tensor step; 0
 for fused/multi-tensor ones), ``comm_cpu_fraction`` (the share of a collective's time the rank's own core
 spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NCCL, whose copies run on the

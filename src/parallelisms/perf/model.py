@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.parallel.memory import zero_formula
+from parallelisms.parallel.pipeline.schedules import V_SHAPED
 
 
 # -- parameters and FLOPs ------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
-        m = parallel.microbatches or 2 * dims.pp
+        m = microbatches_per_step(parallel, train)
         schedule = build_schedule(parallel.schedule, dims.pp, m, parallel.chunks if parallel.schedule == "interleaved"
                                   else None)
         sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
@@ -156,15 +157,24 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
 
 
+def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
+    """Microbatches each rank runs per step: the pipeline's (default 2 x pp), else the gradient accumulation."""
+    return (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
+
+
+def _rank0_holds_head(parallel: ParallelConfig) -> bool:
+    """Whether rank 0 holds the last layers, the final norm and the head: one stage, or a V-shaped schedule."""
+    return parallel.dims.pp == 1 or parallel.schedule in V_SHAPED
+
+
 def _rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks, their matrices split over tp and
     their two norm weights whole (replicated over tp), the vocabulary-parallel embedding, and the head with the
     final norm where rank 0 holds the last layers too (one stage, or a V-shaped schedule)."""
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
     block = (cfg.num_params() - 2 * vocab * d - d) / cfg.n_layers - 2 * d  # one block's split parameters
-    head = dims.pp == 1 or parallel.schedule in ("zb-v", "dualpipev")
-    return (cfg.n_layers // dims.pp * (block / dims.tp + 2 * d) + vocab * d / dims.tp * (1 + head)
-            + head * d)
+    head = _rank0_holds_head(parallel)
+    return cfg.n_layers // dims.pp * (block / dims.tp + 2 * d) + vocab * d / dims.tp * (1 + head) + head * d
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -182,23 +192,18 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
     elem = 8 if train.dtype == "float64" else 4
-    m = (parallel.microbatches or 2 * dims.pp) if dims.pp > 1 else train.grad_accum
-    layers = cfg.n_layers // dims.pp
-    head = dims.pp == 1 or parallel.schedule in ("zb-v", "dualpipev")
+    layers, head = cfg.n_layers // dims.pp, _rank0_holds_head(parallel)
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
-    out = []
-    if sp:
-        gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
-        scatters = forward * 2 + layers * 2 + 1 + head
-        out += [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather)]
-        small += m * (2 * layers + head) * cfg.dim * elem  # the norm weights' gradients, per microbatch
-        reduces = 0
-    else:
-        reduces = forward * 2 + layers * 2 + 1 + head  # blocks; the embedding's output; the head input's f
-    out.append(CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small))
-    return out
+    if not sp:  # the blocks' f and g; the embedding's output; the head input's f
+        reduces = forward * 2 + layers * 2 + 1 + head
+        return [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
+    gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
+    scatters = forward * 2 + layers * 2 + 1 + head
+    norms = microbatches_per_step(parallel, train) * (2 * layers + head) * cfg.dim * elem  # per microbatch
+    return [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather),
+            CommVolume("all_reduce", "tp", 2 * (t - 1) / t * (small + norms))]
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

@@ -14,7 +14,7 @@ import statistics
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.hardware import Hardware
-from parallelisms.perf.model import predicted_comm_by_kind
+from parallelisms.perf.model import microbatches_per_step, predicted_comm_by_kind
 from parallelisms.perf.step import predict_step
 
 PHASES = ("forward", "backward", "optimizer")
@@ -36,7 +36,7 @@ def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, repo
     and memory of one run."""
     predicted = predict_step(cfg, parallel, train, hw)
     stage = predicted["per_microbatch_stage_s"]
-    m = parallel.microbatches or 2 * parallel.dims.pp if parallel.dims.pp > 1 else train.grad_accum
+    m = microbatches_per_step(parallel, train)
     phases = {"forward": m * stage["forward"], "backward": m * (stage["input_grad"] + stage["weight_grad"]),
               "optimizer": predicted["time_breakdown"]["optimizer"]}
     measured_phases = _measured_phases(report, spans)
@@ -129,8 +129,8 @@ def bench_predict(args) -> dict:
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
 
 
-RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "attention_backward", "optimizer_tbps",
-         "optimizer_tensor_us")
+RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "attention_backward",
+         "optimizer_tbps", "optimizer_tensor_us")
 LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latency_us", "comm_cpu_fraction",
          "meeting_overhead_us")
 

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.compute import LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
-from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, grad_norm_volumes, model_flops_per_token,
-                                     model_state_bytes)
+from parallelisms.parallel.pipeline.schedules import V_SHAPED
+from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, grad_norm_volumes, microbatches_per_step,
+                                     model_flops_per_token, model_state_bytes)
 from parallelisms.perf.network import collective_time
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
@@ -57,7 +58,7 @@ class Layout:
     @staticmethod
     def of(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> "Layout":
         dims = parallel.dims
-        m = (parallel.microbatches or 2 * dims.pp) if dims.pp > 1 else train.grad_accum
+        m = microbatches_per_step(parallel, train)
         return Layout(m, max(1, train.global_batch // (dims.dp * m)), math.ceil(cfg.n_layers / dims.pp), dims.dp)
 
 
@@ -156,7 +157,7 @@ def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float
     busy = m * (t_f + t_b + t_w)
     if pp == 1:
         return busy, 0.0, 1.0
-    chunks = parallel.chunks if name == "interleaved" else (2 if name in ("zb-v", "dualpipev") else 1)
+    chunks = parallel.chunks if name == "interleaved" else (2 if name in V_SHAPED else 1)
     if not simulate_schedule and name in CLOSED_FORM_PEAK:  # the closed forms (plan's first pass)
         bubble = (pp - 1) * ({"zb-h1": t_f + t_b - t_w, "zb-h2": t_f + t_b - 2 * t_w}.get(name, t_f + t_b + t_w)
                              / chunks + 2 * t_comm)

@@ -405,6 +405,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "pipedream": pipedream,
 }
 SCHEDULES = tuple(GENERATORS)
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks a rank, folded: rank 0 holds the first layers and the last
 
 
 MAX_SCHEDULE_SIZE = 2**16  # pp x microbatches x chunks: a few seconds to build, validate and simulate
@@ -435,7 +436,7 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         if microbatches % pp:
             raise ScheduleError(f"interleaved needs microbatches divisible by pp ({pp}), got {microbatches}")
         return interleaved(pp, microbatches, v)
-    fixed = 2 if name in ("zb-v", "dualpipev") else 1
+    fixed = 2 if name in V_SHAPED else 1
     if chunks is not None and chunks != fixed:
         raise ScheduleError(f"{name} has {fixed} chunk(s) per rank; chunks={chunks} is invalid "
                             "(only interleaved takes chunks)")
