@@ -10,7 +10,7 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elementwise_bytes, gemm_time, layer_gemms,
-                                       layer_times)
+                                       layer_times, sequence_parallel_copies)
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
 
@@ -174,22 +174,30 @@ def test_hardware_file_rejects_bad_mechanism_values(tmp_path, key, value):
         load_hardware(str(path))
 
 
-def _dispatched(fn) -> int:
+def _dispatched(fn, moved: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(operators ``fn`` dispatches, bytes read and written by those named in ``moved``)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 
     class Count(TorchDispatchMode):
-        ops = 0
+        ops = nbytes = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
             Count.ops += 1
-            return func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in moved:
+                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                                    if isinstance(t, torch.Tensor))
+            return out
     with Count():
         fn()
-    return Count.ops
+    return Count.ops, Count.nbytes
 
 
 def _tp_operator_counts(info):
-    """Operators a tp 2 block (and the model around it) dispatches, forward and backward, with and without SP."""
+    """Operators a tp 2 block (and the model around it) dispatches, forward and backward, with and without SP,
+    and the bytes the block's concatenations move."""
     import torch
 
     from parallelisms.comm import CommLedger, Comms
@@ -205,12 +213,13 @@ def _tp_operator_counts(info):
         block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
         h = torch.randn(1, 64 if sp else 128, SMALL.dim, requires_grad=True)
         y = []
-        forward = _dispatched(lambda: y.append(block(h, cos, sin)))
-        backward = _dispatched(lambda: y[0].backward(torch.ones_like(y[0])))
+        forward, cat_f = _dispatched(lambda: y.append(block(h, cos, sin)), ("cat",))
+        backward, cat_b = _dispatched(lambda: y[0].backward(torch.ones_like(y[0])), ("cat",))
         loss = []
-        model_f = _dispatched(lambda: loss.append(model(tokens, tokens)))
-        model_b = _dispatched(lambda: loss[0].backward())
-        out[sp] = (forward, backward, model_f - SMALL.n_layers * forward, model_b - SMALL.n_layers * backward)
+        model_f = _dispatched(lambda: loss.append(model(tokens, tokens)))[0]
+        model_b = _dispatched(lambda: loss[0].backward())[0]
+        out[sp] = (forward, backward, model_f - SMALL.n_layers * forward, model_b - SMALL.n_layers * backward,
+                   cat_f, cat_b)
     return out
 
 
@@ -222,7 +231,33 @@ def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
     from parallelisms.perf.compute import block_ops, head_ops
 
     counts = launch(_tp_operator_counts, 2, backend="gloo", threads=1)[0]
-    for sp, (forward, backward, ends_f, ends_b) in counts.items():
+    for sp, (forward, backward, ends_f, ends_b, cat_f, cat_b) in counts.items():
         expected = (*block_ops("swiglu", 2, sp), *head_ops(2, sp))
         got = (forward, backward, ends_f, ends_b)
         assert all(abs(g - want) <= max(5, 0.05 * want) for g, want in zip(got, expected)), (sp, got, expected)
+        # the sequence's concatenations copy what sequence_parallel_copies charges (none without SP)
+        assert (cat_f, cat_b) == sequence_parallel_copies(LayerShape(SMALL, 1, 128, tp=2, sp=sp), 4)
+
+
+def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
+    """A block's second backward adds its weight gradients to the first's (AccumulateGrad's add_: read two,
+    write one), the bytes accumulation_time prices per microbatch after a step's first; the first adds none;
+    GPUs (gradient-accumulation fusion) are charged nothing; the step's weight-gradient time carries it."""
+    import torch
+
+    from parallelisms.model import build_model
+    from parallelisms.perf.compute import accumulation_time, head_times
+
+    model = build_model(SMALL, 0)
+    block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
+    h = torch.randn(1, 128, SMALL.dim)
+    added = [_dispatched(lambda: block(h, cos, sin).sum().backward(), ("add_",))[1] for _ in range(2)]
+    shape = LayerShape(SMALL, 1, 128)
+    one_layer = accumulation_time(CPU, shape, 1) - accumulation_time(CPU, shape, 0)
+    assert added[0] == 0 and added[1] == pytest.approx(one_layer * CPU.memory_bytes_per_s)
+    assert accumulation_time(PRESETS["h100"], shape, 4) == 0
+    four = TrainConfig(global_batch=8, seq_len=128, grad_accum=4)  # two sequences per microbatch
+    weight_grad = predict_step(SMALL, ParallelConfig(ParallelDims()), four, CPU)["per_microbatch_stage_s"]["weight_grad"]
+    shape = LayerShape(SMALL, 2, 128)
+    own = SMALL.n_layers * layer_times(CPU, shape).weight_grad + head_times(CPU, SMALL, 256, 1).weight_grad
+    assert weight_grad - own == pytest.approx(3 / 4 * accumulation_time(CPU, shape, SMALL.n_layers))

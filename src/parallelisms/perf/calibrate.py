@@ -10,8 +10,9 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
   at least 256 (the mechanism compute.py models). ``peak_tflops`` is the rate a block's own GEMMs reach, forward
   and backward, in the ``small`` model, with their cold operands' loads (:func:`measure_model_compute`).
 * Elementwise bandwidth (``hbm_tbps``) and operator dispatch (``op_overhead_us``): the same model's step less
-  its GEMM and attention calls, at four sizes: a straight line in the elementwise bytes compute.py counts, its
-  intercept the operators' dispatch, its slope the bandwidth (:func:`measure_model_compute`).
+  its GEMM and attention calls, from no gradients (a step's first microbatch: nothing accumulated), at seven
+  sizes from 16 to 1,024 tokens: a straight line in the elementwise bytes compute.py counts, its intercept the
+  operators' dispatch, its slope the bandwidth (:func:`measure_model_compute`).
 * Attention (``attention_fraction``, ``attention_backward``): the same model's attention kernel, forward and
   backward timed apart: the forward's share of compute.py's GEMM time for its QK^T and AV (half the score
   blocks) at that peak, and the backward's time over the forward's (:func:`measure_model_compute`).
@@ -29,10 +30,11 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
   ``comm_cpu_fraction``: the share of a large collective's time the rank's own CPU spends on it (process CPU
   time over wall time; gloo copies through the kernel's TCP, shared memory through memcpy): on a CPU that part
   is not hidden by overlapping it with compute, which runs on the same core.
-* Ranks outnumbering the cores (``meeting_overhead_us``): pairs of ranks alternate a millisecond of a layer's
-  GEMMs with a blocking all-gather, one rank per core and then four; the CPU time per iteration grows by what
-  each meeting costs a rank that sleeps until its peer arrives while other ranks use its core
-  (:func:`measure_meeting_overhead`; 270-580 us here, median 410, against a 1.2 ms burst).
+* Ranks outnumbering the cores (``meeting_overhead_us``): pairs of ranks run the ``small`` model's step under
+  tensor parallelism 2 with sequence parallelism (56 blocking collectives an iteration), one rank per core and
+  then four; the CPU time per iteration grows by what each meeting costs a rank that sleeps until its peer
+  arrives while other ranks use its core (:func:`measure_meeting_overhead`; 135-196 us here, where a burst of
+  two GEMMs between meetings gave 80-130).
 """
 
 from __future__ import annotations
@@ -116,16 +118,19 @@ class _KernelTimes(TorchDispatchMode):
 
 def measure_model_compute(hw, repeats: int = 7) -> dict:
     """The compute keys as the ``small`` model (four layers: a layer's weights are evicted by the others before
-    they are used again, as in training) runs its work, forward and backward at 128, 256, 512 and 1,024 tokens
-    after a few steps, medians over ``repeats``:
+    they are used again, as in training) runs its work, forward and backward from no gradients (a step's first
+    microbatch; compute.py prices the later ones' accumulation apart) at 16, 32, 64, 128, 256, 512 and 1,024
+    tokens after a few steps, medians over ``repeats``:
 
     * ``op_overhead_us`` and ``hbm_tbps``: the step's time outside its GEMM and attention calls (each timed as
       it is dispatched, in a second run) is its operators' dispatch and the elementwise bytes compute.py counts
-      (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the four sizes (least
-      squares on relative errors), whose intercept over the operators compute.py charges (``BLOCK_OPS``,
-      ``HEAD_OPS``) is the time per operator (Python, autograd and allocation included: 4.6-4.7 us here, where a
-      model too small to compute anything gave 3.1-3.3) and whose slope the bandwidth (10.6-10.8 GB/s, where a
-      block's forward operators alone, timed one by one less 3.2 us each, gave 12-14);
+      (:func:`eager_elementwise_bytes`, the loss's): a straight line in those bytes over the seven sizes (least
+      squares on relative errors; the short sequences pin the intercept), whose intercept over the operators
+      compute.py charges (``BLOCK_OPS``, ``HEAD_OPS``) is the time per operator (Python, autograd and allocation
+      included: 2.5-3.1 us here; with every pass accumulating into the last one's gradients, 3 x 8.7 MB a block,
+      the four sizes at 128 tokens and up gave 2.5-4.7, the accumulation mistaken for dispatch) and whose slope
+      the bandwidth (12.0-13.1 GB/s);
+    * GEMM and attention rates: the sizes of 128 tokens and up (a 16-row GEMM is not the shapes training runs);
     * ``peak_tflops``: the GEMM calls' rate, their cold operands' loads (:func:`layer_gemms`,
       :func:`head_gemms`) at that bandwidth taken out, at ``hw``'s ``gemm_k_half``;
     * ``attention_fraction`` and ``attention_backward``: the attention calls' forward against
@@ -138,29 +143,34 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
                                            eager_elementwise_bytes, gemm_efficiency, head_gemms, layer_gemms)
 
     torch.set_num_threads(1)
-    cfg, seq, batches = preset("small"), 128, (1, 2, 4, 8)
+    cfg, seq = preset("small"), 128
+    sizes = [(1, 16), (1, 32), (1, 64)] + [(batch, seq) for batch in (1, 2, 4, 8)]  # (batch, sequence)
     model = build_model(cfg)
     kernels = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
     moved, rest = [], []  # per size: elementwise bytes; seconds outside GEMMs and attention
     work = cold = attention = 0.0  # GEMM seconds at 1 FLOP/s; cold bytes; attention's GEMM seconds at the peak
-    for batch in batches:
-        tokens = torch.zeros(batch, seq, dtype=torch.long)
+    for batch, length in sizes:
+        tokens = torch.zeros(batch, length, dtype=torch.long)
         for _ in range(3):
             model(tokens, tokens).backward()
         walls, runs = [], []
-        for _ in range(repeats):
+        for _ in range(repeats):  # each pass from no gradients, as a step's first microbatch (no accumulation)
+            model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             model(tokens, tokens).backward()
             walls.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
             with _KernelTimes() as timed:
                 model(tokens, tokens).backward()
             runs.append(timed.seconds)
         measured = {key: statistics.median(r[key] for r in runs) for key in kernels}
+        rest.append(statistics.median(walls) - sum(measured.values()))
+        shape, positions = LayerShape(cfg, batch, length), batch * length
+        moved.append(cfg.n_layers * 3 * eager_elementwise_bytes(shape, 4) + 2 * 3 * positions * cfg.vocab_size * 4)
+        if length < seq:  # short sequences pin the dispatch line's intercept; the kernels' rates come from full ones
+            continue
         for key in kernels:
             kernels[key] += measured[key]
-        rest.append(statistics.median(walls) - sum(measured.values()))
-        shape, positions = LayerShape(cfg, batch, seq), batch * seq
-        moved.append(cfg.n_layers * 3 * eager_elementwise_bytes(shape, 4) + 2 * 3 * positions * cfg.vocab_size * 4)
         gemms = [g for gemms in layer_gemms(shape) for g in gemms] * cfg.n_layers
         for m, n, k, b, elements in gemms + list(head_gemms(cfg, positions, 1)):
             work += 2 * m * n * k * b / gemm_efficiency(hw, m, n, k, b)
@@ -174,7 +184,7 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
     bandwidth = 1 / max(per_byte, 1e-15)
     peak = work / max(kernels["gemm"] - cold / bandwidth, 1e-9) / 1e12
     at_peak = dataclasses.replace(hw, peak_tflops=peak)
-    for batch in batches:
+    for batch in (batch for batch, length in sizes if length == seq):
         attention += cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
     return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "op_overhead_us": per_operator * 1e6,
             "attention_fraction": min(1.0, attention / kernels["attention"]),
@@ -269,48 +279,49 @@ def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
     return out
 
 
-def _meetings_rank(info, cores: int, iterations: int, repeats: int) -> tuple[float | None, float]:
-    """CPU seconds per iteration of this rank: a burst of a layer's GEMMs (about a millisecond), then a
-    blocking all-gather with its partner (ranks paired 0-1, 2-3, ...), the median of ``repeats`` timed loops;
-    first with only the first ``cores`` ranks running (one per core; the others wait in a barrier), then with
-    every rank."""
-    import torch.distributed as dist
-
+def _meetings_rank(info, iterations: int, repeats: int) -> tuple[float, float]:
+    """(CPU seconds, blocking collectives) per iteration of this rank: the ``small`` model's forward and
+    backward on one sequence of 128 tokens under tensor parallelism 2 with sequence parallelism (ranks paired
+    0-1, 2-3, ...), whose collectives the ledger counts; the median of ``repeats`` timed loops. The CPU seconds
+    are the process's (the comm layer's threads included)."""
     from parallelisms.comm import Comms
+    from parallelisms.config import preset
     from parallelisms.mesh import ParallelDims
+    from parallelisms.model import build_model
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 
     comm = Comms(ParallelDims(dp_replicate=info.world_size // 2, tp=2).build_meshes())["tp"]
-    x, w, w2, shard = torch.randn(128, 256), torch.randn(688, 256), torch.randn(256, 688), torch.randn(64, 256)
-
-    def loop() -> float:
-        runs = []
-        for _ in range(repeats):
-            comm.all_reduce(torch.zeros(1))  # the pair starts together
-            cpu = time.process_time()
-            for _ in range(iterations):
-                torch.nn.functional.silu(x @ w.t()) @ w2.t()
-                comm.all_gather(shard)
-            runs.append((time.process_time() - cpu) / iterations)
-        return statistics.median(runs)
-    alone = loop() if info.rank < cores else None
-    dist.barrier()
-    return alone, loop()
+    model = apply_tensor_parallel(build_model(preset("small")), comm, sequence_parallel=True)
+    tokens = torch.zeros(1, 128, dtype=torch.long)
+    for _ in range(3):  # warm: the allocator's pools, the autograd graph's first builds
+        model(tokens, tokens).backward()
+    runs = []
+    for _ in range(repeats):
+        comm.all_reduce(torch.zeros(1))  # the pair starts together
+        cpu, mark = time.process_time(), comm.ledger.mark()
+        for _ in range(iterations):
+            model(tokens, tokens).backward()
+        runs.append((time.process_time() - cpu) / iterations)
+    return statistics.median(runs), (comm.ledger.mark() - mark) / iterations
 
 
-def measure_meeting_overhead(iterations: int = 200, repeats: int = 3, per_core: int = 4) -> float:
+def measure_meeting_overhead(iterations: int = 8, repeats: int = 3, per_core: int = 4) -> float:
     """Seconds of CPU each blocking collective costs a rank beyond its own work when ``per_core`` ranks (four
-    for ``meeting_overhead_us``) share each core: the rank sleeps until its peer arrives, another rank's work
-    runs in between, and the core's caches hold that rank's data when it wakes. The same loop of bursts and two-rank meetings
-    (:func:`_meetings_rank`) on one rank per core and on ``per_core``, CPU time per iteration, mean over the
-    ranks: the difference. Needs an even number of cores (0 where there is one)."""
+    for ``meeting_overhead_us``) share each core: the rank sleeps until its peer arrives, other ranks' work runs
+    in between, and the core's caches, TLB and branch predictors hold their state when it wakes. The model's own
+    tensor-parallel step (:func:`_meetings_rank`: 56 collectives with about half a millisecond of work between
+    them, as training meets) with one rank per core and with ``per_core``, two launches (ranks idling in a
+    barrier beside the first would slow it by a tenth): the difference in CPU time per iteration, mean over the
+    ranks, over the collectives per iteration. Needs an even number of cores (0 where there is one)."""
     from parallelisms.launch import launch
 
     cores = os.cpu_count() or 1
     if cores < 2 or cores % 2:
         return 0.0
-    runs = launch(_meetings_rank, per_core * cores, cores, iterations, repeats, backend="gloo", threads=1)
-    alone = statistics.fmean(a for a, _ in runs if a is not None)
-    return max(statistics.fmean(s for _, s in runs) - alone, 0.0)
+    alone, shared = (launch(_meetings_rank, ranks, iterations, repeats, backend="gloo", threads=1)
+                     for ranks in (cores, per_core * cores))
+    cpu = [statistics.fmean(seconds for seconds, _ in runs) for runs in (alone, shared)]
+    return max(cpu[1] - cpu[0], 0.0) / statistics.fmean(meetings for _, meetings in shared)
 
 
 def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
@@ -358,7 +369,7 @@ def calibrate(quick: bool = False) -> dict:
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
     collectives = measure_collectives(sizes, repeats)
     cores = os.cpu_count() or 1
-    meeting = measure_meeting_overhead(*((20, 1, 2) if quick else (200, 3, 4)))  # quick: a test's four ranks
+    meeting = measure_meeting_overhead(*((2, 1, 2) if quick else (8, 3, 4)))  # quick: a test's four ranks
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
             "meeting_overhead_us": meeting * 1e6,
             "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, **collective_keys(collectives),

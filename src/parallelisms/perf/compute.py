@@ -181,6 +181,18 @@ def eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
     return shape.tokens * per_token * e
 
 
+def sequence_parallel_copies(shape: LayerShape, e: int) -> tuple[float, float]:
+    """(forward, backward) bytes this runtime's sequence parallelism copies per block beyond the operators'
+    own: a gather or reduce-scatter along the sequence goes through the comm layer's dim-0 buffer, and the
+    full activation is laid back along the sequence by a concatenation (read and written once). Forward: the
+    two gathers and two reduce-scatters; backward: two (the others reuse the forward's). Counted with
+    TorchDispatchMode on a tp 2 block (comm/ops.py; Megatron-LM's kernels gather in place on GPUs)."""
+    if shape.tp == 1 or not shape.sp:
+        return 0.0, 0.0
+    activation = 2 * shape.tokens * shape.cfg.dim * e  # read and written
+    return 4 * activation, 2 * activation
+
+
 def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:
     """The forward, input-gradient and weight-gradient GEMMs of one layer on one rank, each (m, n, k, batch,
     cold elements): the cold operand is the weight in the forward and the input gradient, the input saved since
@@ -198,14 +210,29 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     dgrads, wgrads = [gemm_time(hw, *g) for g in input_grads], [gemm_time(hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
-    moved = (eager_elementwise_bytes(shape, hw.bytes_per_element) if hw.cores
-             else _elementwise_bytes(shape) * hw.bytes_per_element / 2)
-    elementwise = moved / hw.memory_bytes_per_s
+    if hw.cores:  # this runtime's eager operators
+        copies = sequence_parallel_copies(shape, hw.bytes_per_element)
+        moved = eager_elementwise_bytes(shape, hw.bytes_per_element)
+    else:  # the fused kernels of the published runs
+        copies, moved = (0.0, 0.0), _elementwise_bytes(shape) * hw.bytes_per_element / 2
+    elementwise = [(passes * moved + copied) / hw.memory_bytes_per_s for passes, copied in zip((1, 2), copies)]
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
     ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp)
-    return PassTimes(with_dispatch(hw, fwd + core_f + elementwise, ops_f),
-                     with_dispatch(hw, dgrad + core_b + 2 * elementwise, ops_b), wgrad, core_f,
+    return PassTimes(with_dispatch(hw, fwd + core_f + elementwise[0], ops_f),
+                     with_dispatch(hw, dgrad + core_b + elementwise[1], ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
+
+
+def accumulation_time(hw: Hardware, shape: LayerShape, layers: int) -> float:
+    """Seconds a CPU rank spends adding one more microbatch's weight gradients into those it holds (autograd's
+    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms) and the output layer; the first microbatch of a
+    step only hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM
+    accumulates in place (gradient-accumulation fusion), nothing more."""
+    if not hw.cores:
+        return 0.0
+    cfg = shape.cfg  # a block: its linears' shards and its two norms' weights (whole on every tp rank)
+    weights = layers * (sum(n * k * b for _, n, k, b in _linears(shape)) + 2 * cfg.dim) + cfg.vocab_size / shape.tp * cfg.dim
+    return 3 * weights * hw.bytes_per_element / hw.memory_bytes_per_s
 
 
 def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, tuple]:

@@ -106,20 +106,21 @@ PRESETS = {
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
     # this 2-core machine (a KVM Xeon with AVX-512, as re-measured on 2026-12-02), fp32 over gloo/shared memory:
-    # `parallelisms calibrate`, the last two runs, both cores measuring at once as two ranks share them: in the
-    # `small` model's own step, GEMMs 152-161 GFLOP/s per thread with their cold loads (k_half 6-12 from short-k
-    # shapes alone), elementwise 10.6-10.8 GB/s and 4.6-4.7 us per operator, attention 20-21% of the GEMM rate
-    # and its backward 1.65-1.70x its forward; optimizer with its state cold 7.1-7.3 GB/s + 43 us per tensor;
-    # collectives 98-100% CPU; alphas over four runs: all-reduce 146-248 us, all-gather 123-169, reduce-scatter
-    # 131-160, all-to-all 164-205, send 185-208; a blocking collective with four ranks per core 84-131 us of CPU
-    # beyond the work. Rerun it on another machine and pass the file.
-    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.157, 16, 0.0107, 1024, 2.9, 2.9, 170, 170,
-                    gemm_fraction=1.0, gemm_k_half=6.0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
-                    bytes_per_element=4, cores=2, op_overhead_us=4.65, attention_fraction=0.205, attention_backward=1.68,
-                    optimizer_tbps=0.0072, optimizer_tensor_us=43, comm_cpu_fraction=0.99, meeting_overhead_us=105,
-                    collectives={"all_reduce": {"alpha_us": 170, "gbps": 2.9}, "all_gather": {"alpha_us": 130, "gbps": 2.9},
-                                 "reduce_scatter": {"alpha_us": 145, "gbps": 1.75},
-                                 "all_to_all": {"alpha_us": 185, "gbps": 2.0}, "send": {"alpha_us": 200, "gbps": 3.4}}),
+    # `parallelisms calibrate` and the calibrations of `bench predict`, medians, both cores measuring at once as
+    # two ranks share them: in the `small` model's own step from no gradients, GEMMs 160-171 GFLOP/s per thread
+    # with their cold loads (k_half 8-10 from short-k shapes alone), elementwise 12.0-13.1 GB/s and 2.5-3.8 us
+    # per operator (seven sizes from 16 to 1,024 tokens), attention 23.7-25.7% of the GEMM rate and its backward
+    # 1.63-1.68x its forward; optimizer with its state cold 7.1-8.9 GB/s + 37-43 us per tensor; collectives
+    # 99-100% CPU; alphas: all-reduce 156-177 us (one fit 953), all-gather 118-135, reduce-scatter 132-145,
+    # all-to-all 161-184, send 174-210; a blocking collective with four ranks per core, in the model's own tp 2
+    # step, 135-275 us of CPU beyond the work. Rerun it on another machine and pass the file.
+    "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.163, 16, 0.0122, 1024, 2.9, 2.9, 165, 165,
+                    gemm_fraction=1.0, gemm_k_half=9.0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
+                    bytes_per_element=4, cores=2, op_overhead_us=2.95, attention_fraction=0.24, attention_backward=1.66,
+                    optimizer_tbps=0.0075, optimizer_tensor_us=42, comm_cpu_fraction=0.99, meeting_overhead_us=185,
+                    collectives={"all_reduce": {"alpha_us": 165, "gbps": 3.3}, "all_gather": {"alpha_us": 127, "gbps": 2.85},
+                                 "reduce_scatter": {"alpha_us": 137, "gbps": 1.88},
+                                 "all_to_all": {"alpha_us": 170, "gbps": 2.1}, "send": {"alpha_us": 200, "gbps": 3.7}}),
 }
 
 

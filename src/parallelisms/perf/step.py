@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.compute import LayerShape, PassTimes, head_times, layer_times
+from parallelisms.perf.compute import LayerShape, PassTimes, accumulation_time, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, grad_norm_volumes, microbatches_per_step,
@@ -201,6 +201,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     t_b = (n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
            + head_b)
     t_w = n * layer.weight_grad + head.weight_grad
+    if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones
+        t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n)
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
     t_comm = _comm(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
