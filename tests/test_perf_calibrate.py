@@ -15,6 +15,7 @@ def test_calibrate_writes_a_loadable_hardware_file(tmp_path, capsys):
     assert set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
     assert 0 < hw.attention_fraction <= 1 and hw.attention_backward > 0 and 0 <= hw.comm_cpu_fraction <= 1
     assert hw.optimizer_tbps > 0 and hw.optimizer_tensor_us >= 0 and hw.op_overhead_us >= 0
+    assert hw.meeting_overhead_us >= 0 and hw.overlap_overhead_us >= 0
     raw = json.loads(out.read_text())
     assert all(len(v["rows"]) >= 5 for v in raw["measurements"]["collectives"].values())
     capsys.readouterr()

@@ -27,7 +27,7 @@ def test_gpu_presets_keep_the_cpu_mechanisms_off():
     for name in ("a100", "h100", "h200"):
         hw = PRESETS[name]
         assert (hw.attention_fraction, hw.optimizer_tbps, hw.optimizer_tensor_us, hw.comm_cpu_fraction,
-                hw.meeting_overhead_us) == (1, 0, 0, 0, 0)
+                hw.meeting_overhead_us, hw.overlap_overhead_us) == (1, 0, 0, 0, 0, 0)
         assert hw.ranks_per_core(64) == 1  # no cores: a device each
 
 
@@ -99,10 +99,23 @@ def test_overlapped_collectives_cost_their_cpu_share():
     assert busy["step_s"] > hidden["step_s"]
 
 
+def test_overlapped_collectives_cost_their_calls_worker_overhead():
+    """Each asynchronous data-parallel call (ZeRO-3's gathers per unit and pass, its reduce-scatters, the
+    gradient norm's all-reduce blocking) adds ``overlap_overhead_us`` to its exposed time; blocking ones none."""
+    dims = ParallelDims(dp_shard=2)
+    layout = ParallelConfig(dims, zero=3)
+    base = _step(dataclasses.replace(CPU, overlap_overhead_us=0), dims, zero=3)["time_breakdown"]["exposed_comm"]
+    more = _step(dataclasses.replace(CPU, overlap_overhead_us=1000), dims, zero=3)["time_breakdown"]["exposed_comm"]
+    for name, role, _, calls in _data_parallel_traffic(SMALL, layout, TRAIN, CPU):
+        added = calls * 1e-3 if role in ("gather", "reduce") else 0.0
+        assert more[name] - base[name] == pytest.approx(added), name
+    assert sum(calls for _, role, _, calls in _data_parallel_traffic(SMALL, layout, TRAIN, CPU) if role == "gather") > 0
+
+
 def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
     """Eight ranks on two cores: the cores run whichever rank is ready, so the step is four times one rank's
-    CPU work (compute, optimizer, the CPU share of every collective, each blocking collective's meeting
-    overhead), with no bubble; each microsecond of meeting overhead adds the rank's meetings four times.
+    CPU work (compute, optimizer, the CPU share of every collective and the asynchronous ones' worker overhead,
+    each blocking collective's meeting overhead), with no bubble; each microsecond of meeting overhead adds the rank's meetings four times.
     Two ranks keep the critical path and never pay the overhead."""
     dims, options = ParallelDims(dp_replicate=2, tp=2, pp=2), {"sequence_parallel": True, "microbatches": 4}
     step = _step(CPU, dims, **options)
@@ -124,8 +137,9 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
     assert t["exposed_comm"]["send/pp"] == pytest.approx(share * 2 * 4 * alone["per_microbatch_stage_s"]["p2p"])
     for name in ("all_gather+reduce_scatter/tp", "all_reduce/tp"):
         assert t["exposed_comm"][name] == pytest.approx(share * alone["time_breakdown"]["exposed_comm"][name])
-    assert t["exposed_comm"]["all_reduce/dp"] == pytest.approx(share * sum(s for n, _, s, _ in traffic
-                                                                           if n == "all_reduce/dp"))
+    assert t["exposed_comm"]["all_reduce/dp"] == pytest.approx(sum(  # and 4 x the asynchronous calls' overhead
+        share * s + 4 * (calls * CPU.overlap_overhead_us * 1e-6 if role == "reduce" else 0)
+        for n, role, s, calls in traffic if n == "all_reduce/dp"))
     two = ParallelDims(tp=2)
     assert _step(slower, two, sequence_parallel=True)["step_s"] == _step(CPU, two, sequence_parallel=True)["step_s"]
     assert CPU.ranks_per_core(2) == 1 and CPU.ranks_per_core(8) == 4

@@ -33,8 +33,11 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
 * Ranks outnumbering the cores (``meeting_overhead_us``): pairs of ranks run the ``small`` model's step under
   tensor parallelism 2 with sequence parallelism (56 blocking collectives an iteration), one rank per core and
   then four; the CPU time per iteration grows by what each meeting costs a rank that sleeps until its peer
-  arrives while other ranks use its core (:func:`measure_meeting_overhead`; 135-196 us here, where a burst of
+  arrives while other ranks use its core (:func:`measure_meeting_overhead`; 135-275 us here, where a burst of
   two GEMMs between meetings gave 80-130).
+* Overlapped collectives (``overlap_overhead_us``): the CPU an asynchronous call, issued before a burst of GEMMs
+  and waited after it, costs the rank beyond the same call blocking after the burst: the comm layer's worker
+  thread shares the rank's core with the compute (:func:`measure_overlap_overhead`; 259-353 us here).
 """
 
 from __future__ import annotations
@@ -279,6 +282,59 @@ def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
     return out
 
 
+def _overlap_rank(info, sizes: list[int], repeats: int) -> list[float]:
+    """CPU seconds an asynchronous collective (issued, a burst of GEMMs, waited: a gradient bucket behind the
+    backward) costs this rank beyond the same call blocking after the burst, per kind (the all-reduce as DDP's
+    buckets call it, the all-gather and reduce-scatter as ZeRO-3's units do) and size: the process's CPU time per
+    iteration, the median of ``repeats`` loops of ten."""
+    from parallelisms.comm import Comms
+    from parallelisms.mesh import ParallelDims
+
+    comm = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())["dp"]
+    x, w = torch.randn(512, 256), torch.randn(1376, 256)
+
+    def burst():
+        for _ in range(2):
+            x @ w.t()
+    out = []
+    for n in sizes:
+        shard, full = torch.randn(n // 2), torch.randn(n)
+        calls = (lambda a: comm.all_reduce(full.clone(), async_op=a, shared_memory=True),
+                 lambda a: comm.all_gather(shard, async_op=a),
+                 lambda a: comm.reduce_scatter(full.clone(), async_op=a, scratch=True))
+        for call in calls:
+            def blocking():
+                burst()
+                call(False)
+
+            def overlapped():
+                pending = call(True)
+                burst()
+                pending.wait()
+            cpu = {}
+            for name, iteration in (("blocking", blocking), ("overlapped", overlapped)):
+                runs = []
+                for _ in range(repeats):
+                    comm.all_reduce(torch.zeros(1))  # the pair starts together
+                    start = time.process_time()
+                    for _ in range(10):
+                        iteration()
+                    runs.append((time.process_time() - start) / 10)
+                cpu[name] = statistics.median(runs)
+            out.append(cpu["overlapped"] - cpu["blocking"])
+    return out
+
+
+def measure_overlap_overhead(sizes: tuple[int, ...] = (2**18, 2**20), repeats: int = 7) -> float:
+    """Seconds of CPU an asynchronous (overlapped) collective costs a rank beyond the blocking call: the comm
+    layer's worker thread takes the call and shares the rank's core with the compute it overlaps, waking and
+    polling between its slices. Median over kinds, sizes (1 and 4 MB) and the two ranks: 0.4-1.1 ms here."""
+    from parallelisms.launch import launch
+
+    runs = launch(_overlap_rank, 2, list(sizes), repeats, backend="gloo", threads=1)
+    return max(statistics.median(v for rank in runs for v in rank), 0.0)
+
+
 def _meetings_rank(info, iterations: int, repeats: int) -> tuple[float, float]:
     """(CPU seconds, blocking collectives) per iteration of this rank: the ``small`` model's forward and
     backward on one sequence of 128 tokens under tensor parallelism 2 with sequence parallelism (ranks paired
@@ -370,8 +426,9 @@ def calibrate(quick: bool = False) -> dict:
     collectives = measure_collectives(sizes, repeats)
     cores = os.cpu_count() or 1
     meeting = measure_meeting_overhead(*((2, 1, 2) if quick else (8, 3, 4)))  # quick: a test's four ranks
+    overlap = measure_overlap_overhead((2**18,) if quick else (2**18, 2**20), 3 if quick else 7)
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
-            "meeting_overhead_us": meeting * 1e6,
+            "meeting_overhead_us": meeting * 1e6, "overlap_overhead_us": overlap * 1e6,
             "hbm_gb": round(_memory_gb(), 1), "gpus_per_node": 1024, **collective_keys(collectives),
             "gemm_fraction": 1.0, "sms": 0, "tile": 0, "hbm_fraction": 1.0, "link_fraction": 1.0,
             "bytes_per_element": 4, "cores": cores,
@@ -413,7 +470,7 @@ def run_calibrate(args) -> int:
     print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
           f"attention {result['attention_fraction']:.0%} of it (backward {result['attention_backward']:.2f}x the forward), {result['op_overhead_us']:.1f} us per operator, "
           f"optimizer {result['optimizer_tbps'] * 1e3:.1f} GB/s + {result['optimizer_tensor_us']:.0f} us per tensor, "
-          f"collectives {result['comm_cpu_fraction']:.0%} CPU, memory "
+          f"collectives {result['comm_cpu_fraction']:.0%} CPU (+{result['overlap_overhead_us']:.0f} us overlapped), memory "
           f"{result['hbm_tbps'] * 1e3:.1f} GB/s; " + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s"
                                                               for k, v in result["collectives"].items()))
     print(f"wrote {args.out}")

@@ -21,7 +21,9 @@ spends on it: CPU comm layers copy through the kernel or shared memory; 0 for NC
 GPU; overlap with compute hides only the rest, and ranks sharing cores share that work too),
 ``meeting_overhead_us`` (CPUs: the CPU time each blocking collective costs a rank beyond its own work when ranks
 outnumber the cores: it sleeps until its peer arrives, another rank runs, and the caches hold that rank's data
-when it wakes; ``parallelisms calibrate`` measures it at four ranks per core), ``collectives``:
+when it wakes; ``parallelisms calibrate`` measures it at four ranks per core), ``overlap_overhead_us`` (CPUs: the
+CPU time an asynchronous collective, overlapped with compute, costs its rank beyond the same call blocking: the
+comm layer's worker thread takes it and shares the rank's core with that compute; 0 for NCCL), ``collectives``:
 {kind: {"alpha_us", "gbps"}} measured per collective kind, and ``measurements`` (what ``calibrate`` measured;
 not read).
 """
@@ -65,6 +67,7 @@ class Hardware:
     optimizer_tensor_us: float = 0.0
     comm_cpu_fraction: float = 0.0
     meeting_overhead_us: float = 0.0  # CPUs: CPU time a blocking collective costs a rank beyond its work when ranks outnumber the cores
+    overlap_overhead_us: float = 0.0  # CPUs: CPU time an asynchronous collective costs beyond the blocking call (its worker thread)
     collectives: dict = field(default_factory=dict, hash=False)
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -113,11 +116,13 @@ PRESETS = {
     # 1.63-1.68x its forward; optimizer with its state cold 7.1-8.9 GB/s + 37-43 us per tensor; collectives
     # 99-100% CPU; alphas: all-reduce 156-177 us (one fit 953), all-gather 118-135, reduce-scatter 132-145,
     # all-to-all 161-184, send 174-210; a blocking collective with four ranks per core, in the model's own tp 2
-    # step, 135-275 us of CPU beyond the work. Rerun it on another machine and pass the file.
+    # step, 135-275 us of CPU beyond the work; an asynchronous collective behind a burst of GEMMs 259-353 us of CPU
+    # beyond the blocking call (median over kinds and sizes). Rerun it on another machine and pass the file.
     "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.163, 16, 0.0122, 1024, 2.9, 2.9, 165, 165,
                     gemm_fraction=1.0, gemm_k_half=9.0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
                     bytes_per_element=4, cores=2, op_overhead_us=2.95, attention_fraction=0.24, attention_backward=1.66,
                     optimizer_tbps=0.0075, optimizer_tensor_us=42, comm_cpu_fraction=0.99, meeting_overhead_us=185,
+                    overlap_overhead_us=310,
                     collectives={"all_reduce": {"alpha_us": 165, "gbps": 3.3}, "all_gather": {"alpha_us": 127, "gbps": 2.85},
                                  "reduce_scatter": {"alpha_us": 137, "gbps": 1.88},
                                  "all_to_all": {"alpha_us": 170, "gbps": 2.1}, "send": {"alpha_us": 200, "gbps": 3.7}}),
@@ -155,7 +160,8 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
             zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "op_overhead_us",
-                           "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction", "meeting_overhead_us")
+                           "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction", "meeting_overhead_us",
+                           "overlap_overhead_us")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"
                                             f" finite number, got {value!r}")
     shares = ("gemm_fraction", "hbm_fraction", "link_fraction", "attention_fraction", "comm_cpu_fraction")

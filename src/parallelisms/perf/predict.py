@@ -107,7 +107,8 @@ def bench_predict(args) -> dict:
                 hw = _recalibrated(hw, collectives=True)
                 links.append(hw)
     pooled = _pooled_links(links)
-    print(f"collectives, median of {len(links)} calibration(s): meeting overhead {pooled.meeting_overhead_us:.0f} us; "
+    print(f"collectives, median of {len(links)} calibration(s): meeting overhead {pooled.meeting_overhead_us:.0f} us, "
+          f"overlapped +{pooled.overlap_overhead_us:.0f} us; "
           + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s" for k, v in pooled.collectives.items()),
           flush=True)
     for name, report, before, after in done:  # compute rates around the case, collectives pooled over the run
@@ -123,7 +124,8 @@ def bench_predict(args) -> dict:
     errors = [abs(c["error"]) for c in cases]
     mean = statistics.mean(errors)
     return {"bench": "predict", "hardware": hw.name, "cases": cases,
-            "collectives": {"meeting_overhead_us": pooled.meeting_overhead_us, **pooled.collectives}, "mean_error": mean, "max_error": max(errors),
+            "collectives": {"meeting_overhead_us": pooled.meeting_overhead_us,
+                            "overlap_overhead_us": pooled.overlap_overhead_us, **pooled.collectives}, "mean_error": mean, "max_error": max(errors),
             "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
             "peer_s": statistics.mean(c["measured_s"] for c in cases),
             "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
@@ -132,7 +134,7 @@ def bench_predict(args) -> dict:
 RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "attention_backward",
          "optimizer_tbps", "optimizer_tensor_us")
 LINKS = ("intra_node_gbps", "inter_node_gbps", "intra_latency_us", "inter_latency_us", "comm_cpu_fraction",
-         "meeting_overhead_us")
+         "meeting_overhead_us", "overlap_overhead_us")
 
 
 def _links_of(source: Hardware, hw: Hardware) -> Hardware:
@@ -164,11 +166,13 @@ def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
     """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
     every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
     about 10 s) and the meetings of ranks outnumbering the cores (about 15 s)."""
-    from parallelisms.perf.calibrate import calibrate_shared, collective_keys, measure_collectives, measure_meeting_overhead
+    from parallelisms.perf.calibrate import (calibrate_shared, collective_keys, measure_collectives,
+                                            measure_meeting_overhead, measure_overlap_overhead)
 
     if collectives:
         return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)),
-                                   meeting_overhead_us=measure_meeting_overhead() * 1e6)
+                                   meeting_overhead_us=measure_meeting_overhead() * 1e6,
+                                   overlap_overhead_us=measure_overlap_overhead() * 1e6)
     return dataclasses.replace(hw, **calibrate_shared(3, pool)[0])
 
 

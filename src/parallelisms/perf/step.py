@@ -9,7 +9,8 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
   that GEMM lasts;
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
-  last microbatch; only what exceeds it, and the last bucket, is exposed. ZeRO-3/FSDP gather each layer's
+  last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
+  costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
   parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
   the updated parameters after the optimizer, exposed;
 * context parallel: ring attention sends one K/V block per hop while the previous block's attention runs
@@ -257,8 +258,8 @@ def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, mee
     pipeline sends, and ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
     share = sharing * hw.comm_cpu_fraction
     comm = {name: share * v for name, v in breakdown["exposed_comm"].items() if name.endswith(("/tp", "/cp", "/ep"))}
-    for name, _, seconds, _ in traffic:
-        comm[name] = comm.get(name, 0.0) + share * seconds
+    for name, role, seconds, calls in traffic:
+        comm[name] = comm.get(name, 0.0) + share * seconds + sharing * _overlapped_cpu(hw, role, calls)
     if p2p_s:
         comm["send/pp"] = share * p2p_s
     return {"compute": sharing * breakdown["compute"], "exposed_comm": comm, "bubble": 0.0,
@@ -313,6 +314,13 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     return out
 
 
+def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
+    """CPU seconds the asynchronous calls of an overlapped data-parallel collective (gradient buckets, ZeRO-3 and
+    FSDP gathers and reduce-scatters) cost the rank beyond blocking ones (``hw.overlap_overhead_us``: a CPU comm
+    layer's worker thread shares the rank's core with the compute it overlaps; 0 on GPUs)."""
+    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce") else 0.0
+
+
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
     """Exposed seconds of each data-parallel collective (see the module docstring)."""
     out = {}
@@ -323,7 +331,7 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
             exposed = t / calls + _behind(hw, t, t_bw)
         else:
             exposed = t
-        out[name] = out.get(name, 0.0) + exposed
+        out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)
     return out
 
 
