@@ -106,17 +106,19 @@ def test_overlapped_collectives_cost_their_calls_worker_overhead():
     layout = ParallelConfig(dims, zero=3)
     base = _step(dataclasses.replace(CPU, overlap_overhead_us=0), dims, zero=3)["time_breakdown"]["exposed_comm"]
     more = _step(dataclasses.replace(CPU, overlap_overhead_us=1000), dims, zero=3)["time_breakdown"]["exposed_comm"]
-    for name, role, _, calls in _data_parallel_traffic(SMALL, layout, TRAIN, CPU):
+    traffic = _data_parallel_traffic(SMALL, layout, TRAIN, CPU)
+    for name, role, _, calls in traffic:
         added = calls * 1e-3 if role in ("gather", "reduce") else 0.0
         assert more[name] - base[name] == pytest.approx(added), name
-    assert sum(calls for _, role, _, calls in _data_parallel_traffic(SMALL, layout, TRAIN, CPU) if role == "gather") > 0
+    assert {"gather", "reduce", "scalar"} <= {role for _, role, _, _ in traffic}  # each role was checked
+    assert sum(calls for _, role, _, calls in traffic if role == "gather") > 1
 
 
 def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
     """Eight ranks on two cores: the cores run whichever rank is ready, so the step is four times one rank's
     CPU work (compute, optimizer, the CPU share of every collective and the asynchronous ones' worker overhead,
-    each blocking collective's meeting overhead), with no bubble; each microsecond of meeting overhead adds the rank's meetings four times.
-    Two ranks keep the critical path and never pay the overhead."""
+    each blocking collective's meeting overhead), with no bubble; each microsecond of meeting overhead adds the
+    rank's meetings four times. Two ranks keep the critical path and never pay the overhead."""
     dims, options = ParallelDims(dp_replicate=2, tp=2, pp=2), {"sequence_parallel": True, "microbatches": 4}
     step = _step(CPU, dims, **options)
     t = step["time_breakdown"]

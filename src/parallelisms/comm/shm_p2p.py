@@ -206,9 +206,9 @@ class SharedMemoryP2P:
         # where ranks outnumber the cores, sleep until the peer moves the counter this work waits on: a receive
         # on the head of the peer's ring, a send held back on the tail of its own (or 10 ms pass)
         ring = self.rings[(self.me, work.peer) if work.sending else (work.peer, self.me)]
-        word = ring.address(TAIL if work.sending else HEAD)
+        counter = TAIL if work.sending else HEAD
         while True:
-            seen = int(ring.counters[TAIL if work.sending else HEAD])  # before looking: no wake-up is missed
+            seen = int(ring.counters[counter])  # read before looking: no wake-up is missed
             self.progress()
             if work.done:
                 return
@@ -221,7 +221,7 @@ class SharedMemoryP2P:
                 checked = elapsed
                 self._check_alive(work.peer)
             if self.futex:
-                self.futex.wait(word, seen, 0.01)
+                self.futex.wait(ring.address(counter), seen, 0.01)
             else:
                 backoff.pause()
 

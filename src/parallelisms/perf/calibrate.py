@@ -151,7 +151,7 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
     model = build_model(cfg)
     kernels = {"gemm": 0.0, "attention": 0.0, "attention_backward": 0.0}
     moved, rest = [], []  # per size: elementwise bytes; seconds outside GEMMs and attention
-    work = cold = attention = 0.0  # GEMM seconds at 1 FLOP/s; cold bytes; attention's GEMM seconds at the peak
+    work = cold = 0.0  # GEMM seconds at 1 FLOP/s; cold operand bytes
     for batch, length in sizes:
         tokens = torch.zeros(batch, length, dtype=torch.long)
         for _ in range(3):
@@ -187,8 +187,8 @@ def measure_model_compute(hw, repeats: int = 7) -> dict:
     bandwidth = 1 / max(per_byte, 1e-15)
     peak = work / max(kernels["gemm"] - cold / bandwidth, 1e-9) / 1e12
     at_peak = dataclasses.replace(hw, peak_tflops=peak)
-    for batch in (batch for batch, length in sizes if length == seq):
-        attention += cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
+    attention = sum(cfg.n_layers * causal_attention_gemms(at_peak, batch * cfg.n_heads, seq, seq, cfg.head_dim)
+                    for batch, length in sizes if length == seq)
     return {"peak_tflops": peak, "hbm_tbps": bandwidth / 1e12, "op_overhead_us": per_operator * 1e6,
             "attention_fraction": min(1.0, attention / kernels["attention"]),
             "attention_backward": kernels["attention_backward"] / kernels["attention"]}
@@ -224,14 +224,33 @@ def measure_optimizer(repeats: int = 7) -> tuple[float, float]:
     return 36 / per_param, max(0.0, (small - 64 * 2**10 * per_param) / 64)
 
 
+def _gemm_burst(width: int):
+    """A burst of a layer's GEMMs (two [512, 256] x [256, ``width``]: a few ms), as runs between a step's
+    collectives."""
+    x, w = torch.randn(512, 256), torch.randn(256, width)
+    return lambda: [x @ w for _ in range(2)]
+
+
+def _cpu_per_iteration(comm, iteration, iterations: int, repeats: int) -> float:
+    """The process's CPU seconds (every thread's) per call of ``iteration``: the median of ``repeats`` loops of
+    ``iterations``, each loop started together with the peers of ``comm``."""
+    runs = []
+    for _ in range(repeats):
+        comm.all_reduce(torch.zeros(1))
+        start = time.process_time()
+        for _ in range(iterations):
+            iteration()
+        runs.append((time.process_time() - start) / iterations)
+    return statistics.median(runs)
+
+
 def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
     from parallelisms.comm import Comms
     from parallelisms.mesh import ParallelDims
 
     comm = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())["dp"]
     peer = 1 - comm.rank
-    x, w = torch.randn(512, 256), torch.randn(256, 688)
-    burst = lambda: [x @ w for _ in range(2)]  # a few ms of a layer's GEMMs, as between a step's collectives
+    burst = _gemm_burst(688)
     rounds = 3 * repeats
 
     def after_burst(fn) -> float:  # median seconds of one call that follows a burst on both ranks
@@ -291,11 +310,7 @@ def _overlap_rank(info, sizes: list[int], repeats: int) -> list[float]:
     from parallelisms.mesh import ParallelDims
 
     comm = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())["dp"]
-    x, w = torch.randn(512, 256), torch.randn(1376, 256)
-
-    def burst():
-        for _ in range(2):
-            x @ w.t()
+    burst = _gemm_burst(1376)
     out = []
     for n in sizes:
         shard, full = torch.randn(n // 2), torch.randn(n)
@@ -311,24 +326,16 @@ def _overlap_rank(info, sizes: list[int], repeats: int) -> list[float]:
                 pending = call(True)
                 burst()
                 pending.wait()
-            cpu = {}
-            for name, iteration in (("blocking", blocking), ("overlapped", overlapped)):
-                runs = []
-                for _ in range(repeats):
-                    comm.all_reduce(torch.zeros(1))  # the pair starts together
-                    start = time.process_time()
-                    for _ in range(10):
-                        iteration()
-                    runs.append((time.process_time() - start) / 10)
-                cpu[name] = statistics.median(runs)
-            out.append(cpu["overlapped"] - cpu["blocking"])
+            alone = _cpu_per_iteration(comm, blocking, 10, repeats)
+            out.append(_cpu_per_iteration(comm, overlapped, 10, repeats) - alone)
     return out
 
 
 def measure_overlap_overhead(sizes: tuple[int, ...] = (2**18, 2**20), repeats: int = 7) -> float:
     """Seconds of CPU an asynchronous (overlapped) collective costs a rank beyond the blocking call: the comm
     layer's worker thread takes the call and shares the rank's core with the compute it overlaps, waking and
-    polling between its slices. Median over kinds, sizes (1 and 4 MB) and the two ranks: 0.4-1.1 ms here."""
+    polling between its slices. Median over kinds, sizes (1 and 4 MB) and the two ranks: 259-353 us here
+    (single loops scatter from 0 to 1.6 ms)."""
     from parallelisms.launch import launch
 
     runs = launch(_overlap_rank, 2, list(sizes), repeats, backend="gloo", threads=1)
@@ -349,16 +356,13 @@ def _meetings_rank(info, iterations: int, repeats: int) -> tuple[float, float]:
     comm = Comms(ParallelDims(dp_replicate=info.world_size // 2, tp=2).build_meshes())["tp"]
     model = apply_tensor_parallel(build_model(preset("small")), comm, sequence_parallel=True)
     tokens = torch.zeros(1, 128, dtype=torch.long)
+    step = lambda: model(tokens, tokens).backward()
     for _ in range(3):  # warm: the allocator's pools, the autograd graph's first builds
-        model(tokens, tokens).backward()
-    runs = []
-    for _ in range(repeats):
-        comm.all_reduce(torch.zeros(1))  # the pair starts together
-        cpu, mark = time.process_time(), comm.ledger.mark()
-        for _ in range(iterations):
-            model(tokens, tokens).backward()
-        runs.append((time.process_time() - cpu) / iterations)
-    return statistics.median(runs), (comm.ledger.mark() - mark) / iterations
+        step()
+    mark = comm.ledger.mark()
+    step()
+    meetings = comm.ledger.mark() - mark
+    return _cpu_per_iteration(comm, step, iterations, repeats), meetings
 
 
 def measure_meeting_overhead(iterations: int = 8, repeats: int = 3, per_core: int = 4) -> float:

@@ -150,7 +150,7 @@ def _attention_core(hw: Hardware, shape: LayerShape) -> tuple[float, float, floa
         return fwd, hw.attention_backward * fwd, flops
     scores = heads * s_q * s_kv
     e = hw.bytes_per_element
-    fwd = (gemm_time(hw, s_q, s_kv, d, heads) + gemm_time(hw, s_q, d, s_kv, heads)) / hw.attention_fraction
+    fwd = 2 * causal_attention_gemms(hw, heads, s_q, s_kv, d) / hw.attention_fraction  # every score block
     fwd_elementwise = scores * (2 * e + 2 * e + 1) / hw.memory_bytes_per_s   # softmax r/w; dropout r/w + mask
     return fwd + fwd_elementwise, 2 * fwd + 2 * fwd_elementwise, flops
 
@@ -225,8 +225,8 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
 
 def accumulation_time(hw: Hardware, shape: LayerShape, layers: int) -> float:
     """Seconds a CPU rank spends adding one more microbatch's weight gradients into those it holds (autograd's
-    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms) and the output layer; the first microbatch of a
-    step only hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM
+    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms) and the output layer; the
+    first microbatch of a step only hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM
     accumulates in place (gradient-accumulation fusion), nothing more."""
     if not hw.cores:
         return 0.0

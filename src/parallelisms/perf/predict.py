@@ -165,7 +165,8 @@ def _bracketed(before: Hardware, after: Hardware) -> Hardware:
 def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
     """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
     every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
-    about 10 s) and the meetings of ranks outnumbering the cores (about 15 s)."""
+    about 10 s), the meetings of ranks outnumbering the cores (about 15 s) and the overlapped calls' worker
+    overhead (about 6 s)."""
     from parallelisms.perf.calibrate import (calibrate_shared, collective_keys, measure_collectives,
                                             measure_meeting_overhead, measure_overlap_overhead)
 

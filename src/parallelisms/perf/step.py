@@ -255,7 +255,8 @@ def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, mee
     one waits for a peer (or for the pipeline) another works, and the step is one rank's CPU work times the
     ``sharing`` ranks per core, with no bubble. The work: compute and optimizer, the CPU share
     (``hw.comm_cpu_fraction``) of every collective (the data-parallel ones whole, overlapped or not) and of the
-    pipeline sends, and ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
+    pipeline sends, each asynchronous data-parallel call's worker overhead (``hw.overlap_overhead_us``), and
+    ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
     share = sharing * hw.comm_cpu_fraction
     comm = {name: share * v for name, v in breakdown["exposed_comm"].items() if name.endswith(("/tp", "/cp", "/ep"))}
     for name, role, seconds, calls in traffic:
