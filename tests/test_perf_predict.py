@@ -41,3 +41,20 @@ def test_bench_predict_takes_the_collectives_median_over_the_run():
     assert pooled.collectives == {"send": {"alpha_us": 500, "gbps": 2.0}}
     case = _links_of(pooled, runs[1])
     assert case.peak_tflops == 0.08 and case.collectives["send"]["alpha_us"] == 500
+
+
+def test_measured_phases_are_per_step_medians_after_the_first():
+    """A phase's spans are summed step by step (two microbatches a step here) and the median taken over the
+    steps the step time's is (all but the first): warm-up steps (the first three here) do not lift it as a
+    mean would."""
+    from types import SimpleNamespace
+
+    from parallelisms.perf.predict import _measured_phases
+
+    forward_ms = [50, 50, 40, 40, 30, 20, 18, 18, 18, 19, 18, 17, 18, 18]  # 7 steps of 2 microbatches
+    spans = [SimpleNamespace(name="forward", start=0, end=ms * 10**6) for ms in forward_ms]
+    spans += [SimpleNamespace(name="optimizer", start=0, end=(9 if step else 30) * 10**6) for step in range(7)]
+    phases = _measured_phases({"steps": 7}, spans)
+    assert phases["forward"] == pytest.approx(0.0365)  # per step 100, 80, 50, 36, 37, 35, 36 ms: (36 + 37) / 2
+    assert phases["optimizer"] == pytest.approx(0.009)
+    assert "backward" not in phases

@@ -37,8 +37,10 @@ ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp
             "target": (("tp",), "block"), "hardware": (("predict",), "calibrate"),
             "seq_lens": (("cp",), [1024, 2048, 4096, 8192, 16384])}
 # Defaults that differ by benchmark (long sequences take a small batch; experts need an MoE model)
-DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {"predict": 5}}
-GENERAL = {"preset": "small", "global_batch": 8, "rounds": 3}
+# (predict: twelve steps, so the median is the steady state the model predicts: steps two and three still warm up,
+# forwards of 43-56 ms where later ones take 35-37, and of five steps they were half the median's four)
+DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {"predict": 5}, "steps": {"predict": 12}}
+GENERAL = {"preset": "small", "global_batch": 8, "rounds": 3, "steps": 5}
 
 
 def add_bench_parser(sub) -> None:
@@ -51,7 +53,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--world", type=DEGREE, default=2, help="ranks")
     p.add_argument("--global-batch", type=count, help="sequences per step (default 8; cp: 2)")
     p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")
-    p.add_argument("--steps", type=count, default=5, help="timed steps per round and implementation")
+    p.add_argument("--steps", type=count, help="timed steps per round and implementation (default 5; predict: 12)")
     p.add_argument("--rounds", type=count, help="alternating rounds (default 3; predict: 5)")
     p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0, help="gradient bucket cap")
     p.add_argument("--schedule", help="pipeline: the schedule (gpipe, 1f1b (default), interleaved, zb-v, dualpipev)")

@@ -3,7 +3,8 @@
 predicted by perf/step.py on the ``cpu`` hardware (or ``--hardware FILE`` from ``parallelisms calibrate``).
 
 Measured step time: the train report's median (first step left out); phase times: rank 0's forward,
-backward and optimizer spans per step (the pipeline runtime records its own phases); bytes: the ledger."""
+backward and optimizer spans per step, medians over the same steps (the pipeline runtime records its own
+phases); bytes: the ledger."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def _measured_phases(report: dict, spans: list) -> dict:
-    steps = max(1, report["steps"] - 1)
+    """Seconds per step of each phase: its spans summed step by step (each step records as many), the median
+    over the steps the step time's median is taken over (all but the first)."""
     out = {}
     for name in PHASES:
         durations = [(s.end - s.start) / 1e9 for s in spans if getattr(s, "name", None) == name]
-        if durations:
-            out[name] = sum(durations[-steps * (len(durations) // report["steps"] or 1):]) / steps
+        per_step = len(durations) // report["steps"]
+        if per_step:
+            sums = [sum(durations[i:i + per_step]) for i in range(0, per_step * report["steps"], per_step)]
+            out[name] = statistics.median(sums[1:] or sums)
     return out
 
 
