@@ -1,6 +1,7 @@
 """The calibrated CPU mechanisms of the step model respond to their parameters, and GPU defaults leave them out
 (no timing here: `bench predict` is the benchmark)."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -271,9 +272,110 @@ def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     shape = LayerShape(SMALL, 1, 128)
     one_layer = accumulation_time(CPU, shape, 1) - accumulation_time(CPU, shape, 0)
     assert added[0] == 0 and added[1] == pytest.approx(one_layer * CPU.memory_bytes_per_s)
+    model.zero_grad(set_to_none=True)  # the whole model holds both vocabulary tables (embedding and output)
+    tokens = torch.randint(0, SMALL.vocab_size, (1, 128))
+    added = [_dispatched(lambda: model(tokens, tokens).backward(), ("add_",))[1] for _ in range(2)]
+    assert added[1] - added[0] == pytest.approx(accumulation_time(CPU, shape, SMALL.n_layers, 2) * CPU.memory_bytes_per_s)
     assert accumulation_time(PRESETS["h100"], shape, 4) == 0
     four = TrainConfig(global_batch=8, seq_len=128, grad_accum=4)  # two sequences per microbatch
     weight_grad = predict_step(SMALL, ParallelConfig(ParallelDims()), four, CPU)["per_microbatch_stage_s"]["weight_grad"]
     shape = LayerShape(SMALL, 2, 128)
     own = SMALL.n_layers * layer_times(CPU, shape).weight_grad + head_times(CPU, SMALL, 256, 1).weight_grad
-    assert weight_grad - own == pytest.approx(3 / 4 * accumulation_time(CPU, shape, SMALL.n_layers))
+    assert weight_grad - own == pytest.approx(3 / 4 * accumulation_time(CPU, shape, SMALL.n_layers, 2))
+
+
+# what a step's gradient sync moves beyond the plain model's backward: reads and writes of these operators
+_GRADIENT_OPS = ("mul", "div_", "cat", "copy_", "zero_", "add_")
+
+
+def _moved_bytes(fn) -> int:
+    """Bytes ``fn`` reads and writes through :data:`_GRADIENT_OPS`: every tensor argument read (but the
+    destination of ``copy_`` and ``zero_``, only written; ``out=`` is only written) and the result written."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
+
+    class Count(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if name in _GRADIENT_OPS:
+                read = args[1:] if name in ("copy_", "zero_") else args
+                Count.moved += nbytes(read) + nbytes(out)
+            return out
+    with Count():
+        fn()
+    return Count.moved
+
+
+def _gradient_sync_bytes(info, layouts):
+    """Per layout: bytes a step's backward and gradient sync move through :data:`_GRADIENT_OPS` beyond the
+    plain model's backward over the same microbatches (2 ranks, 4 sequences a rank)."""
+    import torch
+
+    from parallelisms.comm import Comms
+    from parallelisms.model import build_model
+    from parallelisms.parallel.grad_sync import LocalGradients
+    from parallelisms.train import _grad_sync, microbatches
+
+    tiny = preset("tiny")
+    tokens = torch.randint(0, tiny.vocab_size, (4, 32))
+
+    def moved(model, sync, m):
+        def step(count):
+            sync.zero_grad()
+            total = 0
+            for i, (x, y) in enumerate(microbatches(tokens, tokens, m)):
+                with sync.no_sync() if i < m - 1 else contextlib.nullcontext():
+                    loss = model(x, y) / m
+                    total += count(loss.backward)
+            return total + count(sync.finish)
+        for _ in range(2):  # DDP rebuilds its buckets in the second step's forward (its backward accumulates)
+            step(lambda fn: fn() or 0)
+        return step(_moved_bytes)
+
+    out = []
+    for parallel, m in layouts:
+        plain = build_model(tiny, 0)
+        base = moved(plain, LocalGradients(plain, Comms()), m)
+        model = build_model(tiny, 0)
+        comms = Comms(parallel.dims.build_meshes())
+        out.append(moved(model, _grad_sync(model, {}, set(), parallel, TrainConfig(global_batch=8, seq_len=32), comms), m)
+                   - base)
+    return out
+
+
+def test_gradient_copies_are_what_the_engines_move():
+    """The bytes gradient_copies_time prices (DDP's copy into its buckets, the flat engine's concatenation and
+    division, per-parameter FSDP's send buffer; once a step or per microbatch) are what each engine's backward
+    and finish move beyond the plain model's backward (read and written, the operators' own tensors), and GPUs
+    are charged none."""
+    from parallelisms.launch import launch
+    from parallelisms.perf.compute import accumulation_time
+    from parallelisms.perf.step import gradient_copies_time
+
+    layouts = [(ParallelConfig(ParallelDims(dp_replicate=2)), 1), (ParallelConfig(ParallelDims(dp_shard=2), zero=3), 1),
+               (ParallelConfig(ParallelDims(dp_shard=2), fsdp="shard_grad_op", fsdp_style="per_param"), 1),
+               (ParallelConfig(ParallelDims(dp_replicate=2)), 2), (ParallelConfig(ParallelDims(dp_shard=2), zero=1), 2),
+               (ParallelConfig(ParallelDims(dp_shard=2), zero=2), 2), (ParallelConfig(ParallelDims(dp_shard=2), zero=3), 2)]
+    moved = launch(_gradient_sync_bytes, 2, layouts, backend="gloo", threads=1)[0]
+    tiny = preset("tiny")
+    accumulated = accumulation_time(CPU, LayerShape(tiny, 2, 32), tiny.n_layers, 2)  # the plain model's, later microbatches
+    for (parallel, m), extra in zip(layouts, moved):
+        sharded = parallel.zero in (2, 3)  # a later microbatch adds its reduced half into the shard's gradient instead
+        expected = gradient_copies_time(tiny, parallel, m, CPU) - sharded * (m - 1) * accumulated / 2
+        assert extra == pytest.approx(expected * CPU.memory_bytes_per_s), (parallel.label(), m)
+    # the step prices the sharded accumulation at 1/N of the plain one
+    zero2 = ParallelConfig(ParallelDims(dp_shard=2), zero=2)
+    train = TrainConfig(global_batch=8, seq_len=32, grad_accum=2)
+    without = predict_step(tiny, zero2, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
+    plain = dataclasses.replace(zero2, dims=ParallelDims(dp_replicate=2), zero=0)
+    ddp = predict_step(tiny, plain, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
+    copies = {p: gradient_copies_time(tiny, p, 2, CPU) / 2 for p in (zero2, plain)}
+    assert (ddp - copies[plain]) - (without - copies[zero2]) == pytest.approx(accumulated / 2 / 2)
+    assert gradient_copies_time(tiny, layouts[0][0], 1, PRESETS["h100"]) == 0

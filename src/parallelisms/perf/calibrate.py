@@ -37,7 +37,8 @@ measures at once, and the rates are their mean (:func:`calibrate_shared`).
   two GEMMs between meetings gave 80-130).
 * Overlapped collectives (``overlap_overhead_us``): the CPU an asynchronous call, issued before a burst of GEMMs
   and waited after it, costs the rank beyond the same call blocking after the burst: the comm layer's worker
-  thread shares the rank's core with the compute (:func:`measure_overlap_overhead`; 259-353 us here).
+  thread shares the rank's core with the compute (:func:`measure_overlap_overhead`; 178-276 us here). Only the
+  calls' own CPU is counted (their thread's time in them and the other threads'), the burst's left out.
 """
 
 from __future__ import annotations
@@ -301,11 +302,25 @@ def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
     return out
 
 
+def _comm_cpu(comm, iteration, iterations: int) -> float:
+    """The median over ``iterations`` calls of ``iteration()`` (started together with the peers of ``comm``) of
+    the CPU seconds it spends communicating: what it returns (its own thread's time in the collective's calls)
+    plus every other thread's CPU over the call (the comm layer's worker). Compute between the calls (a burst of
+    GEMMs) stays out of both: the per-call figure is not the small difference of two large ones."""
+    comm.all_reduce(torch.zeros(1))
+    samples = []
+    for _ in range(iterations):
+        others = time.process_time() - time.thread_time()
+        own = iteration()
+        samples.append(own + time.process_time() - time.thread_time() - others)
+    return statistics.median(samples)
+
+
 def _overlap_rank(info, sizes: list[int], repeats: int) -> list[float]:
     """CPU seconds an asynchronous collective (issued, a burst of GEMMs, waited: a gradient bucket behind the
     backward) costs this rank beyond the same call blocking after the burst, per kind (the all-reduce as DDP's
-    buckets call it, the all-gather and reduce-scatter as ZeRO-3's units do) and size: the process's CPU time per
-    iteration, the median of ``repeats`` loops of ten."""
+    buckets call it, the all-gather and reduce-scatter as ZeRO-3's units do) and size (:func:`_comm_cpu`, over
+    ten calls per repeat)."""
     from parallelisms.comm import Comms
     from parallelisms.mesh import ParallelDims
 
@@ -320,22 +335,31 @@ def _overlap_rank(info, sizes: list[int], repeats: int) -> list[float]:
         for call in calls:
             def blocking():
                 burst()
+                comm.all_reduce(torch.zeros(1))  # together: a peer still in its burst would add spinning
+                start = time.thread_time()
                 call(False)
+                return time.thread_time() - start
 
             def overlapped():
+                start = time.thread_time()
                 pending = call(True)
+                issued = time.thread_time() - start
                 burst()
+                start = time.thread_time()
                 pending.wait()
-            alone = _cpu_per_iteration(comm, blocking, 10, repeats)
-            out.append(_cpu_per_iteration(comm, overlapped, 10, repeats) - alone)
+                return issued + time.thread_time() - start
+            alone = _comm_cpu(comm, blocking, 10 * repeats)
+            out.append(_comm_cpu(comm, overlapped, 10 * repeats) - alone)
     return out
 
 
 def measure_overlap_overhead(sizes: tuple[int, ...] = (2**18, 2**20), repeats: int = 7) -> float:
     """Seconds of CPU an asynchronous (overlapped) collective costs a rank beyond the blocking call: the comm
     layer's worker thread takes the call and shares the rank's core with the compute it overlaps, waking and
-    polling between its slices. Median over kinds, sizes (1 and 4 MB) and the two ranks: 259-353 us here
-    (single loops scatter from 0 to 1.6 ms)."""
+    polling between its slices. Median over kinds, sizes (1 and 4 MB) and the two ranks: 178-276 us in eight
+    runs here. Each blocking call starts with its peer (after a one-element all-reduce, untimed): a peer still
+    in its burst made the blocking call spin for it, 1.2-1.8 ms in one call of ten, and the process's CPU over
+    whole loops (the burst's included) had the difference scatter from 43 to 397 us between runs."""
     from parallelisms.launch import launch
 
     runs = launch(_overlap_rank, 2, list(sizes), repeats, backend="gloo", threads=1)

@@ -223,15 +223,18 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
 
 
-def accumulation_time(hw: Hardware, shape: LayerShape, layers: int) -> float:
+def accumulation_time(hw: Hardware, shape: LayerShape, layers: int, tables: int = 1) -> float:
     """Seconds a CPU rank spends adding one more microbatch's weight gradients into those it holds (autograd's
-    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms) and the output layer; the
-    first microbatch of a step only hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM
-    accumulates in place (gradient-accumulation fusion), nothing more."""
+    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms), the head (the final norm
+    and the output layer) and ``tables - 1`` more vocabulary tables (the embedding, where the rank holds both
+    ends); the first microbatch of a step only
+    hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM accumulates in
+    place (gradient-accumulation fusion), nothing more."""
     if not hw.cores:
         return 0.0
     cfg = shape.cfg  # a block: its linears' shards and its two norms' weights (whole on every tp rank)
-    weights = layers * (sum(n * k * b for _, n, k, b in _linears(shape)) + 2 * cfg.dim) + cfg.vocab_size / shape.tp * cfg.dim
+    weights = (layers * (sum(n * k * b for _, n, k, b in _linears(shape)) + 2 * cfg.dim)
+               + tables * cfg.vocab_size / shape.tp * cfg.dim + cfg.dim)
     return 3 * weights * hw.bytes_per_element / hw.memory_bytes_per_s
 
 

@@ -116,13 +116,13 @@ PRESETS = {
     # 1.63-1.68x its forward; optimizer with its state cold 7.1-8.9 GB/s + 37-43 us per tensor; collectives
     # 99-100% CPU; alphas: all-reduce 156-177 us (one fit 953), all-gather 118-135, reduce-scatter 132-145,
     # all-to-all 161-184, send 174-210; a blocking collective with four ranks per core, in the model's own tp 2
-    # step, 135-275 us of CPU beyond the work; an asynchronous collective behind a burst of GEMMs 259-353 us of CPU
+    # step, 135-275 us of CPU beyond the work; an asynchronous collective behind a burst of GEMMs 178-276 us of CPU
     # beyond the blocking call (median over kinds and sizes). Rerun it on another machine and pass the file.
     "cpu": Hardware("2-core CPU, gloo (calibrated)", 0.163, 16, 0.0122, 1024, 2.9, 2.9, 165, 165,
                     gemm_fraction=1.0, gemm_k_half=9.0, sms=0, tile=0, hbm_fraction=1.0, link_fraction=1.0,
                     bytes_per_element=4, cores=2, op_overhead_us=2.95, attention_fraction=0.24, attention_backward=1.66,
                     optimizer_tbps=0.0075, optimizer_tensor_us=42, comm_cpu_fraction=0.99, meeting_overhead_us=185,
-                    overlap_overhead_us=310,
+                    overlap_overhead_us=230,
                     collectives={"all_reduce": {"alpha_us": 165, "gbps": 3.3}, "all_gather": {"alpha_us": 127, "gbps": 2.85},
                                  "reduce_scatter": {"alpha_us": 137, "gbps": 1.88},
                                  "all_to_all": {"alpha_us": 170, "gbps": 2.1}, "send": {"alpha_us": 200, "gbps": 3.7}}),

@@ -113,7 +113,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     """
     dims = parallel.dims
     out = []
-    local_params = _rank0_params(cfg, parallel)
+    local_params = rank0_params(cfg, parallel)
     expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
@@ -167,7 +167,7 @@ def _rank0_holds_head(parallel: ParallelConfig) -> bool:
     return parallel.dims.pp == 1 or parallel.schedule in V_SHAPED
 
 
-def _rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks, their matrices split over tp and
     their two norm weights whole (replicated over tp), the vocabulary-parallel embedding, and the head with the
     final norm where rank 0 holds the last layers too (one stage, or a V-shaped schedule)."""

@@ -41,8 +41,8 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.compute import LayerShape, PassTimes, accumulation_time, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
-from parallelisms.perf.model import (activation_bytes_per_layer, comm_per_step, grad_norm_volumes, microbatches_per_step,
-                                     model_flops_per_token, model_state_bytes)
+from parallelisms.perf.model import (rank0_params, activation_bytes_per_layer, comm_per_step, grad_norm_volumes,
+                                     microbatches_per_step, model_flops_per_token, model_state_bytes)
 from parallelisms.perf.network import collective_time
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
@@ -202,8 +202,11 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     t_b = (n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
            + head_b)
     t_w = n * layer.weight_grad + head.weight_grad
-    if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones
-        t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n)
+    if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones (the
+        # embedding's too where the rank holds both ends; sharded gradients: the reduced 1/N shards)
+        tables = 2 if dims.pp == 1 or parallel.schedule in V_SHAPED else 1
+        t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n, tables) / _gradient_shards(parallel)
+    t_w += gradient_copies_time(cfg, parallel, lay.m, hw) / lay.m
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
     t_comm = _comm(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
@@ -313,6 +316,47 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
                 else "update" if v.kind == "all_gather" else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
     return out
+
+
+def _gradient_shards(parallel: ParallelConfig) -> int:
+    """Ranks a gradient is reduce-scattered over each microbatch (ZeRO-2/3, FSDP but NO_SHARD), else 1."""
+    dims = parallel.dims
+    if (parallel.zero or 0) >= 2:
+        return dims.dp * dims.cp
+    if parallel.fsdp in ("full_shard", "shard_grad_op"):  # flat: over every data-parallel rank; else dp_shard
+        return (dims.dp if parallel.fsdp_style == "flat" else dims.dp_shard) * dims.cp
+    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2"):
+        return dims.dp_shard * dims.cp
+    return 1
+
+
+def gradient_copies_time(cfg: ModelConfig, parallel: ParallelConfig, m: int, hw: Hardware) -> float:
+    """CPU seconds per step the data-parallel engine spends moving gradients into its communication buffers, on
+    the rank's own core during the backward (memory-bound: each pass reads and writes the gradient once):
+
+    * DDP's buckets: each gradient copied into its bucket slot and pre-divided in one pass (as torch DDP's
+      reducer does), once a step; with microbatches the bucket is divided again as it is launched; a pipeline
+      stage's buffers are zeroed each step (a write), take the first microbatch's gradients by accumulation
+      (read two, write one) and are divided as they are launched;
+    * ZeRO and flat FSDP: every microbatch's backward concatenates a unit's gradients into its flat gradient
+      (the backward of the split that made its parameters), and every reduction divides that in place first;
+      ZeRO-1 then copies the reduced 1/N into its shard's gradient (a slice of the full gradient it keeps);
+    * per-parameter FSDP and buffer reuse: every reduction copies the gradients into the rank-major send buffer
+      and divides it.
+
+    A reduction per microbatch where gradients are sharded (ZeRO-2/3, FSDP but NO_SHARD), else one a step. GPUs
+    are priced as Megatron-LM runs them (gradients written into the reduction buffer: no copy), 0."""
+    dims = parallel.dims
+    if not hw.cores or dims.dp * dims.cp == 1:
+        return 0.0
+    reductions = m if _gradient_shards(parallel) > 1 else 1
+    if not (parallel.zero or parallel.fsdp):
+        passes = 3.0 if dims.pp > 1 else 1 + (m > 1)
+    elif parallel.zero or parallel.fsdp_style == "flat":
+        passes = m + reductions + (reductions / (dims.dp * dims.cp) if parallel.zero == 1 else 0)
+    else:
+        passes = 2 * reductions
+    return passes * 2 * rank0_params(cfg, parallel) * hw.bytes_per_element / hw.memory_bytes_per_s
 
 
 def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
