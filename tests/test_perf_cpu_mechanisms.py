@@ -379,3 +379,40 @@ def test_gradient_copies_are_what_the_engines_move():
     copies = {p: gradient_copies_time(tiny, p, 2, CPU) / 2 for p in (zero2, plain)}
     assert (ddp - copies[plain]) - (without - copies[zero2]) == pytest.approx(accumulated / 2 / 2)
     assert gradient_copies_time(tiny, layouts[0][0], 1, PRESETS["h100"]) == 0
+
+
+def _optimizer_tensor_counts(info, layouts):
+    """Per layout: the parameter tensors this rank's optimizers step (the trainer :func:`parallelize` builds)."""
+    from parallelisms.comm import Comms
+    from parallelisms.model import build_model
+    from parallelisms.train import parallelize
+
+    out = []
+    for parallel in layouts:
+        trainer = parallelize(build_model(SMALL, 0), parallel, TrainConfig(global_batch=8, seq_len=32),
+                              Comms(parallel.dims.build_meshes()))
+        out.append(sum(len(group["params"]) for opt in trainer.optimizers for group in opt.param_groups))
+        trainer.close()
+    return out
+
+
+def test_optimizer_tensors_are_what_the_busiest_rank_steps():
+    """The per-tensor part of the optimizer's time counts the tensors the busiest rank's optimizer holds: per
+    parameter without sharding (a pipeline stage holds one end, a V-shaped schedule's first rank both), one flat
+    shard per unit under ZeRO and flat FSDP (the blocks, the embedding and the head; a stage its own)."""
+    from parallelisms.launch import launch
+    from parallelisms.perf.step import _optimizer_tensors
+
+    pp = {"microbatches": 4}
+    layouts = [ParallelConfig(ParallelDims(dp_replicate=2)), ParallelConfig(ParallelDims(dp_shard=2), zero=3),
+               ParallelConfig(ParallelDims(pp=2), schedule="1f1b", **pp),
+               ParallelConfig(ParallelDims(pp=2), schedule="zb-v", **pp),
+               ParallelConfig(ParallelDims(dp_shard=2), zero=2),
+               ParallelConfig(ParallelDims(dp_shard=2, pp=2), schedule="1f1b", zero=1, **pp),
+               ParallelConfig(ParallelDims(dp_shard=2, pp=2), schedule="zb-v", zero=3, **pp)]
+    two, four = (launch(_optimizer_tensor_counts, n, [p for p in layouts if p.dims.world_size == n],
+                        backend="gloo", threads=1) for n in (2, 4))
+    counts = [max(rank[i] for rank in two) for i in range(5)] + [max(rank[i] for rank in four) for i in range(2)]
+    assert counts == [_optimizer_tensors(SMALL, p, TrainConfig(global_batch=8, seq_len=32)) for p in layouts]
+    # ZeRO-1/2 merge units under --bucket-mb: a cap below one block's bytes keeps every unit apart
+    assert _optimizer_tensors(SMALL, layouts[4], TrainConfig(global_batch=8, seq_len=32, bucket_mb=1)) == 6

@@ -217,7 +217,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
                               train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
-    optimizer_s = _optimizer_time(cfg, parallel, hw)
+    optimizer_s = _optimizer_time(cfg, parallel, train, hw)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
 
@@ -385,18 +385,44 @@ def _states(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     return model_state_bytes(cfg.num_params(), parallel, experts)
 
 
-def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig) -> int:
-    """Parameter tensors the optimizer of the busiest rank steps: one flat shard per wrapped unit (a block, the
-    embedding, the head) under ZeRO and flat FSDP, else one per parameter (per block: two norms, four
-    attention projections and the MLP's matrices; the embedding, the final norm and the output layer)."""
-    layers = math.ceil(cfg.n_layers / parallel.dims.pp)
-    if parallel.zero or (parallel.fsdp and parallel.fsdp_style == "flat"):
-        return layers + 2
-    per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
-    return per_block * layers + 3
+def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> int:
+    """Parameter tensors the optimizer of the busiest rank steps. Per parameter without a flat engine: per block
+    two norms, four attention projections and the MLP's matrices (or router and experts), and the ends the rank
+    holds (the embedding; the final norm and the output layer: both on one stage or the first rank of a V-shaped
+    schedule, the head on the last stage otherwise). Under ZeRO, flat FSDP and bf16 data parallelism, one flat
+    shard per wrapped unit of each stage (:func:`module_units`: the embedding, each block, the head), ZeRO-1/2's
+    merged while they fit under ``--bucket-mb``, a unit's expert weights a shard of their own."""
+    dims = parallel.dims
+    layers = math.ceil(cfg.n_layers / dims.pp)
+    v_shaped = dims.pp > 1 and parallel.schedule in V_SHAPED
+    flat = parallel.zero or (parallel.fsdp and parallel.fsdp_style == "flat") or (
+        not parallel.fsdp and parallel.mixed_precision == "bf16")
+    if not flat:
+        per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
+        return per_block * layers + (3 if dims.pp == 1 or v_shaped else 2)
+    d, vocab = cfg.dim, cfg.vocab_size
+    block = (4 * (((cfg.num_params() - 2 * vocab * d - d) / cfg.n_layers - 2 * d) / dims.tp + 2 * d), True)
+    embedding, head = (4 * vocab * d / dims.tp, False), (4 * (vocab * d / dims.tp + d), False)  # (bytes, a block)
+    if dims.pp == 1:
+        stages = [[embedding] + [block] * layers + [head]]
+    elif v_shaped:  # the first rank: chunk 0 (the embedding) and the last chunk (the head)
+        stages = [[embedding] + [block] * (layers // 2), [block] * (layers - layers // 2) + [head]]
+    else:  # the last stage
+        stages = [[block] * layers + [head]]
+    cap = train.bucket_mb * 2**20 if parallel.zero in (1, 2) else 0.0
+    count = 0
+    for units in stages:
+        merged = []  # [bytes, holds a block]
+        for size, is_block in units:
+            if merged and merged[-1][0] + size <= cap:
+                merged[-1] = [merged[-1][0] + size, merged[-1][1] or is_block]
+            else:
+                merged.append([size, is_block])
+        count += len(merged) + (sum(b for _, b in merged) if dims.ep > 1 and cfg.n_experts else 0)
+    return count
 
 
-def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
+def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware) -> float:
     """Adam over this rank's optimizer shard: fp32 master, gradient, two moments read and written (~36 bytes
     per parameter), memory-bound at the optimizer's measured rate (``hw.optimizer_bytes_per_s``), plus the host
     time per parameter tensor of a per-tensor step (``hw.optimizer_tensor_us``; 0 for fused ones)."""
@@ -404,7 +430,7 @@ def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) ->
     if not states["optimizer"]:
         return 0.0
     return (states["optimizer"] / 8 * 36 / hw.optimizer_bytes_per_s
-            + _optimizer_tensors(cfg, parallel) * hw.optimizer_tensor_us * 1e-6)
+            + _optimizer_tensors(cfg, parallel, train) * hw.optimizer_tensor_us * 1e-6)
 
 
 def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,
