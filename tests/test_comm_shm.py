@@ -1,4 +1,5 @@
-"""The shared-memory all-reduce for ranks of one host: the sums gloo gives (every rank the same bits), in issue
+"""The shared-memory all-reduce for ranks of one host: the sums gloo gives (every rank the same bits; maxima and
+minima its exact bits), in issue
 order with several in flight, through a growing mapping; DDP training on it reproduces single-process
 training; a sum /dev/shm has no room for stays on gloo; a rank that never arrives makes its peers fail with the missing ranks named, not hang.
 
@@ -69,6 +70,13 @@ def _ranks(info):
         out.setdefault("in_thread", []).append(
             torch.allclose(summed, total, rtol=1e-12) and torch.allclose(shard, total.view(n, -1)[r], rtol=1e-12)
             and torch.equal(gathered, torch.cat(everyone)))
+        # maxima and minima (the vocabulary-parallel loss's row maxima) too: gloo's bits exactly
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            mine, expected = x.clone(), x.clone()
+            dist.all_reduce(expected, op=op)
+            calls = comm._shm_now.calls
+            comm.all_reduce(mine, op=op)
+            out.setdefault("extrema", []).append(torch.equal(mine, expected) and comm._shm_now.calls > calls)
     # all-to-all through shared memory: even, uneven (some blocks empty, some many rounds of a 192-byte
     # segment), one rank sending nothing, blocking and queued: the same bits as gloo's
     agree, calls = [], (comm._shm_now.calls, comm._shm.calls)
@@ -139,7 +147,7 @@ def test_all_to_all_even_and_uneven_gives_gloo_s_bits(reports):
 
 def test_blocking_calls_run_in_this_thread_in_bounded_pieces(reports):
     for out in reports:
-        assert out["in_thread"] == [True] * 3
+        assert out["in_thread"] == [True] * 3 and out["extrema"] == [True] * 6
         assert out["in_thread_chunk"] == 1000 and out["in_thread_mapping"] <= 1024  # slots never outgrow a piece
 
 

@@ -4,8 +4,8 @@ gloo moves an all-reduce through the kernel's loopback TCP: for 11 MB over 2 ran
 of it CPU per rank (7.6 ms in the kernel), which on a small machine is taken from compute. Here the ranks
 map one shared file (``/dev/shm``) holding a slot per rank, as intra-node transports do (NCCL's SHM, oneCCL,
 DeepSpeed's CPU all-reduce): for an all-reduce each rank copies its tensor into its slot, sums its 1/N chunk
-over all slots (a reduce-scatter in memory, ranks added in rank order), and copies every rank's reduced chunk
-back (the all-gather); an all-gather or a reduce-scatter is the first half of that. An all-to-all (expert
+over all slots (a reduce-scatter in memory, ranks added in rank order; a maximum or a minimum likewise), and
+copies every rank's reduced chunk back (the all-gather); an all-gather or a reduce-scatter is the first half of that. An all-to-all (expert
 dispatch and combine, Ulysses) puts each destination's block in its own segment of the rank's slot, and each
 rank reads its segment from every other slot (uneven blocks: the slot's first word tells the peers how many
 rounds of segments a rank's largest block needs). Each phase is closed by a
@@ -185,10 +185,11 @@ class SharedMemoryCollectives:
     # -- the calls (in the caller's thread, or the worker's when submitted) ----------------------------------
     # Each call moves at most ``chunk_bytes`` per slot at a time (pieces one after the other), so the mapping, held
     # from the first call on and counted in the rank's memory, stays 2 x N x ``chunk_bytes`` whatever the sizes.
-    def all_reduce_now(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` (contiguous, CPU) over the group in place."""
+    def all_reduce_now(self, tensor: torch.Tensor, reduce=torch.sum) -> None:
+        """Sum ``tensor`` (contiguous, CPU) over the group in place (or ``reduce`` it: ``torch.amax``, the
+        vocabulary-parallel loss's row maxima; ``torch.amin``)."""
         for piece in tensor.view(-1).split(self._width(tensor, 1)):
-            self._run(piece, self._next_call())
+            self._run(piece, self._next_call(), reduce)
 
     def all_gather_now(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Every rank's ``shard`` into its 1/N of ``out`` (contiguous, CPU), in rank order."""
@@ -307,14 +308,14 @@ class SharedMemoryCollectives:
             work.done.set()
             del work
 
-    def _run(self, tensor: torch.Tensor, call: int) -> None:
+    def _run(self, tensor: torch.Tensor, call: int, reduce=torch.sum) -> None:
         flat, n, size = tensor.view(-1), tensor.numel(), self.size
         slots = self._slots(call, tensor)
         bounds = [c * n // size for c in range(size + 1)]
         slots[self.rank].copy_(flat)
         self._arrive("copy-in")
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        torch.sum(slots[:, lo:hi], dim=0, out=flat[lo:hi])
+        reduce(slots[:, lo:hi], dim=0, out=flat[lo:hi])
         slots[self.rank, lo:hi].copy_(flat[lo:hi])
         self._arrive("reduce")
         for c in range(size):
