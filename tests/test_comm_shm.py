@@ -72,11 +72,13 @@ def _ranks(info):
             and torch.equal(gathered, torch.cat(everyone)))
         # maxima and minima (the vocabulary-parallel loss's row maxima) too: gloo's bits exactly
         for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
-            mine, expected = x.clone(), x.clone()
+            mine, expected, piece = x.clone(), x.clone(), torch.empty(numel, dtype=torch.float64)
             dist.all_reduce(expected, op=op)
             calls = comm._shm_now.calls
             comm.all_reduce(mine, op=op)
-            out.setdefault("extrema", []).append(torch.equal(mine, expected) and comm._shm_now.calls > calls)
+            comm.reduce_scatter(x, out=piece, op=op)
+            out.setdefault("extrema", []).append(torch.equal(mine, expected) and comm._shm_now.calls > calls + 1
+                                                 and torch.equal(piece, expected.view(n, -1)[r]))
     # all-to-all through shared memory: even, uneven (some blocks empty, some many rounds of a 192-byte
     # segment), one rank sending nothing, blocking and queued: the same bits as gloo's
     agree, calls = [], (comm._shm_now.calls, comm._shm.calls)

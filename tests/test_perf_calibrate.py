@@ -28,7 +28,7 @@ def test_the_meeting_calibration_counts_one_steps_collectives():
     ``small``, as the ledger counts them: per block 4 forward and 8 backward (the re-gathers and the norms'
     all-reduces), and the ends' 8 (the embedding's 2, the head's 6), the count step.py's ``_meetings`` charges."""
     from parallelisms.launch import launch
-    from parallelisms.perf.calibrate import _meetings_rank
+    from parallelisms.perf.calibrate_comm import _meetings_rank
 
     for cpu, meetings in launch(_meetings_rank, 2, 1, 1, backend="gloo", threads=1):
         assert cpu > 0 and meetings == 4 * (4 + 8) + 8

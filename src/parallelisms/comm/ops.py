@@ -31,7 +31,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 SHM_MIN_BYTES = int(os.environ.get("PARALLELISMS_SHM_MIN_BYTES", 1 << 20))
 # CPU collectives through shared memory move at most this many bytes per rank at a time (0: gloo instead)
 SHM_CHUNK_BYTES = int(os.environ.get("PARALLELISMS_SHM_CHUNK_BYTES", 1 << 18))
-# the reductions the shared-memory all-reduce carries (others, such as products and averages, stay on gloo)
+# the reductions the shared-memory all-reduce and reduce-scatter carry (others, such as products, stay on gloo)
 SHM_REDUCTIONS = {dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax, dist.ReduceOp.MIN: torch.amin}
 _A2A_SLOT = object()  # an all-to-all's slot: fixed, since each rank's share of it differs (uneven splits)
 
@@ -214,8 +214,8 @@ class Comm:
                      in_this_thread: bool = False):
         """The group's shared-memory collectives (:mod:`parallelisms.comm.shm`) for a CPU sum (or maximum, minimum:
         :data:`SHM_REDUCTIONS`) or gather between ranks of one host, else None. ``slot``: what each rank puts in (a
-        sum's tensor, a gather's shard), moved
-        SHM_CHUNK_BYTES at a time (0: never), or ``_A2A_SLOT`` (an all-to-all's). Blocking calls run
+        sum's tensor, a gather's shard), moved SHM_CHUNK_BYTES at a time (0: never), or ``_A2A_SLOT`` (an
+        all-to-all's). Blocking calls run
         ``in_this_thread``: no hand-off to gloo's threads, which wait for a core when every core computes;
         asynchronous ones on the instance's worker."""
         if (tensor.device.type != "cpu" or op not in SHM_REDUCTIONS or not tensor.is_contiguous()
@@ -274,10 +274,11 @@ class Comm:
         if tensor.device.type != "cpu":
             launch = lambda: _reduce_scatter_single(out, tensor, op=op, group=self.group, async_op=True)
             return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
-        shm = self._collectives(tensor, tensor, op, in_this_thread=not async_op) if op == dist.ReduceOp.SUM else None
+        shm = self._collectives(tensor, tensor, op, in_this_thread=not async_op)
         if shm is not None:
-            launch = ((lambda: shm.submit(shm.reduce_scatter_now, out, tensor)) if async_op else
-                      (lambda: shm.reduce_scatter_now(out, tensor)))
+            reduce = SHM_REDUCTIONS[op]
+            launch = ((lambda: shm.submit(shm.reduce_scatter_now, out, tensor, reduce)) if async_op else
+                      (lambda: shm.reduce_scatter_now(out, tensor, reduce)))
             return self._run("reduce_scatter", tensor, tensor.numel(), launch, async_op, out)
         summed = tensor if scratch else tensor.clone()
         mine = summed.view(self.size, -1)[self.rank]

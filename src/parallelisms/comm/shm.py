@@ -5,11 +5,10 @@ of it CPU per rank (7.6 ms in the kernel), which on a small machine is taken fro
 map one shared file (``/dev/shm``) holding a slot per rank, as intra-node transports do (NCCL's SHM, oneCCL,
 DeepSpeed's CPU all-reduce): for an all-reduce each rank copies its tensor into its slot, sums its 1/N chunk
 over all slots (a reduce-scatter in memory, ranks added in rank order; a maximum or a minimum likewise), and
-copies every rank's reduced chunk back (the all-gather); an all-gather or a reduce-scatter is the first half of that. An all-to-all (expert
-dispatch and combine, Ulysses) puts each destination's block in its own segment of the rank's slot, and each
-rank reads its segment from every other slot (uneven blocks: the slot's first word tells the peers how many
-rounds of segments a rank's largest block needs). Each phase is closed by a
-flag barrier in the same file; slots alternate between two sets so that a call never overwrites what a slower
+copies every rank's reduced chunk back (the all-gather); an all-gather or a reduce-scatter is the first half of
+that. An all-to-all (expert dispatch and combine, Ulysses) puts each destination's block in its own segment of
+the rank's slot, and each rank reads its segment from every other slot (uneven blocks: the slot's first word
+tells the peers how many rounds of segments a rank's largest block needs). Each phase is closed by a flag barrier in the same file; slots alternate between two sets so that a call never overwrites what a slower
 rank still reads from the previous one. Every rank holds the same bits afterwards.
 
 Two ways to call it, one per instance: queued (``submit``: a background thread runs the calls in issue order,
@@ -201,8 +200,9 @@ class SharedMemoryCollectives:
             self._arrive("copy-in")
             rows[:, start:start + piece.numel()].copy_(slots)
 
-    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        """This rank's 1/N of the sum of ``tensor`` over the group into ``out``, ranks added in rank order."""
+    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor, reduce=torch.sum) -> None:
+        """This rank's 1/N of the sum (or ``reduce``) of ``tensor`` over the group into ``out``, ranks added in
+        rank order."""
         blocks, mine, width = tensor.view(self.size, -1), out.view(-1), self._width(tensor, self.size)
         for start in range(0, mine.numel(), width):
             piece = blocks[:, start:start + width]  # every destination's next columns: [size, w]
@@ -210,7 +210,7 @@ class SharedMemoryCollectives:
             slots = self._slots(self._next_call(), piece)
             slots[self.rank].view(self.size, w).copy_(piece)
             self._arrive("copy-in")
-            torch.sum(slots[:, self.rank * w:(self.rank + 1) * w], dim=0, out=mine[start:start + w])
+            reduce(slots[:, self.rank * w:(self.rank + 1) * w], dim=0, out=mine[start:start + w])
 
     def all_to_all_slot_bytes(self) -> int:
         """The slot an all-to-all uses: a 64-byte header and a segment per destination (the chunk over the ranks,

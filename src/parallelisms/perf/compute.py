@@ -227,9 +227,8 @@ def accumulation_time(hw: Hardware, shape: LayerShape, layers: int, tables: int 
     """Seconds a CPU rank spends adding one more microbatch's weight gradients into those it holds (autograd's
     AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms), the head (the final norm
     and the output layer) and ``tables - 1`` more vocabulary tables (the embedding, where the rank holds both
-    ends); the first microbatch of a step only
-    hands its gradients over. GPUs are priced as Megatron-LM runs them: the weight-gradient GEMM accumulates in
-    place (gradient-accumulation fusion), nothing more."""
+    ends); the first microbatch of a step only hands its gradients over. GPUs are priced as Megatron-LM runs
+    them: the weight-gradient GEMM accumulates in place (gradient-accumulation fusion), nothing more."""
     if not hw.cores:
         return 0.0
     cfg = shape.cfg  # a block: its linears' shards and its two norms' weights (whole on every tp rank)

@@ -162,19 +162,24 @@ def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
     return (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
 
 
-def _rank0_holds_head(parallel: ParallelConfig) -> bool:
+def rank0_holds_head(parallel: ParallelConfig) -> bool:
     """Whether rank 0 holds the last layers, the final norm and the head: one stage, or a V-shaped schedule."""
     return parallel.dims.pp == 1 or parallel.schedule in V_SHAPED
 
 
+def block_params(cfg: ModelConfig, tp: int) -> float:
+    """Parameters one block holds on a rank: its matrices split over ``tp``, its two norm weights whole."""
+    d = cfg.dim
+    return ((cfg.num_params() - 2 * cfg.vocab_size * d - d) / cfg.n_layers - 2 * d) / tp + 2 * d
+
+
 def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks, their matrices split over tp and
-    their two norm weights whole (replicated over tp), the vocabulary-parallel embedding, and the head with the
-    final norm where rank 0 holds the last layers too (one stage, or a V-shaped schedule)."""
+    """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks (:func:`block_params`), the
+    vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers too (one
+    stage, or a V-shaped schedule)."""
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
-    block = (cfg.num_params() - 2 * vocab * d - d) / cfg.n_layers - 2 * d  # one block's split parameters
-    head = _rank0_holds_head(parallel)
-    return cfg.n_layers // dims.pp * (block / dims.tp + 2 * d) + vocab * d / dims.tp * (1 + head) + head * d
+    head = rank0_holds_head(parallel)
+    return cfg.n_layers // dims.pp * block_params(cfg, dims.tp) + vocab * d / dims.tp * (1 + head) + head * d
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -192,7 +197,7 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
     elem = 8 if train.dtype == "float64" else 4
-    layers, head = cfg.n_layers // dims.pp, _rank0_holds_head(parallel)
+    layers, head = cfg.n_layers // dims.pp, rank0_holds_head(parallel)
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two

@@ -171,8 +171,9 @@ def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
     every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
     about 10 s), the meetings of ranks outnumbering the cores (about 15 s) and the overlapped calls' worker
     overhead (about 6 s)."""
-    from parallelisms.perf.calibrate import (calibrate_shared, collective_keys, measure_collectives,
-                                            measure_meeting_overhead, measure_overlap_overhead)
+    from parallelisms.perf.calibrate import calibrate_shared
+    from parallelisms.perf.calibrate_comm import (collective_keys, measure_collectives, measure_meeting_overhead,
+                                                 measure_overlap_overhead)
 
     if collectives:
         return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)),

@@ -41,8 +41,9 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.compute import LayerShape, PassTimes, accumulation_time, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
-from parallelisms.perf.model import (rank0_params, activation_bytes_per_layer, comm_per_step, grad_norm_volumes,
-                                     microbatches_per_step, model_flops_per_token, model_state_bytes)
+from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
+                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
+                                     rank0_params)
 from parallelisms.perf.network import collective_time
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
@@ -204,7 +205,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     t_w = n * layer.weight_grad + head.weight_grad
     if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones (the
         # embedding's too where the rank holds both ends; sharded gradients: the reduced 1/N shards)
-        tables = 2 if dims.pp == 1 or parallel.schedule in V_SHAPED else 1
+        tables = 1 + rank0_holds_head(parallel)
         t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n, tables) / _gradient_shards(parallel)
     t_w += gradient_copies_time(cfg, parallel, lay.m, hw) / lay.m
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
@@ -394,18 +395,16 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
     merged while they fit under ``--bucket-mb``, a unit's expert weights a shard of their own."""
     dims = parallel.dims
     layers = math.ceil(cfg.n_layers / dims.pp)
-    v_shaped = dims.pp > 1 and parallel.schedule in V_SHAPED
     flat = parallel.zero or (parallel.fsdp and parallel.fsdp_style == "flat") or (
         not parallel.fsdp and parallel.mixed_precision == "bf16")
     if not flat:
         per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
-        return per_block * layers + (3 if dims.pp == 1 or v_shaped else 2)
-    d, vocab = cfg.dim, cfg.vocab_size
-    block = (4 * (((cfg.num_params() - 2 * vocab * d - d) / cfg.n_layers - 2 * d) / dims.tp + 2 * d), True)
-    embedding, head = (4 * vocab * d / dims.tp, False), (4 * (vocab * d / dims.tp + d), False)  # (bytes, a block)
+        return per_block * layers + 2 + rank0_holds_head(parallel)
+    table = cfg.vocab_size * cfg.dim / dims.tp  # (fp32 bytes, holds a block) of each unit
+    block, embedding, head = (4 * block_params(cfg, dims.tp), True), (4 * table, False), (4 * (table + cfg.dim), False)
     if dims.pp == 1:
         stages = [[embedding] + [block] * layers + [head]]
-    elif v_shaped:  # the first rank: chunk 0 (the embedding) and the last chunk (the head)
+    elif rank0_holds_head(parallel):  # a V-shaped schedule's first rank: chunk 0 (the embedding) and the last chunk
         stages = [[embedding] + [block] * (layers // 2), [block] * (layers - layers // 2) + [head]]
     else:  # the last stage
         stages = [[block] * layers + [head]]
