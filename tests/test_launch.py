@@ -1,12 +1,15 @@
 """A failing rank is named and does not leave the others hanging; collectives time out."""
 
+import glob
+import os
+import signal
 import time
 
 import pytest
 import torch
 
 from parallelisms.comm import Comms
-from parallelisms.comm.shm import shm_machine
+from parallelisms.comm.shm import shm_machine, shm_path
 from parallelisms.launch import LaunchError, launch
 from parallelisms.mesh import ParallelDims
 
@@ -17,6 +20,18 @@ def _rank_one_fails(info):
         raise ValueError("rank one gives up")
     comms["dp"].all_reduce(torch.ones(1))  # rank 0 would wait here forever without the launcher
     return "unreachable"
+
+
+def _rank_one_dies_holding_a_shared_file(info):
+    """Rank 1 makes a /dev/shm file and is killed before any rank unlinks it (as a rank killed inside a
+    transport's set-up would be); rank 0 waits for it meanwhile."""
+    comms = Comms(ParallelDims(dp_replicate=info.world_size).build_meshes())
+    if info.rank == 1:
+        path = shm_path("made-by-a-killed-rank")
+        assert os.environ["TORCHELASTIC_RUN_ID"] in path
+        open(path, "wb").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    comms["dp"].all_reduce(torch.ones(1))
 
 
 def _rank_one_skips_a_collective(info, counted: bool):
@@ -36,6 +51,13 @@ def test_failing_rank_is_named_and_the_others_are_stopped():
     with pytest.raises(LaunchError, match=r"rank 1 failed .*ValueError: rank one gives up"):
         launch(_rank_one_fails, 2, threads=1)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_the_launcher_removes_the_shared_files_a_killed_rank_left():
+    with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code -9\)"):
+        launch(_rank_one_dies_holding_a_shared_file, 2, threads=1)
+    assert not glob.glob("/dev/shm/parallelisms-*made-by-a-killed-rank")
 
 
 def test_a_rank_alive_but_not_arriving_is_named_with_where_it_is():

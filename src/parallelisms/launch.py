@@ -12,7 +12,8 @@ reported. Ranks are spawned fresh, or forked from a forkserver that has imported
 Faults end in one line. Once a rank has failed, a watcher continues (SIGCONT) the others, so that a stopped
 rank takes elastic's SIGTERM at once rather than its SIGKILL 30 s later. Ctrl-C ends every rank (each dies of
 SIGINT without a traceback) and raises ``KeyboardInterrupt`` in the caller; other signals to the launcher end
-the ranks and raise :class:`LaunchError`.
+the ranks and raise :class:`LaunchError`. Once the ranks have ended, the launcher removes the shared-memory files
+of the run that a rank killed while making one left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 
 from parallelisms.comm.liveness import LATE, Heartbeat
 from parallelisms.comm.ops import CommError
+from parallelisms.comm.shm import remove_run_files
 
 
 class LaunchError(RuntimeError):
@@ -259,6 +261,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
         raise LaunchError(f"the launcher received {exc.sigval.name}; every rank was stopped") from None
     finally:
         os.environ.pop("PARALLELISMS_RANK_STARTING", None)
+        remove_run_files(config.run_id)  # the ranks have ended: what a killed one was making goes too
         stop.set()
         watcher.join()
         for sig, handler in handlers.items():

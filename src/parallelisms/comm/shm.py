@@ -22,10 +22,13 @@ store order (data stores become visible before the flag store after them); other
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import glob
 import os
 import platform
 import queue
+import re
 import socket
 import threading
 import time
@@ -100,6 +103,26 @@ def shm_machine() -> bool:
             and os.environ.get("PARALLELISMS_SHM", "1") != "0")
 
 
+def shm_path(name: str) -> str:
+    """The /dev/shm file ``name`` of this rank's launch: named after the run id that torch's elastic agent gives
+    every rank (``TORCHELASTIC_RUN_ID``), so the launcher removes what a rank killed between creating a file and
+    unlinking it leaves behind (:func:`remove_run_files`)."""
+    run = re.sub(r"[^0-9A-Za-z]", "", os.environ.get("TORCHELASTIC_RUN_ID", ""))
+    return f"/dev/shm/parallelisms-{run}-{name}" if run else f"/dev/shm/parallelisms-{name}"
+
+
+def remove_run_files(run_id: str) -> list[str]:
+    """Unlink the /dev/shm files of run ``run_id`` (its ranks have ended); return their paths."""
+    removed = []
+    for path in glob.glob(f"/dev/shm/parallelisms-{run_id}-*"):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # a rank of the run unlinked it meanwhile
+            pass
+    return removed
+
+
 def shm_supported(group) -> bool:
     """True when shared memory can carry this group's all-reduces: :func:`shm_machine` and every rank on this
     host (a collective over ``group``)."""
@@ -145,7 +168,7 @@ class SharedMemoryCollectives:
         self.inline = inline  # calls run in the caller's thread (``*_now``), else queued to a worker thread
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        self.prefix = f"/dev/shm/parallelisms-{token[0]}"
+        self.prefix = shm_path(token[0])
         self.capacity, self.generation, self.calls, self.arrivals = 0, 0, 0, 0
         self.too_large = float("inf")  # the smallest size found not to fit in /dev/shm
         self.jobs: queue.Queue = queue.Queue()
@@ -272,9 +295,14 @@ class SharedMemoryCollectives:
             os.ftruncate(fd, total)
         finally:
             os.close(fd)
-        dist.barrier(group=self.group)
-        memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        dist.barrier(group=self.group)
+        try:
+            dist.barrier(group=self.group)
+            memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            dist.barrier(group=self.group)
+        except BaseException:  # a peer failed before the file was shared: remove it here (torchrun has no
+            with contextlib.suppress(FileNotFoundError):  # launcher of ours to do it)
+                os.unlink(path)
+            raise
         if self.rank == 0:
             os.unlink(path)  # the mappings keep the memory; nothing is left behind
         # a numpy view: reading and writing the flags allocates nothing (polls run often)

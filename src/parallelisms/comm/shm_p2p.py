@@ -31,7 +31,7 @@ import uuid
 import torch
 
 from parallelisms.comm.liveness import late_ranks, peer_host
-from parallelisms.comm.shm import FLAG_STRIDE, Backoff, Futex, ShmTimeout
+from parallelisms.comm.shm import FLAG_STRIDE, Backoff, Futex, ShmTimeout, shm_path
 
 HEADER = 16                    # bytes framing each message: its size and its sequence number on the pair
 MIN_CAPACITY = 1 << 20         # a ring holds at least 1 MiB, or this many of the pair's first message:
@@ -130,7 +130,7 @@ class SharedMemoryP2P:
         if (src, dst) not in self.rings:
             key = f"parallelisms/p2p/{self.job}/{self.name}/{src}-{dst}"
             made = self.store.add(f"{key}/{'sender' if src == self.me else 'receiver'}", 1)
-            path = f"/dev/shm/parallelisms-p2p-{self.job}-{self.name}-{src}-{dst}-{made}"
+            path = shm_path(f"p2p-{self.job}-{self.name}-{src}-{dst}-{made}")
             capacity = -(-max(MIN_CAPACITY, MESSAGES_PER_RING * (HEADER + nbytes)) // 4096) * 4096
             ring = self.rings[(src, dst)] = _Ring(path, capacity, sending=src == self.me)
             if self.store.add(f"{key}/{made}/mapped", 1) == 2:  # both ends hold it now
