@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from parallelisms.comm.liveness import LATE, Heartbeat
 from parallelisms.comm.ops import CommError
@@ -49,6 +50,7 @@ class LaunchError(RuntimeError):
 
 PEER_GONE_GRACE_S = 1.0  # a rank whose collective broke because a peer exited waits this long before it exits
 OVERSUBSCRIBED = 4  # ranks per CPU core beyond which a local launch warns (CPU ranks share the cores)
+PORT_ATTEMPTS = 5  # rendezvous ports tried where another process takes the one found free before the store binds it
 
 
 @dataclass(frozen=True)
@@ -242,9 +244,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     threads = threads or max(1, cores // world_size)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.05, start_method=_start_method())
+    run_id, start_method = uuid.uuid4().hex, _start_method()
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # elastic replaces their handlers
     handlers = {sig: signal.getsignal(sig) for sig in handled}
     stop = threading.Event()
@@ -252,7 +252,20 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
     watcher.start()
     os.environ["PARALLELISMS_RANK_STARTING"] = "1"  # read by parallelisms.__main__ as each rank imports it
     try:
-        results = elastic_launch(config, _worker)(entry, args, backend, timeout_s, threads)
+        for attempt in range(PORT_ATTEMPTS):
+            # the launcher hosts the rendezvous store on a port found free a moment ago; where another process
+            # took it meanwhile, no rank has started yet: another port (elastic would instead wait 60 s to join
+            # whatever listens there as a client)
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
+                                  rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                                  rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.05,
+                                  start_method=start_method)
+            try:
+                results = elastic_launch(config, _worker)(entry, args, backend, timeout_s, threads)
+                break
+            except RendezvousConnectionError as exc:
+                if "EADDRINUSE" not in str(exc.__cause__) or attempt == PORT_ATTEMPTS - 1:
+                    raise
     except ChildFailedError as exc:
         raise _launch_error(exc.failures) from None
     except SignalException as exc:
@@ -261,7 +274,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
         raise LaunchError(f"the launcher received {exc.sigval.name}; every rank was stopped") from None
     finally:
         os.environ.pop("PARALLELISMS_RANK_STARTING", None)
-        remove_run_files(config.run_id)  # the ranks have ended: what a killed one was making goes too
+        remove_run_files(run_id)  # the ranks have ended: what a killed one was making goes too
         stop.set()
         watcher.join()
         for sig, handler in handlers.items():
