@@ -9,7 +9,8 @@ large GEMM reaches), ``gemm_k_half`` (the reduction length at which a GEMM runs 
 prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 turns it off), ``hbm_fraction``
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
 NCCL's bus bandwidth reaches: about 0.8 in nccl-tests on DGX A100/H100), ``bytes_per_element`` (2; 4 for fp32 CPUs), and
-``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched), ``op_overhead_us``
+``cores`` (CPUs: the cores the ranks share; their operators run where they are dispatched, a rank with more than
+one core over its threads: :meth:`Hardware.per_rank`), ``op_overhead_us``
 (host time per dispatched operator), ``attention_fraction`` (the share of the GEMM efficiency the attention
 kernel reaches; 1: as a GEMM of its shapes, which already prices FlashAttention on GPUs), ``attention_backward``
 (its backward's time over its forward's: 2.5 for FlashAttention, whose backward recomputes the scores and runs
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from parallelisms.errors import ConfigError, require
@@ -91,6 +92,17 @@ class Hardware:
         """How many of ``ranks`` processes share each core of a CPU (``cores``); 1 where each has its own (or a
         device)."""
         return ranks / self.cores if self.cores and ranks > self.cores else 1.0
+
+    def per_rank(self, ranks: int) -> "Hardware":
+        """One of ``ranks`` processes' share of a CPU with more cores than ranks: the launcher gives each rank
+        ``cores // ranks`` intra-op threads, over which its GEMMs, elementwise work, attention and optimizer
+        run (the rates are per thread with every core busy, as ``calibrate`` measures them); its operators'
+        dispatch does not. Unchanged on a device, or where ranks fill the cores."""
+        threads = self.cores // ranks if self.cores else 1
+        if threads <= 1:
+            return self
+        return replace(self, peak_tflops=threads * self.peak_tflops, hbm_tbps=threads * self.hbm_tbps,
+                                   optimizer_tbps=threads * self.optimizer_tbps)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""

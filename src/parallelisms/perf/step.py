@@ -189,6 +189,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
     across calls with the same model and hardware) reuses per-layer and data-parallel times."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
+    hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
 
     def per_layer():
