@@ -56,10 +56,16 @@ def test_failing_rank_is_named_and_the_others_are_stopped():
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
-def test_the_launcher_removes_the_shared_files_a_killed_rank_left():
+def test_the_launcher_removes_the_shared_files_a_killed_rank_left(monkeypatch):
+    """...and elastic's temporary directory of the launch (one stayed in /tmp per launch)."""
+    made = []
+    mkdtemp = launching.tempfile.mkdtemp
+    monkeypatch.setattr(launching.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
     with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code -9\)"):
         launch(_rank_one_dies_holding_a_shared_file, 2, threads=1)
     assert not glob.glob("/dev/shm/parallelisms-*made-by-a-killed-rank")
+    ours = [d for d in made if os.path.basename(d).startswith("parallelisms-launch-")]
+    assert len(ours) == 1 and not os.path.exists(ours[0])
 
 
 def test_a_rank_alive_but_not_arriving_is_named_with_where_it_is():
