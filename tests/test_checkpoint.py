@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -240,9 +241,16 @@ def test_two_nodes_on_this_host_train_and_verify(tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768 on): torchrun's store binds it later, and a port the
+    kernel hands out for outgoing connections (gloo's, other tests') could be taken meanwhile."""
+    while True:
+        port = random.SystemRandom().randrange(20000, 32768)  # not the seeded generator: workers differ
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _poison_step(monkeypatch, at: int) -> None:
