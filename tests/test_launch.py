@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from parallelisms import launch as launching
 from parallelisms.comm import Comms
 from parallelisms.comm.shm import shm_machine, shm_path
-from parallelisms import launch as launching
 from parallelisms.launch import LaunchError, launch
 from parallelisms.mesh import ParallelDims
 

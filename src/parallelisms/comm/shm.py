@@ -111,16 +111,11 @@ def shm_path(name: str) -> str:
     return f"/dev/shm/parallelisms-{run}-{name}" if run else f"/dev/shm/parallelisms-{name}"
 
 
-def remove_run_files(run_id: str) -> list[str]:
-    """Unlink the /dev/shm files of run ``run_id`` (its ranks have ended); return their paths."""
-    removed = []
+def remove_run_files(run_id: str) -> None:
+    """Unlink the /dev/shm files of run ``run_id`` (its ranks have ended)."""
     for path in glob.glob(f"/dev/shm/parallelisms-{run_id}-*"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # a rank of the run unlinked it meanwhile
             os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:  # a rank of the run unlinked it meanwhile
-            pass
-    return removed
 
 
 def shm_supported(group) -> bool:

@@ -102,7 +102,7 @@ class Hardware:
         if threads <= 1:
             return self
         return replace(self, peak_tflops=threads * self.peak_tflops, hbm_tbps=threads * self.hbm_tbps,
-                                   optimizer_tbps=threads * self.optimizer_tbps)
+                       optimizer_tbps=threads * self.optimizer_tbps)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of one GPU's link within a node or across nodes."""
