@@ -13,7 +13,8 @@ import os
 import sys
 
 from parallelisms.support import validate_layout
-from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS
+from parallelisms.config import (ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS,
+                                 with_positions)
 from parallelisms.errors import ConfigError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
@@ -153,7 +154,11 @@ def _model(args) -> ModelConfig:
     shaped = shape_from_args(_model_config(args), args)
     require(not getattr(args, "init_from", None) or shaped == _model_config(args),
             f"shape flags with --init-from {getattr(args, 'init_from', '')!r}: the model is the checkpoint's; drop them")
-    return shaped
+    seq_len = getattr(args, "seq_len", 0) or 0
+    if seq_len > shaped.max_seq_len:
+        print(f"note: --seq-len {seq_len} is beyond the model's {shaped.max_seq_len} positions; rotary positions "
+              f"extend to {seq_len}")
+    return with_positions(shaped, seq_len)
 
 
 def _degree_options(args) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallelisms.errors import ConfigError, divisors, require, require_finite
+from parallelisms.hf_arch import architecture_fields, check_architecture
 from parallelisms.mesh import ParallelDims
 
 
@@ -38,10 +39,27 @@ class ModelConfig:
     capacity_factor: float = 0.0       # 0: no capacity limit
     aux_loss_coef: float = 0.01
     mlp: str = "swiglu"                # swiglu (three matrices, Llama) or gelu (two matrices, GPT-2/3)
+    # Hugging Face architecture features (parallelisms.hf_arch reads them from a config.json)
+    head_dim_override: int = 0         # 0: dim // n_heads; else the head size (Qwen3, Mistral: q width n_heads x it)
+    qkv_bias: bool = False             # biases on the query/key/value projections (Qwen2, attention_bias)
+    out_bias: bool = False             # a bias on the attention output projection (Llama/Qwen3 attention_bias)
+    qk_norm: bool = False              # RMSNorm over each query and key head before rotary positions (Qwen3)
+    rope_scaling: str = "none"         # none, linear or llama3 (Llama 3.1's frequency-dependent scaling)
+    rope_factor: float = 1.0           # linear and llama3: the context extension factor
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 8192  # llama3: the pre-training context
+    sliding_window: int = 0            # 0: none; else attention reaches this many tokens (runs need seq_len <= it)
+    hf_model_type: str = "llama"       # the Hugging Face architecture an export writes (llama, mistral, qwen2, ...)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (n_heads x head_dim; dim unless head_dim is set)."""
+        return self.n_heads * self.head_dim
 
     @property
     def mlp_matrices(self) -> int:
@@ -53,13 +71,15 @@ class ModelConfig:
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_MODEL_INT,
                     f"model {name} must be an integer from 1 to {MAX_MODEL_INT:,}, got {value!r}")
-        require(self.dim % self.n_heads == 0, lambda: f"model dim {self.dim} must be divisible by n_heads "
-                                                      f"{self.n_heads}; try n_heads in {divisors(self.dim)}")
+        require(self.head_dim_override or self.dim % self.n_heads == 0,
+                lambda: f"model dim {self.dim} must be divisible by n_heads {self.n_heads}; try n_heads in "
+                        f"{divisors(self.dim)}, or give head_dim")
         require(self.n_heads % self.n_kv_heads == 0,
                 lambda: f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}; "
                         f"try n_kv_heads in {divisors(self.n_heads)}")
         require(self.mlp in MLPS, f"unknown --mlp {self.mlp!r}; choose {' or '.join(MLPS)}")
-        require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} (dim/n_heads) must be even for rotary positions")
+        require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for rotary positions")
+        check_architecture(self)
         for name in ("rope_theta", "norm_eps"):
             require_finite(f"model {name}", getattr(self, name), above=0)
         if self.n_experts:
@@ -75,9 +95,11 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embedding, attention, MLP, two norms per block, final norm, head)."""
         kv = self.n_kv_heads * self.head_dim
-        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        attn = self.dim * (self.q_dim + 2 * kv) + self.q_dim * self.dim
+        extras = ((self.q_dim + 2 * kv) * self.qkv_bias + self.dim * self.out_bias
+                  + 2 * self.head_dim * self.qk_norm)
         mlp = self.mlp_matrices * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
-        return 2 * self.vocab_size * self.dim + self.n_layers * (attn + mlp + 2 * self.dim) + self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * (attn + extras + mlp + 2 * self.dim) + self.dim
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
@@ -123,12 +145,13 @@ def default_ffn(hidden: int, mlp: str) -> int:
 
 
 def with_shape(base: ModelConfig, seq_len: int = 0, layers=None, hidden=None, heads=None, kv_heads=None, ffn=None,
-               vocab=None, mlp=None, experts=None, topk=None) -> ModelConfig:
+               vocab=None, mlp=None, experts=None, topk=None, head_dim=None) -> ModelConfig:
     """``base`` with the shape flags given (None: keep the base's). A new hidden size without ``ffn`` takes the
     MLP's default width; new heads without ``kv_heads`` are plain multi-head attention; ``max_seq_len`` grows
     to ``seq_len``."""
     given = {k: v for k, v in dict(n_layers=layers, dim=hidden, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
-                                   vocab_size=vocab, mlp=mlp, n_experts=experts, top_k=topk).items() if v is not None}
+                                   vocab_size=vocab, mlp=mlp, n_experts=experts, top_k=topk,
+                                   head_dim_override=head_dim).items() if v is not None}
     if not given:
         return base
     if heads is not None and kv_heads is None:
@@ -136,6 +159,12 @@ def with_shape(base: ModelConfig, seq_len: int = 0, layers=None, hidden=None, he
     if ffn is None and (hidden is not None or mlp is not None):
         given["ffn_dim"] = default_ffn(given.get("dim", base.dim), given.get("mlp", base.mlp))
     return dataclasses.replace(base, max_seq_len=max(base.max_seq_len, seq_len), **given).validate()
+
+
+def with_positions(model: ModelConfig, seq_len: int) -> ModelConfig:
+    """``model`` with rotary tables for at least ``seq_len`` positions: rotary positions extend past the
+    preset's or config's max_position_embeddings, computed as ``transformers`` computes them."""
+    return model if seq_len <= model.max_seq_len else dataclasses.replace(model, max_seq_len=seq_len)
 
 
 def preset(name: str) -> ModelConfig:
@@ -185,7 +214,6 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 keeps rope_theta in it
     if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in raw:
         values["rope_theta"] = rope["rope_theta"]
-    _check_llama_variant(path, raw, rope)
     for name, value in values.items():
         field_name = _HF_FIELDS[name][0]
         if name in ("rope_theta", "norm_eps"):
@@ -198,23 +226,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
             require(whole and low <= value <= MAX_MODEL_INT, f"config field {field_name} must be an integer from "
                                                              f"{low} to {MAX_MODEL_INT:,}, got {value!r}")
             values[name] = int(value)
+    values.update(architecture_fields(path, raw, rope))
     return ModelConfig(**values, mlp=_HF_ACTS[act]).validate()
-
-
-def _check_llama_variant(path: Path, raw: dict, rope) -> None:
-    """One line for a config.json this model would compute differently: biases, scaled
-    rotary positions, or a head size other than hidden_size / num_attention_heads."""
-    where = f"--config {str(path)!r}"
-    for name in ("attention_bias", "mlp_bias"):
-        require(not raw.get(name), f"{where} has {name} true; this model has no biases")
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-    require(kind in ("default", None), f"{where} has rope_type {kind!r}; only unscaled rotary positions (default) "
-                                       f"are implemented")
-    heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
-    require(raw.get("head_dim") in (None, hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                    and heads > 0 else None),
-            f"{where} has head_dim {raw.get('head_dim')!r}, not hidden_size / num_attention_heads; this model "
-            f"derives it")
 
 
 def _refuse_constant(name: str):
@@ -267,7 +280,11 @@ class TrainConfig:
         require(self.grad_accum >= 1, f"--grad-accum must be at least 1, got {self.grad_accum}")
         require(self.seq_len >= 2, f"--seq-len must be at least 2, got {self.seq_len}")
         require(self.seq_len <= model.max_seq_len,
-                f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; use at most that")
+                f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; use at most that, or "
+                f"extend the model (with_positions)")
+        require(not model.sliding_window or self.seq_len <= model.sliding_window,
+                f"--seq-len {self.seq_len} exceeds the model's sliding_window {model.sliding_window} (config.json): "
+                f"attention within a window is not implemented; use --seq-len at most {model.sliding_window}")
         per_step = dp * self.grad_accum
         require(self.global_batch % per_step == 0,
                 f"--global-batch {self.global_batch} must be divisible by dp x grad_accum = {dp} x {self.grad_accum}; "

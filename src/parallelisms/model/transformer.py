@@ -2,7 +2,9 @@
 
 Token embedding, pre-norm blocks of RMSNorm, causal self-attention with rotary positions
 (Su et al. 2021) and optional grouped key/value heads (Ainslie et al. 2023), a SwiGLU MLP
-(Shazeer 2020), a GELU MLP (GPT-2/3) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an untied output head. Parallelisms swap its modules
+(Shazeer 2020), a GELU MLP (GPT-2/3) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an untied output head.
+The Hugging Face variants (Qwen2's q/k/v biases, Qwen3's per-head q/k norm and explicit head size, Llama 3.1's
+scaled rotary frequencies) are switched on by the config. Parallelisms swap its modules
 (`wq`, `w_up`, `output`, `loss`, `core`, ...) for parallel ones; every shape the forward needs is read
 from the tensors themselves, so a module holding a shard of the heads or of the FFN width still works.
 """
@@ -34,10 +36,32 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_seq_len, head_dim // 2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_frequencies(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rotation frequency of each pair of a head, theta^(-2i/d) (Su et al. 2021), scaled as ``transformers``'
+    rope types are: ``linear`` divides every frequency by the factor (Chen et al. 2023); ``llama3`` divides the
+    low frequencies (wavelength beyond original_max_len / low_freq_factor) by it, keeps the high ones (below
+    original_max_len / high_freq_factor) and interpolates between (Llama 3.1, Meta 2024)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high, context = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                  cfg.rope_original_max_len)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(cfg: ModelConfig, positions: int, dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [positions, head_dim // 2] for rotary position embeddings, computed in
+    ``dtype`` (float64 runs are float64 end to end)."""
+    angles = torch.outer(torch.arange(positions, dtype=dtype), rotary_frequencies(cfg, dtype))
     return angles.cos(), angles.sin()
 
 
@@ -63,15 +87,29 @@ class CausalAttentionCore(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def rotate_queries_keys(attention: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k [batch, seq, heads, head_dim] (when ``attention`` has one), then
+    the rotary positions."""
+    if attention.q_norm is not None:
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class Attention(nn.Module):
+    """Causal self-attention: ``n_heads`` query heads of ``head_dim`` (dim / n_heads unless the config sets
+    it), optional q/k/v biases (Qwen2) and output bias, optional per-head q/k RMSNorm (Qwen3)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.out_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CausalAttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,7 +117,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_queries_keys(self, q, k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -142,9 +180,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss = CrossEntropy()
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.set_rotary_dtype(torch.float32)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,6 +209,11 @@ class Transformer(nn.Module):
             return None
         return self.cfg.aux_loss_coef * sum(layer.feed_forward.aux_loss for layer in self.layers.values())
 
+    def set_rotary_dtype(self, dtype: torch.dtype) -> None:
+        """(Re)build the rotary tables for ``cfg.max_seq_len`` positions, computed in ``dtype``."""
+        cos, sin = rotary_tables(self.cfg, self.cfg.max_seq_len, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def stage(self, layers: range, first: bool, last: bool) -> "Transformer":
         """A pipeline stage: this model's ``layers`` (shared modules, plain names), with the embedding only
@@ -213,4 +254,6 @@ def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "c
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return Transformer(cfg)
-    return init_weights(Transformer(cfg), seed).to(device=device, dtype=dtype)
+    model = init_weights(Transformer(cfg), seed)
+    model.set_rotary_dtype(dtype)
+    return model.to(device=device, dtype=dtype)

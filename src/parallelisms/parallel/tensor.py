@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.comm import Comm, copy_to_group, gather_along
-from parallelisms.model.transformer import apply_rotary
+from parallelisms.model.transformer import rotate_queries_keys
 from parallelisms.model.numerics import upcast
 from parallelisms.parallel.common import mark_sharded
 
@@ -152,7 +152,8 @@ def shard_rows(full: torch.Tensor, comm: Comm, rows: int | None = None) -> torch
 
 
 class ColumnParallelLinear(nn.Module):
-    """A bias-free linear layer holding rows ``[r*out/N, (r+1)*out/N)`` of the full weight (its ``weight``).
+    """A linear layer holding rows ``[r*out/N, (r+1)*out/N)`` of the full weight (its ``weight``), and the same
+    entries of the full bias when it has one (a column's bias shards with its column).
 
     ``replicas > 1`` is for grouped key/value heads when TP exceeds their number: the full weight is
     still stored as N equal row chunks, gathered in forward (reduce-scattered in backward, so the shared
@@ -167,19 +168,36 @@ class ColumnParallelLinear(nn.Module):
         out_features = full.weight.shape[0]
         self.weight = nn.Parameter(shard_rows(full.weight, region.comm, rows))
         mark_sharded(self.weight, region.comm.name, 0, out_features)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(shard_rows(full.bias, region.comm, rows))
+            mark_sharded(self.bias, region.comm.name, 0, out_features)
 
-    def local_weight(self) -> torch.Tensor:
-        if self.replicas == 1:
-            return self.weight
-        full = gather_along(self.weight, self.region.comm, dim=0)
+    def _local(self, shard: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's rows of the weight or bias (the shared head's, gathered, when ``replicas`` > 1)."""
+        if shard is None or self.replicas == 1:
+            return shard
+        full = gather_along(shard, self.region.comm, dim=0)
         return full.narrow(0, (self.region.comm.rank // self.replicas) * self.head_rows, self.head_rows)
 
+    def local_weight(self) -> torch.Tensor:
+        return self._local(self.weight)
+
+    def local_bias(self) -> torch.Tensor | None:
+        return self._local(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel(x, self.region, self.local_weight())[0]
+        return with_bias(column_parallel(x, self.region, self.local_weight())[0], self.local_bias())
+
+
+def with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 class RowParallelLinear(nn.Module):
-    """A bias-free linear layer holding columns ``[r*in/N, (r+1)*in/N)`` of the full weight."""
+    """A linear layer holding columns ``[r*in/N, (r+1)*in/N)`` of the full weight; its bias (whole on every
+    rank) is added once, after the partial outputs are summed. Under SP each rank adds it to its sequence shard,
+    so its gradient is summed over TP as the sequence-parallel norms' are."""
 
     def __init__(self, full: nn.Linear, region: Region):
         super().__init__()
@@ -187,11 +205,15 @@ class RowParallelLinear(nn.Module):
         in_features = full.weight.shape[1]
         self.weight = nn.Parameter(shard_rows(full.weight.t(), region.comm).t().contiguous())
         mark_sharded(self.weight, region.comm.name, 1, in_features)
+        self.bias = full.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.region.comm.size == 1:
-            return F.linear(x, self.weight)
-        return _RowParallel.apply(x, self.weight, self.region)
+            return F.linear(x, self.weight, self.bias)
+        y = _RowParallel.apply(x, self.weight, self.region)
+        if self.bias is None:
+            return y
+        return y + (copy_to_group(self.bias, self.region.comm) if self.region.sequence_parallel else self.bias)
 
 
 class ParallelAttention(nn.Module):
@@ -206,13 +228,17 @@ class ParallelAttention(nn.Module):
         self.wk = ColumnParallelLinear(plain.wk, region, replicas, self.head_dim)
         self.wv = ColumnParallelLinear(plain.wv, region, replicas, self.head_dim)
         self.wo = RowParallelLinear(plain.wo, region)
+        # the per-head q/k norms are whole on every rank and see only its heads: gradients summed over TP
+        self.q_norm = None if plain.q_norm is None else HeadShardRMSNorm(plain.q_norm, region.comm)
+        self.k_norm = None if plain.k_norm is None else HeadShardRMSNorm(plain.k_norm, region.comm)
         self.core = plain.core
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = column_parallel(x, self.region, self.wq.weight, self.wk.local_weight(), self.wv.local_weight())
+        q, k, v = (with_bias(t, layer.local_bias()) for t, layer in zip((q, k, v), (self.wq, self.wk, self.wv)))
         batch, seq = q.shape[:2]
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_queries_keys(self, q, k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -237,7 +263,8 @@ class ParallelFeedForward(nn.Module):
 
 class SequenceParallelRMSNorm(nn.Module):
     """The plain RMSNorm on a sequence shard; its replicated weight passes through identity-forward /
-    all-reduce-backward, so its gradient sums the contributions of every shard (Korthikanti et al. 2023)."""
+    all-reduce-backward, so its gradient sums the contributions of every shard (Korthikanti et al. 2023).
+    The same holds for a per-head q/k norm (Qwen3) on a rank's share of the heads: :data:`HeadShardRMSNorm`."""
 
     def __init__(self, plain: nn.Module, comm: Comm):
         super().__init__()
@@ -247,3 +274,6 @@ class SequenceParallelRMSNorm(nn.Module):
         x32 = upcast(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * copy_to_group(self.weight, self.comm)
+
+
+HeadShardRMSNorm = SequenceParallelRMSNorm  # a per-head norm over this rank's heads: the same sum over TP

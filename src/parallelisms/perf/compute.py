@@ -128,7 +128,7 @@ def _linears(shape: LayerShape) -> list[tuple[float, float, float, float]]:
     MLP in, MLP out."""
     cfg, t, T = shape.cfg, shape.tp, shape.tokens
     kv = cfg.n_kv_heads * cfg.head_dim
-    out = [(T, (cfg.dim + 2 * kv) / t, cfg.dim, 1), (T, cfg.dim, cfg.dim / t, 1)]
+    out = [(T, (cfg.q_dim + 2 * kv) / t, cfg.dim, 1), (T, cfg.dim, cfg.q_dim / t, 1)]
     if cfg.n_experts:  # uniform routing: each local expert gets tokens x top_k / experts x ep rows; experts
         local = cfg.n_experts / shape.ep  # replicate over tp, and each tp rank routes the tp-gathered tokens
         rows = T * cfg.top_k / cfg.n_experts * shape.ep

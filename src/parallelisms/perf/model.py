@@ -36,13 +36,13 @@ def gpt_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, voca
 def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token of our model (forward + backward, no recompute): 6 x the matmul parameters a
     token touches (embedding lookups excluded; for MoE only its top-k experts) plus attention's
-    QK^T and AV, 6 x 2 x layers x seq x dim (causal masking not discounted, as in PaLM's MFU)."""
+    QK^T and AV, 6 x 2 x layers x seq x n_heads x head_dim (causal masking not discounted, as in PaLM's MFU)."""
     kv = cfg.n_kv_heads * cfg.head_dim
-    attention = cfg.dim * (2 * cfg.dim + 2 * kv)
+    attention = cfg.dim * (2 * cfg.q_dim + 2 * kv)
     experts_used = cfg.top_k if cfg.n_experts else 1
     mlp = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * experts_used + cfg.dim * cfg.n_experts
     matmul_params = cfg.n_layers * (attention + mlp) + cfg.dim * cfg.vocab_size
-    return 6 * matmul_params + 12 * cfg.n_layers * seq * cfg.dim
+    return 6 * matmul_params + 12 * cfg.n_layers * seq * cfg.q_dim
 
 
 # -- memory --------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             sends = (2 * (dims.cp - 1) * 2 + 2 * dims.cp) * kv_block * cfg.n_layers
             out.append(CommVolume("send", "cp", sends))
         else:  # q, k, v in and the output back, forward and backward
-            q_block = tokens * cfg.dim // dims.tp * dtype_bytes
+            q_block = tokens * cfg.q_dim // dims.tp * dtype_bytes
             per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
             out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
     if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends

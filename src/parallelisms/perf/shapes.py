@@ -16,6 +16,7 @@ SHAPE_FLAGS = {  # flag: (with_shape keyword, help)
     "--hidden": ("hidden", "hidden size h"),
     "--heads": ("heads", "attention heads"),
     "--kv-heads": ("kv_heads", "key/value heads (default: --heads)"),
+    "--head-dim": ("head_dim", "size of each attention head (default: hidden / heads; Qwen3 and Mistral set it)"),
     "--ffn": ("ffn", "MLP width (default 4h for gelu, 8h/3 for swiglu)"),
     "--vocab": ("vocab", "vocabulary size"),
     "--experts": ("experts", "experts per MoE layer (0: dense)"),
@@ -32,6 +33,7 @@ def add_shape_args(group: argparse._ArgumentGroup) -> None:
 
 # the model's field names, as a message about them says them, and the flag that sets each
 _FIELD_FLAGS = {"model dim": "--hidden", "dim": "--hidden", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+                "head_dim": "--head-dim",
                 "n_layers": "--layers", "ffn_dim": "--ffn", "vocab_size": "--vocab", "n_experts": "--experts",
                 "top_k": "--topk"}
 _FIELDS = re.compile(r"\b(" + "|".join(map(re.escape, _FIELD_FLAGS)) + r")\b")

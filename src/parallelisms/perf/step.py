@@ -116,7 +116,7 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
             forward = hop_f + (dims.cp - 2) * _behind(hw, hop_f, times.attention_core / dims.cp)
             backward = hop_b + (dims.cp - 1) * _behind(hw, hop_b, 2.5 * times.attention_core / dims.cp)
         else:
-            q = shape.tokens * cfg.dim / dims.tp * e
+            q = shape.tokens * cfg.q_dim / dims.tp * e
             forward = backward = _comm(hw, parallel, "all_to_all", "cp", 2 * q + 2 * kv, calls=4)
         out[f"{'send' if parallel.cp_attention == 'ring' else 'all_to_all'}/cp"] = (forward, backward)
     if dims.ep > 1 and cfg.n_experts:

@@ -107,16 +107,17 @@ class _SplitLinearFn(torch.autograd.Function):
 
 
 class SplitLinear(nn.Module):
-    """A bias-free linear layer (same ``weight`` parameter) whose weight gradient can be deferred."""
+    """A linear layer (same ``weight`` and ``bias`` parameters) whose weight gradient can be deferred; a bias's
+    gradient (a sum over tokens) is computed in backward as usual."""
 
     def __init__(self, linear: nn.Linear, store: WeightGradStore):
         super().__init__()
-        assert linear.bias is None, "the model's linear layers have no bias"
-        self.weight = linear.weight
+        self.weight, self.bias = linear.weight, linear.bias
         self.store = store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SplitLinearFn.apply(x, self.weight, self.store)
+        out = _SplitLinearFn.apply(x, self.weight, self.store)
+        return out if self.bias is None else out + self.bias
 
 
 def split_linears(module: nn.Module, store: WeightGradStore) -> None:
