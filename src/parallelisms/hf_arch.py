@@ -117,6 +117,11 @@ def check_architecture(cfg) -> None:
                                                 f"of {', '.join(ARCHITECTURES)}")
 
 
+def export_model_type(cfg) -> str:
+    """The model_type an export writes: the one read, or mixtral for a preset's mixture of experts."""
+    return "mixtral" if cfg.n_experts and cfg.hf_model_type == "llama" else cfg.hf_model_type
+
+
 def hf_architecture_config(cfg) -> dict:
     """The config.json fields of ``cfg``'s architecture (model_type, biases, head_dim, rope, window, experts)."""
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
@@ -125,10 +130,11 @@ def hf_architecture_config(cfg) -> dict:
     if cfg.rope_scaling == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_len)
-    out = {"architectures": [ARCHITECTURES[cfg.hf_model_type]], "model_type": cfg.hf_model_type,
+    kind = export_model_type(cfg)
+    out = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
            "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
            "attention_bias": cfg.out_bias, "sliding_window": cfg.sliding_window or None}
-    if cfg.hf_model_type in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
     if cfg.n_experts:
         out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, output_router_logits=False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from parallelisms.errors import require
+from parallelisms.hf_arch import export_model_type
 
 _LAYER_NAMES = {  # ours (under layers.{i}.) -> Hugging Face's (under model.layers.{i}.)
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
@@ -90,8 +91,9 @@ def from_hf(name: str, weights: dict[str, torch.Tensor], cfg) -> torch.Tensor:
 
 
 def check_exportable(cfg) -> None:
-    """One line unless ``cfg``'s features are what its Hugging Face architecture computes."""
-    kind = cfg.hf_model_type
+    """One line unless ``cfg``'s features are what its Hugging Face architecture computes (a mixture of experts
+    built from a preset is written as Mixtral, which needs every assignment kept: no capacity limit)."""
+    kind = export_model_type(cfg)
     bias = {"qwen2": (True, False), "mistral": (False, False), "mixtral": (False, False)}.get(
         kind, (cfg.qkv_bias, cfg.qkv_bias))
     require((cfg.qkv_bias, cfg.out_bias) == bias, f"a {kind} model with q/k/v bias {cfg.qkv_bias} and output bias "
@@ -99,3 +101,6 @@ def check_exportable(cfg) -> None:
     require(cfg.qk_norm == (kind == "qwen3"), f"q/k norm {cfg.qk_norm} on a {kind} model: only qwen3 has it")
     require(bool(cfg.n_experts) == (kind == "mixtral"), f"{'experts' if cfg.n_experts else 'no experts'} on a "
                                                         f"{kind} model: only mixtral is a mixture of experts")
+    require(not cfg.capacity_factor, f"capacity_factor {cfg.capacity_factor:g} drops tokens Mixtral keeps; only a "
+                                     f"mixture of experts without a capacity limit exports")
+
