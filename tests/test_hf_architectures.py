@@ -166,6 +166,7 @@ def test_init_from_trains_as_transformers_does_in_every_layout_and_exports(name,
         report = reports[key]
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(report["losses"], losses))
         norm_rel = max(abs(a - b) / b for a, b in zip(report["grad_norms"], norms))
+        print(f"{key}: losses within {loss_rel:.1e}, gradient norms within {norm_rel:.1e} of transformers")
         assert loss_rel < 2e-6 and norm_rel < 1e-5, (key, loss_rel, norm_rel)
     # the export of the ZeRO-3 run loads in transformers, computes our logits, and is transformers' training
     cfg, state = specs[f"{name}/dp2_zero3"].model, reports[f"{name}/dp2_zero3"]["state"]
@@ -211,6 +212,7 @@ def test_every_feature_reproduces_single_process_training_in_float64(name):
     with one_thread():
         reference = reference_train(FLOAT64_LAYOUTS[name][0], FLOAT64)
     result = compare(report, reference, TOLERANCE_FLOAT64)
+    print(f"{name}: {result}")
     assert result["ok"], result
 
 
@@ -288,3 +290,20 @@ def test_seq_len_beyond_the_max_positions_extends_rotary(capsys):
     assert main(["train", "--preset", "tiny", "--dp", "1", "--steps", "1", "--global-batch", "1",
                  "--seq-len", "160"]) == 0
     assert "rotary positions extend to 160" in capsys.readouterr().out
+
+
+def test_head_dim_flag_sets_the_query_width_in_the_model_and_the_estimate(capsys):
+    from parallelisms.cli import main
+
+    def estimate(*flags):
+        assert main(["estimate", "--preset", "llama3-8b", "--tp", "8", "--seq-len", "8192", "--global-batch", "8",
+                     "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    plain, wide = estimate(), estimate("--head-dim", "256")  # queries of 32 x 256 = 8192 where hidden is 4096
+    # per layer q and o grow by 4096 x 4096 each, k and v (8 heads) by 4096 x 1024; the step time with them
+    assert wide["params"] - plain["params"] == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)
+    assert wide["step_s"] > plain["step_s"] and wide["model_tflops_per_gpu"] > plain["model_tflops_per_gpu"]
+    model = build_model(dataclasses.replace(EVERY_FEATURE, qk_norm=False), device="meta")
+    assert tuple(model.layers["0"].attention.wq.weight.shape) == (4 * 12, 32)
+    assert tuple(model.layers["0"].attention.wo.weight.shape) == (32, 4 * 12)
