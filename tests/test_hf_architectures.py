@@ -42,6 +42,11 @@ ARCHITECTURES = {  # name: (config class, model class, what differs from Llama)
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=12, sliding_window=None)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+LOGITS_ONLY = {  # a feature checked on the logits alone
+    "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM",
+                          dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    "qwen3_attention_bias": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, attention_bias=True)),
+}
 TRAIN = TrainConfig(steps=10, global_batch=4, seq_len=16, lr=3e-3, weight_decay=0.0, warmup=2,
                     lr_schedule="cosine", grad_clip=0.5)
 LAYOUTS = {
@@ -54,14 +59,14 @@ MOE_LAYOUTS = {"dp2_ep2": ParallelConfig(ParallelDims(dp_replicate=2, ep=2))}
 
 
 def _model_class(name: str):
-    return getattr(transformers, ARCHITECTURES[name][1])
+    return getattr(transformers, {**ARCHITECTURES, **LOGITS_ONLY}[name][1])
 
 
 @functools.cache
 def hf_dir(name: str, root: str) -> str:
     """A random tiny ``name`` model saved by transformers under ``root``: its biases and norm weights drawn
     away from transformers' zeros and ones, so a bias or norm computed wrongly shows."""
-    config_class, _, extra = ARCHITECTURES[name]
+    config_class, _, extra = {**ARCHITECTURES, **LOGITS_ONLY}[name]
     torch.manual_seed(0)
     model = _model_class(name)(getattr(transformers, config_class)(**SHAPE, **extra))
     with torch.no_grad():
@@ -99,6 +104,13 @@ def _rel(a, b) -> float:
 def test_a_transformers_model_computes_the_same_logits_here(name, root):
     cfg, state = load_hf(hf_dir(name, root))
     assert cfg.hf_model_type == ("llama" if name == "llama3" else name)
+    assert _rel(_our_logits(cfg, state), _hf_logits(hf_dir(name, root), name)) < 1e-5
+
+
+@pytest.mark.parametrize("name", LOGITS_ONLY)
+def test_linear_rope_and_output_bias_compute_the_same_logits_here(name, root):
+    cfg, state = load_hf(hf_dir(name, root))
+    assert cfg.rope_scaling == "linear" if name == "llama_linear_rope" else (cfg.qkv_bias, cfg.out_bias) == (True, True)
     assert _rel(_our_logits(cfg, state), _hf_logits(hf_dir(name, root), name)) < 1e-5
 
 

@@ -31,8 +31,8 @@ def _whole(where: str, name: str, value, low: int) -> int:
 
 def _rope_fields(where: str, rope: dict) -> dict:
     kind = rope.get("rope_type", rope.get("type", "default"))
-    require(kind in ROPE_TYPES, f"{where} has rope_type {kind!r}; implemented: {', '.join(ROPE_TYPES)} "
-                                f"({'NTK scaling that changes with the sequence length' if kind == 'dynamic' else kind} "
+    what = "NTK scaling that changes with the sequence length" if kind == "dynamic" else kind
+    require(kind in ROPE_TYPES, f"{where} has rope_type {kind!r}; implemented: {', '.join(ROPE_TYPES)} ({what} "
                                 f"is not)")
     require(rope.get("partial_rotary_factor", 1.0) == 1.0,
             f"{where} has partial_rotary_factor {rope.get('partial_rotary_factor')!r}; only 1.0 (every dimension "
@@ -92,7 +92,8 @@ def architecture_fields(path, raw: dict, rope) -> dict:
     else:
         require("num_local_experts" in raw, f"{where} (mixtral) lacks num_local_experts")
         require(not raw.get("router_jitter_noise"), f"{where} has router_jitter_noise "
-                                                    f"{raw.get('router_jitter_noise')!r}; only 0 (no noise) is implemented")
+                                                    f"{raw.get('router_jitter_noise')!r}; only 0 (no noise) is "
+                                                    f"implemented")
         require(not raw.get("output_router_logits"),
                 f"{where} has output_router_logits true: transformers' load-balancing loss is over the whole batch, "
                 f"this runtime's per sequence (independent of how the batch is split); set it false")
