@@ -47,7 +47,10 @@ LOGITS_ONLY = {  # a feature checked on the logits alone
                           dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "qwen3_attention_bias": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, attention_bias=True)),
 }
-TRAIN = TrainConfig(steps=10, global_batch=4, seq_len=16, lr=3e-3, weight_decay=0.0, warmup=2,
+# lr 1e-3: at 3e-3 Adam amplifies fp32 rounding so far on these tiny models that our fp32 training and our float64
+# training of Mistral's already differ by 1.8e-5 in the tenth gradient norm (transformers' and ours by 2.7e-6: the
+# same rounding); at 1e-3 both gaps are below 5e-7, and the comparison tests the computation, not the rounding.
+TRAIN = TrainConfig(steps=10, global_batch=4, seq_len=16, lr=1e-3, weight_decay=0.0, warmup=2,
                     lr_schedule="cosine", grad_clip=0.5)
 LAYOUTS = {
     "dp2": ParallelConfig(ParallelDims(dp_replicate=2)),
