@@ -3,11 +3,14 @@ data-parallel ranks, and say so); the summary names the checkpoints written, the
 resumed from, and counts a resumed run's steps from there. The bar is drawn only on a terminal: stderr here is
 a pseudo-terminal."""
 
+import fcntl
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +20,8 @@ SMALL = ["--dp", "2", "--global-batch", "4", "--seq-len", "32"]
 def _train_on_a_terminal(*argv: str) -> tuple[str, str]:
     """stdout and the terminal's text (stderr) of ``parallelisms train`` run with stderr on a pseudo-terminal."""
     leader, follower = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))  # a width the bar can use
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *SMALL, *argv], stdout=subprocess.PIPE,
                             stderr=follower, env=env, text=True)
     os.close(follower)

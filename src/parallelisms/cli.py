@@ -265,7 +265,9 @@ def cmd_train(args) -> int:
     report = train_report(args, announce=True)
     if report is None:
         return 0
-    print_train_summary(report, args, vars(build_parser().parse_args(["verify"])))
+    defaults = vars(build_parser().parse_args(["verify"]))
+    defaults["dtype"] = TrainConfig.dtype  # verify's unset --dtype runs this one first: not a flag to suggest
+    print_train_summary(report, args, defaults)
     if "prediction" in report:
         from parallelisms.perf.predict import format_comparison
         print(format_comparison(report["prediction"]))

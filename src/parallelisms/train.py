@@ -265,11 +265,13 @@ def _poisoned(on: bool):
     """While entered (``on``), memory torch hands out uninitialised (``torch.empty``, ``new_empty``, a resized
     storage: the engines' flat buffers, buckets, shards and receive buffers) is filled with NaN, so a read of it
     before it is written makes verify fail loudly rather than by luck: torch's deterministic mode's
-    ``fill_uninitialized_memory`` (warning, not raising, for the operators it has no deterministic version of).
+    ``fill_uninitialized_memory`` (silent, not raising, on the operators it has no deterministic version of).
     The previous settings are restored afterwards (a single-process run trains in the caller's process)."""
     if not on:
         yield
         return
+    import warnings
+
     import torch.utils.deterministic as deterministic
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -277,7 +279,9 @@ def _poisoned(on: bool):
     torch.use_deterministic_algorithms(True, warn_only=True)
     deterministic.fill_uninitialized_memory = True
     try:
-        yield
+        with warnings.catch_warnings():  # only the NaN fill is wanted, not the mode's notes on other operators
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation")
+            yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         deterministic.fill_uninitialized_memory = before[2]
