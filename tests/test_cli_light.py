@@ -47,3 +47,12 @@ def test_verbs_that_train_nothing_import_no_torch(argv):
 
 def test_help_takes_under_half_a_second_of_cpu():
     assert _probe("--help")["cpu_s"] < 0.5
+
+
+def test_calibrate_warns_when_the_machine_is_busy(capsys):
+    from parallelisms.cli_verbs import BUSY_LOAD_PER_CORE, _warn_if_busy
+
+    assert _warn_if_busy(BUSY_LOAD_PER_CORE * 2 + 0.1, 2, "before calibrating")
+    assert "busy before calibrating (load average 1.1 on 2 cores)" in capsys.readouterr().err
+    assert not _warn_if_busy(BUSY_LOAD_PER_CORE * 2, 2, "before calibrating") and not capsys.readouterr().err
+    assert not _warn_if_busy(None, 2, "while calibrating")
