@@ -280,7 +280,8 @@ def _poisoned(on: bool):
     deterministic.fill_uninitialized_memory = True
     try:
         with warnings.catch_warnings():  # only the NaN fill is wanted, not the mode's notes on other operators
-            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation")
+            warnings.filterwarnings("ignore", message=".*(does not have a deterministic implementation|"
+                                                      "CUBLAS_WORKSPACE_CONFIG)")
             yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
