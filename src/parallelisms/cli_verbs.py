@@ -73,7 +73,7 @@ def _warn_if_busy(load: float | None, cores: int, when: str) -> bool:
     if busy:
         print(f"warning: this machine is busy {when} (load average {load:.1f} on {cores} cores): calibrate times "
               f"every core, so its figures come out slower than the machine is; calibrate on an idle machine "
-              f"(the load is recorded in the file as load_average)", file=sys.stderr, flush=True)
+              f"(the load is recorded in the file's measurements)", file=sys.stderr, flush=True)
     return busy
 
 
@@ -95,7 +95,7 @@ def run_calibrate(args) -> int:
     after = machine_load()  # calibrate's own processes have ended: the last minute's load is mostly others' work
     if not busy:
         _warn_if_busy(after, cores, "while calibrating")
-    result["load_average"] = {"before": before, "after": after, "cores": cores}
+    result["measurements"]["load_average"] = {"before": before, "after": after, "cores": cores}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
