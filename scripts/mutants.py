@@ -2,8 +2,10 @@
 
 ``verify`` claims that a layout which trains differently from single-process training fails. This script
 tests that claim the direct way: it plants one known bug at a time in a copy of the source (a *mutant*),
-runs ``parallelisms verify`` on a layout that executes the mutated line, once in fp32 and once with
-``--dtype float64``, and records whether verify noticed:
+runs ``parallelisms verify`` on a layout that executes the mutated line, once at its defaults (fp32, then float64
+where cheap), once with ``--dtype float32`` alone and once with ``--dtype float64``, and records whether verify
+noticed (``--dtypes`` picks the columns; a mutant of the checkpoint path runs ``verify-resume`` instead, whose
+``--run`` takes the dtype):
 
 * killed   -- verify exited 1 with its JSON verdict (``ok: false``); the figures say which quantity failed
               (loss, gradient norm before clipping, parameters) and by how much (relative difference);
@@ -46,7 +48,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src"
-DTYPES = ("float32", "float64")
+DTYPES = ("defaults", "float32", "float64")  # defaults: no --dtype (verify: fp32, then float64 where cheap)
+RESUME_RUN = "--preset tiny --steps 4 --global-batch 8 --seq-len 32"  # verify-resume's --run, before any --dtype
 COLLECTIVE_TIMEOUT_S = 120   # verify --timeout: a mutant that desynchronises collectives fails after this
 RUN_TIMEOUT_S = 480          # the whole verify run
 BEGIN, END = "<!-- mutants:begin -->", "<!-- mutants:end -->"
@@ -70,10 +73,11 @@ class Mutant:
     patches: tuple[tuple[str, str, str], ...]  # (file under src/parallelisms, old text, new text)
     equivalent: bool = False                  # proven not to change the computed result
     reason: str = ""                          # the proof (equivalent), or why verify cannot see it
+    verb: str = "verify"                      # or verify-resume (flags: its --save-layout and --resume-layout)
 
 
-def mutant(id, bug, flags, *patches, equivalent=False, reason=""):
-    return Mutant(id, bug, flags, tuple(patches), equivalent, reason)
+def mutant(id, bug, flags, *patches, equivalent=False, reason="", verb="verify"):
+    return Mutant(id, bug, flags, tuple(patches), equivalent, reason, verb)
 
 
 MUTANTS = [
@@ -112,6 +116,12 @@ MUTANTS = [
            "--fsdp shard_grad_op --fsdp-style per_param --dp 2",
            ("parallel/fsdp2.py", "send = self._grad_send_buffer(unit).div_(self.comm.size)",
             "send = self._grad_send_buffer(unit)")),
+    mutant("yafsdp-fresh-buffer-unzeroed", "buffer reuse: a freshly allocated (uninitialised) gradient buffer taken "
+           "as zeroed; only reused ones are zeroed", "--fsdp full_shard --fsdp-style reuse --dp 2",
+           ("parallel/yafsdp.py", "        buffer = self._buffer(self.grad_buffers, \"grad\", unit)\n",
+            "        fresh = self.grad_buffers[self._slot(unit)] is None\n"
+            "        buffer = self._buffer(self.grad_buffers, \"grad\", unit)\n"),
+           ("parallel/yafsdp.py", "        buffer.zero_()", "        if not fresh:\n            buffer.zero_()")),
     mutant("yafsdp-grad-buffer-stale", "buffer reuse: reused gradient buffer not zeroed before accumulation",
            "--fsdp full_shard --fsdp-style reuse --dp 2",
            ("parallel/yafsdp.py", "buffer.zero_()", "pass")),
@@ -164,6 +174,12 @@ MUTANTS = [
     mutant("vocab-embedding-no-mask", "vocab-parallel embedding: tokens of other ranks not zeroed before the sum",
            "--tp 2",
            ("parallel/vocab.py", ".masked_fill(outside.unsqueeze(-1), 0.0)", "")),
+    mutant("vocab-embedding-offset", "vocab-parallel embedding: rank r's rows start one token early (offset off by "
+           "one); the built-in corpus alone (bytes 10-122) never looks up rank 1's rows at tp 2", "--tp 2",
+           ("parallel/vocab.py", "local = tokens - comm.rank * rows", "local = tokens - comm.rank * (rows - 1)")),
+    mutant("vocab-ce-fp32", "vocab-parallel cross-entropy computed in float32 whatever the dtype (a precision "
+           "error fp32 runs cannot see)", "--tp 2",
+           ("parallel/vocab.py", "        logits = upcast(logits)\n", "        logits = logits.float()\n")),
     mutant("vocab-ce-no-pad-mask", "vocab-parallel cross-entropy: padded vocabulary column not masked",
            "--config {vocab255} --tp 2",
            ("parallel/vocab.py", "if start + cols > vocab_size:", "if False:")),
@@ -244,6 +260,10 @@ MUTANTS = [
            ("train.py", "if self.cfg.grad_clip > 0:\n                clip_grad_norm_(", "if False:\n                clip_grad_norm_(")),
     mutant("weight-decay-twice", "weight decay applied twice (coefficient doubled)", "--dp 2",
            ("optim.py", "weight_decay=cfg.weight_decay, eps=1e-8)", "weight_decay=2 * cfg.weight_decay, eps=1e-8)")),
+    # -- checkpoints (verify-resume: save in one layout, resume in another) --------------------------------------------
+    mutant("resume-data-position-lost", "resume: the data loader's position not restored (the resumed run trains on "
+           "the first batches again)", '--save-layout "--dp 2" --resume-layout "--dp 2 --zero 1"',
+           ("train.py", "loader.load_state_dict(resumed.data_state)", "pass"), verb="verify-resume"),
     mutant("grad-accum-not-scaled", "plain runner: microbatch loss not divided by the accumulation count",
            "--dp 2 --grad-accum 2",
            ("train.py", "loss = self.model(x, y) / len(micro)", "loss = self.model(x, y)")),
@@ -282,11 +302,17 @@ class Outcome:
         return f"{self.status}: {self.detail}" if self.detail else self.status
 
 
-def run_verify(src: Path, flags: str, dtype: str, config_dir: Path, mutated: bool) -> Outcome:
-    """``parallelisms verify FLAGS --json`` with ``src`` first on the path; the outcome and its figures."""
+def run_verify(src: Path, flags: str, dtype: str, config_dir: Path, mutated: bool, verb: str = "verify") -> Outcome:
+    """``parallelisms VERB FLAGS --json`` (verify or verify-resume) with ``src`` first on the path; the outcome
+    and its figures."""
     args = shlex.split(flags.format(**{name: str(config_dir / f"{name}.json") for name in CONFIGS}))
-    cmd = [sys.executable, "-m", "parallelisms", "verify", *args, "--dtype", dtype,
-           "--timeout", str(COLLECTIVE_TIMEOUT_S), "--json"]
+    given = [] if dtype == "defaults" else ["--dtype", dtype]
+    if verb == "verify-resume":
+        cmd = [sys.executable, "-m", "parallelisms", verb, *args, "--run",
+               shlex.join([*shlex.split(RESUME_RUN), *given, "--timeout", str(COLLECTIVE_TIMEOUT_S)]), "--json"]
+    else:
+        cmd = [sys.executable, "-m", "parallelisms", verb, *args, *given, "--timeout", str(COLLECTIVE_TIMEOUT_S),
+               "--json"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=config_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # own process group: a timeout ends the ranks too
@@ -332,6 +358,8 @@ def failing(result: dict) -> str:
         return f"non-finite ({result['nonfinite']})"
     tol = result["tolerance"]
     bad = [f"{name} {value:.1e}" for name, value in figures(result).items() if not value <= tol]
+    if result.get("float64") and not result["float64"]["ok"]:  # a default run's float64 pass
+        bad.append("float64 " + failing(result["float64"]))
     return ", ".join(bad)
 
 
@@ -340,13 +368,13 @@ def failing(result: dict) -> str:
 def print_list(mutants: list[Mutant]) -> None:
     for m in mutants:
         files = ", ".join(sorted({f for f, _, _ in m.patches}))
-        print(f"{m.id:30} {'(equivalent) ' if m.equivalent else ''}{m.bug}\n{'':30} {files}: verify {m.flags}")
+        print(f"{m.id:30} {'(equivalent) ' if m.equivalent else ''}{m.bug}\n{'':30} {files}: {m.verb} {m.flags}")
 
 
-def summary_lines(mutants: list[Mutant], results: dict) -> list[str]:
+def summary_lines(mutants: list[Mutant], results: dict, dtypes=DTYPES) -> list[str]:
     counted = [m for m in mutants if not m.equivalent]
     lines = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         statuses = [results[m.id][dtype].status for m in counted]
         detected = statuses.count("killed") + statuses.count("crashed")
         survivors = [m.id for m in counted if results[m.id][dtype].status == "survived"]
@@ -359,16 +387,18 @@ def summary_lines(mutants: list[Mutant], results: dict) -> list[str]:
     return lines
 
 
-def markdown(mutants: list[Mutant], results: dict, controls: dict) -> str:
-    rows = ["| mutant | bug class | layout (verify flags) | fp32 | float64 |", "|---|---|---|---|---|"]
+def markdown(mutants: list[Mutant], results: dict, controls: dict, dtypes=DTYPES) -> str:
+    rows = ["| mutant | bug class | layout (verify flags) | " + " | ".join(dtypes) + " |",
+            "|---|---|---|" + "---|" * len(dtypes)]
     for m in mutants:
         bug = m.bug + (f" *(equivalent: {m.reason})*" if m.equivalent else f" *({m.reason})*" if m.reason else "")
-        rows.append(f"| `{m.id}` | {bug} | `{m.flags}` | {results[m.id]['float32'].cell()} | "
-                    f"{results[m.id]['float64'].cell()} |")
+        verb = "" if m.verb == "verify" else f"{m.verb} "
+        rows.append(f"| `{m.id}` | {bug} | `{verb}{m.flags}` | "
+                    + " | ".join(results[m.id][d].cell() for d in dtypes) + " |")
     rows += ["", "Control (unmutated source, each layout once):", "",
-             "| layout (verify flags) | fp32 | float64 |", "|---|---|---|"]
-    rows += [f"| `{flags}` | {out['float32'].cell()} | {out['float64'].cell()} |" for flags, out in controls.items()]
-    rows += [""] + [f"- {line}" for line in summary_lines(mutants, results)]
+             "| layout (verify flags) | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    rows += [f"| `{flags}` | " + " | ".join(out[d].cell() for d in dtypes) + " |" for flags, out in controls.items()]
+    rows += [""] + [f"- {line}" for line in summary_lines(mutants, results, dtypes)]
     return "\n".join(rows) + "\n"
 
 
@@ -389,7 +419,11 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated mutant ids to run")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--markdown", metavar="FILE", help="write the results table to FILE")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="the columns: defaults, float32, float64")
     args = parser.parse_args()
+    dtypes = tuple(args.dtypes.split(","))
+    if not set(dtypes) <= set(DTYPES):
+        sys.exit(f"--dtypes: choose among {', '.join(DTYPES)}")
 
     ids = [m.id for m in MUTANTS]
     assert len(set(ids)) == len(ids), "duplicate mutant ids"
@@ -412,8 +446,9 @@ def main() -> int:
             (config_dir / f"{name}.json").write_text(json.dumps(config))
 
         controls: dict[str, dict[str, Outcome]] = {}
-        for flags in dict.fromkeys(m.flags for m in mutants):
-            controls[flags] = {dtype: run_verify(SRC, flags, dtype, config_dir, mutated=False) for dtype in DTYPES}
+        for flags, verb in dict.fromkeys((m.flags, m.verb) for m in mutants):
+            controls[flags] = {dtype: run_verify(SRC, flags, dtype, config_dir, mutated=False, verb=verb)
+                               for dtype in dtypes}
             print(f"control  {flags:55} " + "  ".join(f"{d}: {o.cell()}" for d, o in controls[flags].items()),
                   flush=True)
 
@@ -423,23 +458,24 @@ def main() -> int:
             shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
             for path, text in patched_sources(m, copy).items():
                 path.write_text(text)
-            results[m.id] = {dtype: run_verify(copy, m.flags, dtype, config_dir, mutated=True) for dtype in DTYPES}
+            results[m.id] = {dtype: run_verify(copy, m.flags, dtype, config_dir, mutated=True, verb=m.verb)
+                             for dtype in dtypes}
             shutil.rmtree(copy.parent)
             print(f"{m.id:30} {'(equivalent) ' if m.equivalent else ''}"
                   + "  ".join(f"{d}: {o.cell()}" for d, o in results[m.id].items()), flush=True)
 
     print()
-    for line in summary_lines(mutants, results):
+    for line in summary_lines(mutants, results, dtypes):
         print(line)
     broken = [flags for flags, out in controls.items() if any(o.status != "pass" for o in out.values())]
     for flags in broken:
         print(f"CONTROL FAILED: verify {flags} does not pass unmutated; its mutants' rows mean nothing")
     contradicted = [m.id for m in mutants if m.equivalent
-                    and any(results[m.id][d].status != "survived" for d in DTYPES)]
+                    and any(results[m.id][d].status != "survived" for d in dtypes)]
     for mid in contradicted:
         print(f"EQUIVALENCE CONTRADICTED: {mid} was detected although marked equivalent")
     if args.markdown:
-        write_markdown(Path(args.markdown), markdown(mutants, results, controls))
+        write_markdown(Path(args.markdown), markdown(mutants, results, controls, dtypes))
         print(f"table written to {args.markdown}")
     return 1 if broken or contradicted else 0
 

@@ -90,3 +90,22 @@ def test_import_is_light_and_names_resolve():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
         **os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_readme_snippet_as_a_script_without_a_main_guard(tmp_path):
+    """README's Python snippet, pasted into a script with no ``if __name__ == "__main__"`` guard, runs its
+    multi-rank calls: the ranks run the package's ``__main__.py``, never the caller's script. Its steps and
+    batch are cut to a test's budget; the script is otherwise the README's."""
+    snippet = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
+    assert "__main__" not in snippet and "steps=50" in snippet and "zero=3)" in snippet
+    small = "steps=2, global_batch=4, seq_len=32"
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.replace("steps=50", small).replace("zero=3)", f"zero=3, {small})")
+                      + "\nprint('ranks', report['world_size'], 'ok', parallelisms.verify(dp=2, steps=1, "
+                        "global_batch=4, seq_len=32)['ok'])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "ranks 4 ok True"
+    assert "bootstrapping" not in done.stderr

@@ -1,11 +1,13 @@
-"""Faults end in time and in one line: a stopped rank (SIGSTOP) under ``--timeout 10`` ends the run within 15 s on
-every transport and is named; a killed rank ends every rank within seconds and is named; Ctrl-C ends every
+"""Faults end in time and in one line: a stopped rank (SIGSTOP) under ``--timeout 10`` ends the run within the
+timeout and a few seconds on every transport and is named; a killed rank ends every rank within seconds and is named; Ctrl-C ends every
 rank with ``interrupted`` and exit code 130, also while the ranks are still importing torch. Each leaves no process and no shared-memory file behind.
 
 The command line runs as a subprocess (in a session of its own, so Ctrl-C can reach its whole process group as
 a terminal's would). The scenarios run at once, each acting once its run has trained a step (or, for Ctrl-C
 while starting, once both ranks have begun to import torch), to keep the file
-within a minute on a small machine, and no test of another worker runs meanwhile (conftest's ``alone``).
+within a minute on a small machine, and no test of another worker runs meanwhile (conftest's ``alone``). The
+seconds allowed beyond the timeout scale with the same run's measured start-up time (:func:`_slack`), so that a
+loaded machine stretches bound and run alike.
 """
 
 import os
@@ -87,6 +89,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
     """Train until a step is done, act, and time the rest: exit code, seconds, stderr,
     whether the ranks used shared memory, and the rank processes still alive afterwards."""
     metrics = tmp / "metrics.jsonl"
+    launched = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "parallelisms", "train", *args, "--steps", "100000",
                              "--metrics", str(metrics)],
                             env={**os.environ, "PYTHONPATH": str(SRC), "PARALLELISMS_START_METHOD": "spawn", **env}, stdout=subprocess.DEVNULL,
@@ -106,6 +109,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
         ranks = _ranks(proc.pid)
         shm = all(_maps_shared_memory(pid) for pid in ranks)
         start = time.monotonic()
+        startup = start - launched  # how slow the machine is now: the load that stretches it stretches the ending too
         if action == "interrupt":
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground process group
         else:
@@ -117,7 +121,7 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
         while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < gone:
             time.sleep(0.1)
         text = err.decode(errors="replace")
-        return {"code": code, "seconds": elapsed, "shm": shm, "lines": [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()],
+        return {"code": code, "seconds": elapsed, "startup": startup, "shm": shm, "lines": [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()],
                 "left": [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]}
     finally:
         if proc.poll() is None or any(os.path.exists(f"/proc/{pid}") for pid in ranks):
@@ -156,6 +160,12 @@ def _run_all(dirs: dict) -> dict:
     return results
 
 
+def _slack(result: dict) -> float:
+    """What a run may take to end beyond its --timeout: 5 s, or on a loaded machine the same run's start-up time
+    (launch to its first step; 6-9 s on an idle 2-core machine), which the load stretches alike."""
+    return max(5.0, result["startup"])
+
+
 def _result(runs, name) -> dict:
     result = runs[name]
     if isinstance(result, Exception):
@@ -174,7 +184,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(runs, name)
     result = _result(runs, name)
     assert result["shm"] == (name != "stop_gloo")  # dp's all-reduce or the pipeline's messages: shared memory
     line = result["lines"][0]
-    assert result["code"] == 1 and result["seconds"] < 15, (result["seconds"], line)
+    assert result["code"] == 1 and result["seconds"] < 10 + _slack(result), (result["seconds"], line)
     assert line.startswith(f"error: rank {stopped} failed: did not arrive at "), line
     assert f"no heartbeat from rank {stopped}" in line and "stopped or dead" in line, line
 
@@ -182,14 +192,14 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(runs, name)
 @pytest.mark.parametrize("name", ["kill", "kill_forkserver"])
 def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs, name):
     result = _result(runs, name)
-    assert result["code"] == 1 and result["seconds"] < 8, result  # 0.5 s alone; more with the other runs
+    assert result["code"] == 1 and result["seconds"] < _slack(result), result  # 0.5 s alone; more with the other runs
     assert result["lines"][0].startswith(f"error: rank {SCENARIOS[name][3]} failed (exit code -9)"), result["lines"]
 
 
 @pytest.mark.parametrize("name", ["interrupt", "interrupt_starting", "interrupt_forkserver"])
 def test_ctrl_c_ends_every_rank_with_one_line_and_exit_code_130(runs, name):
     result = _result(runs, name)
-    assert result["code"] == 130 and result["seconds"] < 8, result
+    assert result["code"] == 130 and result["seconds"] < _slack(result), result
     assert result["lines"] == ["interrupted"]
 
 

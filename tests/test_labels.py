@@ -56,7 +56,8 @@ def test_train_and_verify_share_defaults():
         assert layouts[0] == layouts[1], argv
         assert all(getattr(layouts[0].dims, k) == v for k, v in dims.items()), (argv, layouts[0].dims)
     train, verify = (vars(parser.parse_args([verb])) for verb in ("train", "verify"))
-    shared = set(train) & set(verify) - {"steps", "func", "command"}
+    shared = set(train) & set(verify) - {"steps", "func", "command", "dtype"}  # verify's unset dtype: fp32, then float64
+    assert train["dtype"] == "float32" and verify["dtype"] is None
     assert {k: train[k] for k in shared} == {k: verify[k] for k in shared}
 
 

@@ -43,29 +43,6 @@ DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {
 GENERAL = {"preset": "small", "global_batch": 8, "rounds": 3, "steps": 5}
 
 
-def add_bench_parser(sub) -> None:
-    from parallelisms.flags import DEGREE, integer, integer_list, number
-
-    count = integer(1, 10**9)
-    p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
-    p.add_argument("name", help="what to benchmark: " + ", ".join(BENCHES) if BENCHES else "benchmark name")
-    p.add_argument("--preset", help="model preset (default small; ep: tiny-moe)")
-    p.add_argument("--world", type=DEGREE, default=2, help="ranks")
-    p.add_argument("--global-batch", type=count, help="sequences per step (default 8; cp: 2)")
-    p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")
-    p.add_argument("--steps", type=count, help="timed steps per round and implementation (default 5; predict: 12)")
-    p.add_argument("--rounds", type=count, help="alternating rounds (default 3; predict: 5)")
-    p.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=25.0, help="gradient bucket cap")
-    p.add_argument("--schedule", help="pipeline: the schedule (gpipe, 1f1b (default), interleaved, zb-v, dualpipev)")
-    p.add_argument("--microbatches", type=count, help="pipeline: microbatches per step (default 2 x world)")
-    p.add_argument("--sp", action="store_true", default=None, help="tp: with Megatron sequence parallelism")
-    p.add_argument("--target", choices=("block", "mlp"), help="tp: what the headline ratio times (default block)")
-    p.add_argument("--hardware", help="predict: `calibrate` (measure this machine first; the default), a hardware preset or a `calibrate` file")
-    p.add_argument("--seq-lens", type=integer_list(2, 10**6),
-                   help="cp: sequence lengths (default 1024,2048,4096,8192,16384)")
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
-
-
 def run_bench(args) -> dict:
     if args.name not in BENCHES:
         raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {', '.join(BENCHES)}")

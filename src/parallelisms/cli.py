@@ -2,6 +2,10 @@
 
 Bad input is reported as one line (``error: ...``, exit code 2) before any process starts; a rank that
 fails is reported by number (exit code 1).
+
+Imports: this module and every module it imports at load are torch-free, so that ``--help``, ``--version``,
+``estimate``, ``plan`` and ``simulate`` answer at once (see :mod:`parallelisms.cli_verbs`); a verb's code that needs
+torch is imported inside the function that runs it. ``tests/test_cli_light.py`` guards this.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import sys
 from parallelisms.support import validate_layout
 from parallelisms.config import (ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS,
                                  with_positions)
-from parallelisms.errors import ConfigError, require
+from parallelisms.errors import ConfigError, LaunchError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
-from parallelisms.launch import under_torchrun
+from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
 from parallelisms.export import add_export_parser
+from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
@@ -115,6 +120,8 @@ def _add_device_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)}: auto is cuda (NCCL) when every rank on "
                                                     f"this machine has a GPU of its own, else cpu (gloo)")
+    p.add_argument("--force", action="store_true", help="launch even where the layout's memory per rank (as estimate "
+                                                        "predicts it) exceeds this machine's")
 
 
 def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -124,7 +131,7 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
-                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype,
+                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype or TrainConfig.dtype,
                         **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
@@ -189,6 +196,12 @@ def prepare(args, announce: bool = False):
 
     model, train, parallel = build_configs(args)
     placement = choose(args.device, parallel.dims.world_size)
+    if not (getattr(args, "force", False) or under_torchrun()):  # torchrun's ranks start before any check could
+        from parallelisms.device import local_ranks
+        from parallelisms.fit import check_fits
+
+        check_fits(model, train, parallel, placement.device, local_ranks(parallel.dims.world_size),
+                   args.config or getattr(args, "init_from", None) or args.preset)
     if announce and os.environ.get("RANK", "0") == "0":
         world = parallel.dims.world_size
         print(f"{args.command} {parallel.label()}: {world} rank{'s' if world > 1 else ''} on {placement.describe()}",
@@ -225,6 +238,8 @@ def train_report(args, announce: bool = False) -> dict | None:
     report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
+    if metrics:
+        report["metrics"] = metrics
     if args.export_hf:
         from parallelisms.hf import export_hf
         report["exported_hf"] = str(export_hf(report.pop("state"), model, args.export_hf))
@@ -255,7 +270,9 @@ def cmd_train(args) -> int:
     report = train_report(args, announce=True)
     if report is None:
         return 0
-    print_train_summary(report, args, vars(build_parser().parse_args(["verify"])))
+    defaults = vars(build_parser().parse_args(["verify"]))
+    defaults["dtype"] = TrainConfig.dtype  # verify's unset --dtype runs this one first: not a flag to suggest
+    print_train_summary(report, args, defaults)
     if "prediction" in report:
         from parallelisms.perf.predict import format_comparison
         print(format_comparison(report["prediction"]))
@@ -323,16 +340,39 @@ def _rounding_note(explained: dict) -> str:
             f"{ratio:.2f}x the fp32 single-process reference's own rounding (allowed {ROUNDING_FACTOR:g}x)")
 
 
+FLOAT64_UP_TO = "small"  # verify without --dtype runs float64 as well on the CPU for models up to this preset's size
+
+
 def verify_result(args, announce: bool = False) -> dict | None:
-    """Verify as ``args`` say; the comparison (the ``--json`` object), None on non-zero torchrun ranks."""
+    """Verify as ``args`` say; the comparison (the ``--json`` object), None on non-zero torchrun ranks. Without
+    ``--dtype``, an fp32 run on the CPU of a model up to ``small`` is followed by the same layout in float64
+    (``float64``: its comparison; ``ok`` needs both), where the contract tightens to 1e-10 and a precision
+    error fp32's rounding hides shows."""
+    from parallelisms.config import PRESETS
+
+    model, train, parallel, placement = prepare(args, announce)
+    # every token id in the batches, so that every vocabulary shard is looked up (parallelisms.data.loader)
+    train = train.replace(data=dataclasses.replace(train.data, vocab_sweep=model.vocab_size))
+    result = _verify_dtype(args, model, train, parallel, placement)
+    if result is None or not (args.dtype is None and placement.device == "cpu" and parallel.mixed_precision == "fp32"
+                              and model.num_params() <= PRESETS[FLOAT64_UP_TO].num_params()):
+        return result
+    wide = _verify_dtype(args, model, train.replace(dtype="float64"), parallel, placement)
+    result["float64"] = {k: wide[k] for k in ("ok", "tolerance", "max_loss_rel_diff", "max_grad_norm_rel_diff",
+                                              "max_param_rel_diff", "worst_param", "nonfinite")}
+    result["ok"] = result["ok"] and wide["ok"]
+    return result
+
+
+def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
+    """One comparison of the layout with single-process training, in ``train.dtype``."""
     from parallelisms.train import RunSpec
     from parallelisms.verify import check_reference, compare_mixed_precision, compare_settled
 
-    model, train, parallel, placement = prepare(args, announce)
     tolerance = _tolerance(args, train)
     # the reference first: settings under which it diverges are refused before any process starts
     reference = check_reference(reference_for(model, train, parallel), train)
-    report = run_layout(RunSpec(model, train, parallel, collect_state=True), placement)
+    report = run_layout(RunSpec(model, train, parallel, collect_state=True, poison_fresh_memory=True), placement)
     if report is None:
         return None
     if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
@@ -362,6 +402,12 @@ def cmd_verify(args) -> int:
           + _rounding_note(result.get("rounding_explained", {}))
           + (f"; bf16 envelope: {result['envelope']:.2f}x single-process bf16's own distance from fp32 "
              f"(allowed {result['envelope_limit']:g}x)" if "envelope" in result else ""))
+    if "float64" in result:
+        wide = result["float64"]
+        print(f"the same in float64: max loss rel diff {wide['max_loss_rel_diff']:.2e}, max param rel diff "
+              f"{wide['max_param_rel_diff']:.2e} ({wide['worst_param']}), tolerance {wide['tolerance']:.0e}: "
+              f"{'ok' if wide['ok'] else 'MISMATCH'}" + (f"; first non-finite value: {wide['nonfinite']}"
+                                                          if wide["nonfinite"] else ""))
     if args.json:
         print(json_line(result))
     return 0 if result["ok"] else 1
@@ -401,15 +447,6 @@ def cmd_estimate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from parallelisms.bench import run_bench
-
-    result = run_bench(args)
-    if args.json:
-        print(json_line(result))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from parallelisms import __version__
 
@@ -438,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(p, evaluation=False)
     _add_device_arg(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
+    p.set_defaults(dtype=None)  # unset: float32, then float64 where cheap (verify_result)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("estimate", help="predict memory, communication and step time of a layout")
@@ -456,7 +494,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(p)
     p.set_defaults(func=lambda args: run_plan(args, _model(args)))
 
-    from parallelisms.perf.calibrate import add_calibrate_parser
     add_calibrate_parser(sub)
     add_verify_resume_parser(sub)
     sub.choices["verify-resume"].set_defaults(func=cmd_verify_resume)
@@ -465,9 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     from parallelisms.plot_trace import add_parser as add_plot_trace_parser
     add_plot_trace_parser(sub)
 
-    from parallelisms.bench import add_bench_parser
     add_bench_parser(sub)
-    sub.choices["bench"].set_defaults(func=cmd_bench)
 
     try:
         from parallelisms.parallel.pipeline.cli import add_simulate_parser, run_simulate
@@ -480,8 +515,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from parallelisms.launch import LaunchError
-
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -250,6 +250,7 @@ class DataConfig:
     eval_split: float = 0.0        # fraction of the tokens held out (the last ones) for validation
     eval_every: int = 0            # steps between validation losses (0: never)
     eval_batches: int = 4          # global batches each validation averages over
+    vocab_sweep: int = 0           # verify: every token id below this mixed into the batches (BatchLoader)
 
 
 @dataclass(frozen=True)

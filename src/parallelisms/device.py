@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 
 from parallelisms.errors import require
-from parallelisms.launch import under_torchrun
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
@@ -29,6 +28,11 @@ class Placement:
 
     def describe(self) -> str:
         return f"{self.device}, one process" if self.backend == "none" else f"{self.device} ({self.backend})"
+
+
+def under_torchrun() -> bool:
+    """Whether ``torchrun`` started this process as one rank (the launcher then runs this rank only)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def local_ranks(world_size: int) -> int:

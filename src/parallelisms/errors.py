@@ -10,6 +10,15 @@ class ConfigError(ValueError):
     and what would work."""
 
 
+class LaunchError(RuntimeError):
+    """A rank failed (raised by :mod:`parallelisms.launch`); the message names it and its error, ``details`` holds
+    its traceback. Defined here so that the command line catches it without importing the launcher (torch)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
 def require(condition: bool, message) -> None:
     """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds; a message that costs something to
     build (suggestions) is passed as a function and built only on failure."""

@@ -18,6 +18,7 @@ of the run that a rank killed while making one left in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,14 +43,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from parallelisms.comm.liveness import LATE, Heartbeat
 from parallelisms.comm.ops import CommError
 from parallelisms.comm.shm import remove_run_files
-
-
-class LaunchError(RuntimeError):
-    """A rank failed; the message names it and its error, ``details`` holds its traceback."""
-
-    def __init__(self, message: str, details: str = ""):
-        super().__init__(message)
-        self.details = details
+from parallelisms.device import under_torchrun  # noqa: F401  (importers of the launcher find it here too)
+from parallelisms.errors import LaunchError
+from parallelisms.fit import killed_for_memory, oom_signs
 
 
 PEER_GONE_GRACE_S = 1.0  # a rank whose collective broke because a peer exited waits this long before it exits
@@ -63,10 +60,6 @@ class RankInfo:
     local_rank: int
     device: torch.device
     heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)  # follow() the rank's ledger
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def default_backend() -> str:
@@ -182,6 +175,24 @@ def _start_method() -> str:
     return method
 
 
+@contextlib.contextmanager
+def _ranks_run_the_package_main():
+    """While ranks start: the caller's ``__main__`` module stood in for by one whose file is this package's
+    ``__main__.py``. Multiprocessing's spawn re-runs the parent's main script in every child; a script, notebook or
+    REPL that calls ``parallelisms.train(dp=2)`` without an ``if __name__ == "__main__"`` guard would otherwise be
+    re-run by each rank (which tries to launch again and fails with a bootstrapping error). Each rank instead runs
+    ``parallelisms/__main__.py`` as ``python -m parallelisms`` ranks do, and never the caller's code."""
+    stand_in = types.ModuleType("__main__")
+    stand_in.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+    stand_in.__spec__ = None
+    callers = sys.modules["__main__"]
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = callers
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -227,11 +238,17 @@ def _last_line(failure) -> str:
     return lines[-1] if lines else "no error message"
 
 
-def _launch_error(failures: dict) -> BaseException:
-    """One line for the failed ranks: the late peers a rank named, or the rank that failed and its error."""
+def _launch_error(failures: dict, oom_before: dict | None = None) -> BaseException:
+    """One line for the failed ranks: the late peers a rank named, a rank the kernel killed for memory (SIGKILL,
+    and since ``oom_before`` an out-of-memory kill counted: :func:`parallelisms.fit.killed_for_memory`), or the
+    rank that failed and its error."""
     rank, failure = _root_cause(failures)
     if failure.exitcode == -signal.SIGINT:
         return KeyboardInterrupt()
+    if failure.exitcode == -signal.SIGKILL and oom_before is not None and killed_for_memory(oom_before):
+        return LaunchError(f"rank {rank} ran out of memory: the kernel's out-of-memory killer ended it (SIGKILL); "
+                           f"`parallelisms estimate` with the same flags shows the memory per rank: shard more "
+                           f"(--zero, --fsdp, --tp, --pp), use fewer ranks per machine or a smaller model")
     line, details = _last_line(failure), str(_message(failure))
     late = LATE.search(line)
     if late:
@@ -267,6 +284,7 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
     watcher = threading.Thread(target=_continue_after_a_failure, args=(stop, world_size), daemon=True)
     watcher.start()
     os.environ["PARALLELISMS_RANK_STARTING"] = "1"  # read by parallelisms.__main__ as each rank imports it
+    oom_before = oom_signs()
     try:
         for attempt in range(PORT_ATTEMPTS):
             # the launcher hosts the rendezvous store on a port found free a moment ago; where another process
@@ -277,13 +295,14 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
                                   rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.05,
                                   start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=logs))
             try:
-                results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads)
+                with _ranks_run_the_package_main():
+                    results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads)
                 break
             except RendezvousConnectionError as exc:
                 if "EADDRINUSE" not in str(exc.__cause__) or attempt == PORT_ATTEMPTS - 1:
                     raise
     except ChildFailedError as exc:
-        raise _launch_error(exc.failures) from None
+        raise _launch_error(exc.failures, oom_before) from None
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

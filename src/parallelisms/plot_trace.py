@@ -1,8 +1,11 @@
 """``parallelisms plot-trace TRACE --out PNG``: draw a ``train --trace`` timeline as a picture.
 
-After the first step (setup and warm-up; ``--skip-steps``), two rows per rank, as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on
-communication the rank could not hide, in red) above communication (each collective from issue to completion).
+After the first step (setup and warm-up; ``--skip-steps``), or the steps ``--steps A:B`` name, two rows per rank,
+as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on communication the rank
+could not hide, in red) above communication (each collective from issue to completion). A pipeline's actions
+(``F s0 mb0``, ``B``, and the zero-bubble schedules' split ``I`` and ``W``) take the colour of their kind.
 What is red is the exposed communication the summary reports; communication under a compute bar is hidden.
+The legend names the kinds the picture holds.
 Needs matplotlib (``pip install 'parallelisms[plot]'``).
 """
 
@@ -13,8 +16,12 @@ from pathlib import Path
 
 from parallelisms.errors import ConfigError, require
 
-COLOURS = {"forward": "#4878d0", "backward": "#ee854a", "optimizer": "#6acc64", "wait": "#d65f5f",
-           "comm": "#956cb4"}
+COLOURS = {"forward": "#4878d0", "backward": "#ee854a", "backward (input)": "#dc7ec0",
+           "weight gradient": "#d5bb67", "optimizer": "#6acc64", "wait": "#d65f5f", "comm": "#956cb4"}
+# a compute span's first word -> its kind: the training loop's names, and the pipeline's actions (``F s0 mb0``)
+KINDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "F": "forward", "B": "backward",
+         "I": "backward (input)", "W": "weight gradient"}
+OTHER = "#8c8c8c"
 
 
 def read_spans(path: str | Path) -> dict[int, list[dict]]:
@@ -32,24 +39,37 @@ def read_spans(path: str | Path) -> dict[int, list[dict]]:
     return spans
 
 
-def _colour(event: dict) -> str:
+def kind(event: dict) -> str | None:
+    """The legend's name for a span: its category for waits and communication, else its name's kind (None: none
+    of them, drawn grey)."""
     if event.get("cat") in ("wait", "comm"):
-        return COLOURS[event["cat"]]
-    return COLOURS.get(event["name"].split()[0], "#8c8c8c")
+        return event["cat"]
+    words = event["name"].split()
+    return KINDS.get(words[0]) if words else None
 
 
-def _start(spans: dict[int, list[dict]], skip_steps: int) -> float:
-    """Where the picture starts: after the first ``skip_steps`` steps of every rank (a step ends with its
-    optimizer span), else at the first forward. Setup and the warm-up step would squeeze the steady state."""
+def _colour(event: dict) -> str:
+    return COLOURS.get(kind(event), OTHER)
+
+
+def _window(spans: dict[int, list[dict]], skip_steps: int, steps: tuple[int, int] | None) -> tuple[float, float]:
+    """The time the picture shows: steps ``steps`` (first, last; 1-based, inclusive), else those after the first
+    ``skip_steps``. A step ends with its optimizer span on every rank; setup and the warm-up step would squeeze
+    the steady state. Where the trace holds fewer steps, from the first forward."""
     ends = [sorted(e["ts"] + e["dur"] for e in rank if e["name"].startswith("optimizer")) for rank in spans.values()]
-    if skip_steps and all(len(e) > skip_steps for e in ends):
-        return max(e[skip_steps - 1] for e in ends)
-    return min((e["ts"] for rank in spans.values() for e in rank if e["name"].startswith("forward")), default=0.0)
+    first, last = steps if steps else (skip_steps + 1, None)
+    counted = min(len(e) for e in ends)
+    require(steps is None or first <= counted, f"--steps {first}:{last}: the trace holds {counted} step(s)")
+    end = max(e[min(last, counted) - 1] for e in ends) if last and counted else float("inf")
+    if first > 1 and first - 1 <= counted:
+        return max(e[first - 2] for e in ends), end
+    return min((e["ts"] for rank in spans.values() for e in rank if kind(e) == "forward"), default=0.0), end
 
 
-def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip_steps: int = 1) -> Path:
-    """Draw the trace at ``path`` into ``out`` (.png or .svg), leaving out the first ``skip_steps`` steps;
-    returns ``out``."""
+def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip_steps: int = 1,
+               steps: tuple[int, int] | None = None) -> Path:
+    """Draw the trace at ``path`` into ``out`` (.png or .svg): steps ``steps`` (first, last), else all but the
+    first ``skip_steps``; returns ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,23 +78,27 @@ def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip
 
     spans = read_spans(path)
     ranks = sorted(spans)
-    origin = _start(spans, skip_steps)
+    origin, end = _window(spans, skip_steps, steps)
+    shown = set()
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
     labels, ticks = [], []
     for i, rank in enumerate(ranks):
         for tid, row in ((0, "compute"), (1, "comm")):
             y = -(2 * i + tid)
-            bars = [e for e in spans[rank] if e.get("tid", 0) == tid and e["ts"] >= origin]
+            bars = [e for e in spans[rank] if e.get("tid", 0) == tid and origin <= e["ts"] < end]
+            shown |= {kind(e) for e in bars}
             ax.broken_barh([((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in bars], (y - 0.4, 0.8),
                            facecolors=[_colour(e) for e in bars], linewidth=0)
             labels.append(f"rank {rank} {row}")
             ticks.append(y)
     ax.set_yticks(ticks, labels)
-    ax.set_xlabel("time (ms)" + (f", from the end of step {skip_steps}" if skip_steps else ""))
-    ax.set_title(title or f"timeline of {Path(path).name}")
-    ax.legend(handles=[Patch(color=c, label=n if n != "wait" else "exposed comm (wait)") for n, c in COLOURS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=len(COLOURS),
-              frameon=False)
+    start = steps[0] - 1 if steps else skip_steps
+    ax.set_xlabel("time (ms)" + (f", from the end of step {start}" if start else ""))
+    ax.set_title(title or f"timeline of {Path(path).name}" + (f", steps {steps[0]} to {steps[1]}" if steps else ""))
+    legend = [Patch(color=c, label=n if n != "wait" else "exposed comm (wait)") for n, c in COLOURS.items() if n in shown]
+    legend += [Patch(color=OTHER, label="other")] if None in shown else []
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
+              ncol=len(legend), frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -92,7 +116,16 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-steps", type=integer(0, 10**9), default=1,
                    help="steps left out at the start (the first warms up); when the trace has fewer, from the first "
                         "forward")
+    p.add_argument("--steps", type=_step_range, metavar="A:B",
+                   help="draw steps A to B (1-based, inclusive; overrides --skip-steps): a long trace's few steps")
     p.set_defaults(func=run)
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ConfigError(f"--steps must be A:B with 1 <= A <= B (steps to draw, inclusive), got {text!r}")
+    return int(first), int(last)
 
 
 def run(args) -> int:
@@ -102,5 +135,5 @@ def run(args) -> int:
     require(args.out.lower().endswith((".png", ".svg")), f"--out must name a .png or .svg file, got {args.out!r}")
     check_installed("--out", "matplotlib", extra="plot")
     check_writable("--out", args.out)
-    print(f"timeline written to {plot_trace(args.trace, args.out, args.title, args.skip_steps)}")
+    print(f"timeline written to {plot_trace(args.trace, args.out, args.title, args.skip_steps, args.steps)}")
     return 0

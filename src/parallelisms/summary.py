@@ -35,6 +35,16 @@ def next_step(report: dict, args, defaults: dict) -> str:
     return f"next: check {report['layout']} against single-process training: parallelisms verify {flags}".rstrip()
 
 
+def _steps(report: dict) -> str:
+    """The steps this run trained: all of them, or those after the step it resumed from."""
+    resumed = report.get("resumed_from")
+    if not resumed:
+        return f"{report['steps']} steps"
+    done = report["steps"] - resumed["step"]
+    return (f"{done} step{'s' if done > 1 else ''} ({resumed['step'] + 1} to {report['steps']}, resumed from step "
+            f"{resumed['step']} of {resumed['checkpoint']})")
+
+
 def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
     """The end of ``train``: see the module docstring (``defaults`` as :func:`next_step`)."""
     out = out or sys.stdout
@@ -42,8 +52,10 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
     model = getattr(args, "init_from", None) or args.config or args.preset
     lines = [
         f"ran:   {report['layout']} on {world} rank{'s' if world > 1 else ''}, "
-        f"{Placement(report['device'], report['backend']).describe()}; model {model}, {report['steps']} steps of {args.global_batch} x {args.seq_len} tokens",
-        f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f}" + "".join(
+        f"{Placement(report['device'], report['backend']).describe()}; model {model}, {_steps(report)} of "
+        f"{args.global_batch} x {args.seq_len} tokens",
+        f"loss:  {report['loss_first']:.4f} -> {report['loss_last']:.4f} (the mean over the data-parallel ranks, as "
+        f"the progress bar shows it)" + "".join(
             f"; validation {loss:.4f} at step {step}" for step, loss in report.get("eval_losses", [])[-1:]),
         f"speed: {report['step_time_s'] * 1e3:.1f} ms per step (median), {report['tokens_per_s']:,.0f} tokens/s",
     ]
@@ -60,6 +72,12 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
                      + (f", {pipe['simulated_bubble_rate_in_run']:.3f} with the run's latency "
                         f"{pipe['t_latency_in_run_s'] * 1e3:.2f} ms and host time {pipe['t_host_s'] * 1e3:.2f} ms"
                         if pipe.get("simulated_bubble_rate_in_run") is not None else ""))
+    if report.get("checkpoints"):
+        saved = report["checkpoints"]
+        lines.append(f"saved: {len(saved)} checkpoint{'s' if len(saved) > 1 else ''}: "
+                     + (", ".join(saved) if len(saved) <= 3 else f"{saved[0]}, ..., {saved[-1]}"))
+    if report.get("metrics"):
+        lines.append(f"log:   {report['metrics']} (one JSON line per step)")
     if report.get("trace"):
         from parallelisms.comm.trace import format_summary
 

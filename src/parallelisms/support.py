@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
-from parallelisms.parallel.context import check_context_parallel
-from parallelisms.parallel.fsdp import HYBRID, STRATEGIES
+from parallelisms.parallel.checks import HYBRID, STRATEGIES, check_context_parallel
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
 
 # -- the support table ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ gradient sync (a :class:`parallelisms.parallel.grad_sync.GradSync`) and the forw
 from __future__ import annotations
 
 import statistics
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,7 @@ class RunSpec:
     metrics_path: str | None = None      # JSON lines per step, rank 0 (parallelisms.metrics)
     tensorboard_dir: str | None = None   # TensorBoard scalars, rank 0
     init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
+    poison_fresh_memory: bool = False    # verify: fresh memory (torch.empty, buffers) filled with NaN (_poisoned)
 
 
 class MicrobatchLoop:
@@ -259,8 +260,41 @@ def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainCo
     return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
 
 
+@contextmanager
+def _poisoned(on: bool):
+    """While entered (``on``), memory torch hands out uninitialised (``torch.empty``, ``new_empty``, a resized
+    storage: the engines' flat buffers, buckets, shards and receive buffers) is filled with NaN, so a read of it
+    before it is written makes verify fail loudly rather than by luck: torch's deterministic mode's
+    ``fill_uninitialized_memory`` (silent, not raising, on the operators it has no deterministic version of).
+    The previous settings are restored afterwards (a single-process run trains in the caller's process)."""
+    if not on:
+        yield
+        return
+    import warnings
+
+    import torch.utils.deterministic as deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():  # only the NaN fill is wanted, not the mode's notes on other operators
+            warnings.filterwarnings("ignore", message=".*(does not have a deterministic implementation|"
+                                                      "CUBLAS_WORKSPACE_CONFIG)")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
+
+
 def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:
     """Train on this rank; rank 0 returns the report (losses, timings, communication, spans of every rank)."""
+    with _poisoned(spec.poison_fresh_memory):
+        return _train_rank(info, spec, trace)
+
+
+def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | None:
     dims = spec.parallel.dims.check_world_size(info.world_size)
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
@@ -275,7 +309,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
-    loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed)
+    loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed,
+                         spec.train.data.vocab_sweep)
     data = spec.train.data
     evaluation = None
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
@@ -295,18 +330,18 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                           info.rank, spec.checkpoint.meta, info.device)
     metrics = (MetricsWriter(spec.metrics_path, spec.tensorboard_dir, keep_until=first if first else None)
                if info.rank == 0 and (spec.metrics_path or spec.tensorboard_dir) else None)
-    logging = bool(spec.metrics_path or spec.tensorboard_dir)  # every rank: the per-step loss is all-reduced
+    logging = bool(spec.metrics_path or spec.tensorboard_dir)
+    # a few redraws a second at most, and none into a log (stderr not a terminal: every rank shares the launcher's)
+    bar = spec.progress and _shows_a_bar()
+    averaged = logging or bar  # every rank: the per-step loss is all-reduced, the rank average the bar and log show
     steps = range(first, spec.train.steps)
-    if spec.progress and info.rank == 0:
-        import sys
-
+    if bar and info.rank == 0:
         from tqdm import tqdm
-        # a few redraws a second at most, and none into a log (stderr not a terminal)
         steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
-                     disable=not sys.stderr.isatty())
+                     initial=first, total=spec.train.steps)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
-    nonfinite, skipped, save_times = None, 0, []
+    nonfinite, skipped, save_times, saved = None, 0, [], []
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
@@ -322,10 +357,11 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                                        (step + 1) % data.eval_every == 0):
             eval_loss = trainer.evaluate(evaluation).item()
             eval_losses.append([step + 1, eval_loss])
+        mean = _rank_average(comms, loss) if averaged else None
         if logging:
-            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end))
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
+            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end))
+        if hasattr(steps, "set_postfix"):  # the loss as the summary shows it: the mean over the data-parallel ranks
+            steps.set_postfix(loss_rank_mean=f"{mean:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
         if spec.train.nonfinite != "continue":
             nonfinite = _nonfinite(loss, trainer, comms, step + 1, info)
@@ -337,6 +373,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
             began = Timeline.now()
             saver.save(trainer, step + 1, getattr(loader, "state_dict", lambda: None)())
             save_times.append((Timeline.now() - began) / 1e9)
+            saved.append(step + 1)
         _test_kill(info, step + 1)
     if saver is not None:
         saver.close()
@@ -372,7 +409,12 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if spec.train.nonfinite != "continue":
         report.update(nonfinite=nonfinite, skipped_steps=skipped)
     if save_times:
+        from parallelisms.checkpoint import checkpoint_dir
+
         report["save_s"] = save_times
+        report["checkpoints"] = [str(checkpoint_dir(spec.checkpoint.save_dir, s)) for s in saved]
+    if first:
+        report["resumed_from"] = {"step": first, "checkpoint": spec.checkpoint.resume}
     if eval_losses:
         report["eval_losses"] = eval_losses  # [step, validation loss]
     if trace:
@@ -409,20 +451,30 @@ def _test_kill(info: RankInfo, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, loss: torch.Tensor,
+def _shows_a_bar() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _rank_average(comms: Comms, loss: torch.Tensor) -> float:
+    """The step's loss averaged over dp x cp, as the report's losses are (an all-reduce outside the timed step,
+    phase report; every rank calls it)."""
+    with comms.ledger.in_phase("report"):
+        return (comms["dp_cp"].all_reduce(loss.detach().reshape(1).clone()) / comms["dp_cp"].size).item()
+
+
+def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, mean: float,
               eval_loss: float | None, tokens: int, window: tuple[int, int]) -> None:
-    """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (an all-reduce outside the
-    timed step, phase report), learning rate, gradient norm, tokens/s, this rank's exposed communication (with a
-    timeline) and peak memory."""
+    """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (:func:`_rank_average`),
+    learning rate, gradient norm, tokens/s, this rank's exposed communication (with a timeline) and peak memory."""
     from parallelisms.parallel.memory import process_peak_bytes
 
-    with comms.ledger.in_phase("report"):
-        mean = comms["dp_cp"].all_reduce(loss.reshape(1).clone()) / comms["dp_cp"].size
     if metrics is None:
         return
     seconds = (window[1] - window[0]) / 1e9
     exposed = comms.timeline.overlap_stats(*window)["exposed_ns"] / 1e9 if comms.timeline.enabled else None
-    metrics.write({"step": step + 1, "loss": mean.item(), "eval_loss": eval_loss, "lr": trainer.lr,
+    metrics.write({"step": step + 1, "loss": mean, "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
                    "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped})

@@ -1,11 +1,22 @@
-"""Communication: the accounted collectives, the ledger, and the timeline."""
+"""Communication: the accounted collectives, the ledger, and the timeline.
 
-from parallelisms.comm.ledger import CommLedger, CommRecord, ring_bytes_per_rank
-from parallelisms.comm.autograd import (all_to_all, copy_to_group, gather_along, reduce_from_group,
-                                        reduce_scatter_along, split_along)
-from parallelisms.comm.ops import Comm, CommError, Comms, Pending
-from parallelisms.comm.trace import Timeline, write_chrome_trace
+Each name is imported from its module on first use (PEP 562), so that ``parallelisms.comm.ledger``, which the
+performance model reads, loads without torch.
+"""
 
-__all__ = ["Comm", "CommError", "CommLedger", "CommRecord", "Comms", "Pending", "Timeline", "all_to_all",
-           "copy_to_group", "gather_along", "reduce_from_group", "reduce_scatter_along", "ring_bytes_per_rank",
-           "split_along", "write_chrome_trace"]
+import importlib
+
+_MODULES = {
+    "CommLedger": "ledger", "CommRecord": "ledger", "ring_bytes_per_rank": "ledger",
+    **dict.fromkeys(("all_to_all", "copy_to_group", "gather_along", "reduce_from_group", "reduce_scatter_along",
+                     "split_along"), "autograd"),
+    "Comm": "ops", "CommError": "ops", "Comms": "ops", "Pending": "ops",
+    "Timeline": "trace", "write_chrome_trace": "trace",
+}
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"parallelisms.comm.{_MODULES[name]}"), name)
+    raise AttributeError(f"module 'parallelisms.comm' has no attribute {name!r}")

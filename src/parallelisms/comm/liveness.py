@@ -6,13 +6,16 @@ by a background thread, the rank that waited can name the peers that went silent
 debugger), dead, or wedged in the kernel. A heartbeat following a rank's ledger (:meth:`Heartbeat.follow`) also
 carries how many collectives the rank has entered per mesh dimension, so a peer that is alive but never
 arrived (busy in its own code, or waiting at another collective) is named too: it is behind the waiting
-rank's count on that dimension (:func:`lagging_ranks`). Nothing is added to the hot path; the store sees two
+rank's count on that dimension (:func:`lagging_ranks`). A beat also carries the rank's host and process id, so a
+peer on this host whose process has exited is named dead (:func:`dead_ranks`) at once: a collective that a
+killed peer broke fails before its heartbeat has aged, and its last count would read as "behind". Nothing is added to the hot path; the store sees two
 small writes per second per rank. ``late_ranks`` phrases the finding the way the launcher recognises (``LATE``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -84,7 +87,8 @@ class Heartbeat:
         while True:
             counts = dict(self.ledger.collectives) if self.ledger is not None else {}
             try:
-                self.store.set(KEY.format(self.rank), json.dumps({"time": time.time(), "collectives": counts}))
+                self.store.set(KEY.format(self.rank), json.dumps({"time": time.time(), "collectives": counts,
+                                                                  "host": socket.gethostname(), "pid": os.getpid()}))
             except Exception:  # the store is gone: the job is ending
                 return
             if self.stop.wait(self.interval_s):
@@ -119,3 +123,29 @@ def lagging_ranks(ranks, dim: str, entered: int, store=None) -> dict[int, int]:
     counts = {rank: beat["collectives"].get(dim, 0) for rank, beat in _beats(ranks, store).items()
               if beat["collectives"]}
     return {rank: count for rank, count in counts.items() if count < entered}
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (gone, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def dead_ranks(ranks, store=None) -> dict[int, int]:
+    """Rank -> process id, for the ``ranks`` on this host whose process has exited (killed, or ended) although it
+    published a heartbeat; ranks on other hosts are judged by their heartbeat's age (:func:`silent_ranks`)."""
+    host = socket.gethostname()
+    return {rank: beat["pid"] for rank, beat in _beats(ranks, store).items()
+            if beat.get("host") == host and "pid" in beat and _exited(beat["pid"])}
+

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
-from parallelisms.comm.liveness import lagging_ranks, late_ranks, silent_ranks
+from parallelisms.comm.liveness import dead_ranks, lagging_ranks, late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
 
 
@@ -127,6 +127,12 @@ class Comm:
         history = f"last collectives: {self.ledger.tail()}"
         members = dist.get_process_group_ranks(self.group) if self.group is not None else [me]
         peers = range(dist.get_world_size()) if dist.is_initialized() else []
+        dead = dead_ranks([r for r in peers if r != me])
+        if dead:  # a peer's process has exited: it is dead, whatever its last heartbeat said
+            late = [r for r in dead if r in members] or sorted(dead)
+            return CommError(f"{late_ranks(late)} did not arrive at {what} over '{self.name}' (rank {me} waited; "
+                             + ", ".join(f"rank {r} is dead: its process {dead[r]} on this host has exited"
+                                         for r in late) + f"); {history}")
         silent = silent_ranks([r for r in peers if r != me], older_than_s=max(1.0, self.timeout_s / 2))
         entered = self.ledger.collectives.get(self.name, 0)
         lagging = {} if silent else lagging_ranks([r for r in members if r != me], self.name, entered)

@@ -41,12 +41,15 @@ def load_corpus() -> torch.Tensor:
 class BatchLoader:
     """Deterministic global batches of ``global_batch`` windows of ``seq_len + 1`` tokens."""
 
-    def __init__(self, tokens: torch.Tensor | np.ndarray, global_batch: int, seq_len: int, seed: int = 0):
+    def __init__(self, tokens: torch.Tensor | np.ndarray, global_batch: int, seq_len: int, seed: int = 0,
+                 vocab_sweep: int = 0):
         """``tokens``: a 1-D tensor, or a 1-D numpy array (a memory map of a pre-tokenized file is read one
-        window at a time)."""
+        window at a time). ``vocab_sweep`` V > 0 mixes every token id below V into the batches (see
+        :meth:`_sweep`)."""
         count = len(tokens)
         require(count > seq_len + 1, f"corpus of {count} tokens is shorter than seq_len {seq_len} + 1")
         self.tokens, self.global_batch, self.seq_len, self.seed = tokens, global_batch, seq_len, seed
+        self.vocab_sweep = vocab_sweep
         self.step = 0  # the next step :meth:`next_shard` draws
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +57,21 @@ class BatchLoader:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=gen)
         windows = torch.stack([self._window(s) for s in starts.tolist()])
+        if self.vocab_sweep:
+            windows = self._sweep(windows, step, gen)
         return windows[:, :-1], windows[:, 1:]
+
+    def _sweep(self, windows: torch.Tensor, step: int, gen: torch.Generator) -> torch.Tensor:
+        """``windows`` with k = min(V, its size) of its tokens replaced by the ids k x step ... k x step + k - 1
+        (mod V) at positions drawn at random: every id of the vocabulary is an input and a target in every
+        step's batch where the batch holds V tokens, else over every ceil(V / k) steps. ``verify`` trains on this
+        mix, so that every vocabulary-parallel shard of the embedding and the head is looked up and checked
+        (the built-in corpus alone holds bytes 10-122 only)."""
+        flat = windows.flatten().clone()
+        k = min(self.vocab_sweep, flat.numel())
+        ids = (torch.arange(k) + k * step) % self.vocab_sweep
+        flat[torch.randperm(flat.numel(), generator=gen)[:k]] = ids.to(flat.dtype)
+        return flat.view_as(windows)
 
     def _window(self, start: int) -> torch.Tensor:
         window = self.tokens[start: start + self.seq_len + 1]

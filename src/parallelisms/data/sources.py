@@ -148,4 +148,5 @@ def check_data(cfg: DataConfig, model: ModelConfig, seq_len: int) -> int:
 def training_loader(cfg) -> BatchLoader:
     """The loader of ``cfg`` (a ``TrainConfig``): its data's training tokens, its global batch, length and seed.
     The training loop and every single-process reference draw their batches from it."""
-    return BatchLoader(train_and_eval_tokens(cfg.data)[0], cfg.global_batch, cfg.seq_len, cfg.seed)
+    return BatchLoader(train_and_eval_tokens(cfg.data)[0], cfg.global_batch, cfg.seq_len, cfg.seed,
+                       cfg.data.vocab_sweep)

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comm, all_to_all
-from parallelisms.errors import divisors, require
+from parallelisms.errors import require
+from parallelisms.parallel.checks import check_context_parallel  # noqa: F401  (its rules, read before launch)
 from parallelisms.parallel.moe_sequence import shard_moe_sequences
 
 
@@ -258,23 +259,6 @@ class UlyssesAttentionCore(nn.Module):
             k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
         out = self.inner(self._to_heads(q), self._to_heads(k), self._to_heads(v))
         return self._to_sequence(out)
-
-
-def check_context_parallel(style: str, cp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
-    """One-line errors for layouts context parallelism cannot run (before launch)."""
-    require(style in ("ring", "ulysses"), f"unknown context-parallel attention {style!r}; choose ring or ulysses")
-    if style == "ring":
-        require(seq_len % (2 * cp) == 0, f"ring attention with --cp {cp} cuts the sequence into 2 x cp = {2 * cp} "
-                                          f"zigzag chunks, but --seq-len {seq_len} is not divisible by {2 * cp}")
-    else:
-        require(seq_len % cp == 0, f"--seq-len {seq_len} must be divisible by --cp {cp}")
-
-        def fits(d: int) -> bool:
-            return n_heads % d == 0 and (n_kv_heads % d == 0 or d % n_kv_heads == 0)
-        require(fits(cp), lambda: f"Ulysses --cp {cp} gives each rank heads/cp query heads and needs n_kv_heads a "
-                                  f"multiple or a divisor of cp, but n_heads {n_heads} and n_kv_heads {n_kv_heads} "
-                                  f"do not fit {cp} (per tensor-parallel rank); use --cp-attention ring or --cp in "
-                                  f"{list(filter(fits, divisors(n_heads)))}")
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: int) -> torch.Tensor:

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from parallelisms.parallel.checks import HYBRID, STRATEGIES
 from parallelisms.parallel.flat import ShardingPlan
-
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
 
 def fsdp_plan(strategy: str, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:

@@ -7,6 +7,7 @@ Here bytes per element are explicit, so the same formulas cover fp32 training (4
 gradients, no separate master) and bf16 (2-byte parameters and gradients, 4-byte master copies).
 :func:`engines_memory` reports the sharding engines (flat, per-parameter, buffer reuse), one or one per
 pipeline stage.
+torch is imported where a function first needs it: the performance model reads :func:`zero_formula` without it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import resource
 import sys
 
-import torch
-
 
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among ``tensors`` (views of one storage counted once)."""
+    import torch
+
     seen, total = set(), 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
@@ -34,12 +35,16 @@ def tensor_bytes(tensors) -> int:
 def optimizer_state_bytes(optimizers) -> int:
     """Bytes of every tensor in the state of ``optimizers`` (one optimizer or several; Adam: exp_avg,
     exp_avg_sq, step)."""
+    import torch
+
     optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
     return tensor_bytes(v for opt in optimizers for state in opt.state.values() for v in state.values())
 
 
 def process_peak_bytes() -> int:
     """Peak resident memory of this process (CPU: ru_maxrss) or peak CUDA allocation when on a GPU."""
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -250,14 +250,23 @@ def calibrate_shared(repeats: int, pool=None) -> tuple[dict, list[dict]]:
     return keys, results[0][1]
 
 
-def calibrate(quick: bool = False) -> dict:
-    """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from."""
+STAGES = ("compute (GEMMs, the model's kernels, the optimizer)", "collectives", "ranks sharing the cores",
+          "overlapped collectives")
+
+
+def calibrate(quick: bool = False, progress=lambda stage: None) -> dict:
+    """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from;
+    ``progress(i)`` is called as stage ``STAGES[i]`` starts."""
     repeats = 3 if quick else 9
+    progress(0)
     compute, gemms = calibrate_shared(repeats)
     sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
+    progress(1)
     collectives = measure_collectives(sizes, repeats)
     cores = os.cpu_count() or 1
+    progress(2)
     meeting = measure_meeting_overhead(*((2, 1, 2) if quick else (8, 3, 4)))  # quick: a test's four ranks
+    progress(3)
     overlap = measure_overlap_overhead((2**18,) if quick else (2**18, 2**20), 3 if quick else 7)
     return {"name": f"this machine ({cores} cores, fp32, comm layer over gloo/shared memory)", **compute,
             "meeting_overhead_us": meeting * 1e6, "overlap_overhead_us": overlap * 1e6,
@@ -272,30 +281,3 @@ def _memory_gb() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError, AttributeError):
         return 16.0
-
-
-def add_calibrate_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine's GEMMs, memory and collectives into a hardware file")
-    p.add_argument("--out", required=True, metavar="FILE.json", help="the hardware file to write")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a test's budget)")
-    p.add_argument("--json", action="store_true", help="print the measured hardware as one JSON object")
-    p.set_defaults(func=run_calibrate)
-
-
-def run_calibrate(args) -> int:
-    from parallelisms.flags import check_writable, json_line
-
-    check_writable("--out", args.out)
-    result = calibrate(args.quick)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"peak {result['peak_tflops'] * 1e3:.1f} GFLOP/s per thread (k_half {result['gemm_k_half']:.0f}), "
-          f"attention {result['attention_fraction']:.0%} of it (backward {result['attention_backward']:.2f}x the forward), {result['op_overhead_us']:.1f} us per operator, "
-          f"optimizer {result['optimizer_tbps'] * 1e3:.1f} GB/s + {result['optimizer_tensor_us']:.0f} us per tensor, "
-          f"collectives {result['comm_cpu_fraction']:.0%} CPU (+{result['overlap_overhead_us']:.0f} us overlapped), memory "
-          f"{result['hbm_tbps'] * 1e3:.1f} GB/s; " + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s"
-                                                              for k, v in result["collectives"].items()))
-    print(f"wrote {args.out}")
-    if args.json:
-        print(json_line(result))
-    return 0
