@@ -61,7 +61,7 @@ class Hardware:
     link_fraction: float = 0.8
     bytes_per_element: int = 2
     cores: int = 0          # CPUs: cores the ranks share (beyond them a step is the ranks' CPU work over the cores); 0: a device each
-    op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
+    op_overhead_us: float = 10.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
     attention_fraction: float = 1.0
     attention_backward: float = 2.5  # the attention kernel's backward seconds over its forward's
     optimizer_tbps: float = 0.0
