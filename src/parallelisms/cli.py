@@ -376,7 +376,7 @@ def estimate_result(args) -> dict:
 
     hw = load_hardware(args.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return estimate(model, parallel, train, hw, args.attention)
+    return estimate(model, parallel, train, hw, args.attention, fp8=args.fp8)
 
 
 def plan_result(args) -> dict:

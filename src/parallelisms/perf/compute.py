@@ -95,7 +95,7 @@ def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1, cold
     flops = 2 * m * n * k * batch
     traffic = (m * k + k * n + m * n) * batch * hw.bytes_per_element
     load = cold * batch * hw.bytes_per_element / hw.memory_bytes_per_s if hw.cores else 0.0
-    return max(flops / (hw.peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
+    return max(flops / (hw.gemm_peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
 
 
 def causal_attention_gemms(hw: Hardware, heads: float, s_q: float, s_kv: float, d: float) -> float:
@@ -115,6 +115,7 @@ class LayerShape:
     cp: int = 1
     ep: int = 1
     attention: str = "flash"
+    fp8: bool = False   # the linear layers' GEMMs in FP8 (Transformer Engine's recipe)
 
     @property
     def tokens(self) -> float:
@@ -214,12 +215,26 @@ def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:
             [(k, n, m, b, m * k) for m, n, k, b in linears])
 
 
+def fp8_cast_bytes(shape: LayerShape) -> tuple[float, float]:
+    """(forward, backward) bytes FP8 training's casts move per layer (Transformer Engine, Micikevicius et al.
+    2022, "FP8 Formats for Deep Learning"): each linear layer's input is read in 16 bits and written in 8 with
+    its scale (3 bytes per element) forward; backward casts its output gradient and writes the transposes the
+    weight gradient's FP8 GEMM reads (the input's and the gradient's: 3 bytes per element each). The weights'
+    casts, once per step, are left out. Attention, norms and the optimizer stay in 16 bits."""
+    forward = backward = 0.0
+    for m, n, k, b in _linears(shape):
+        forward += 3 * m * k * b
+        backward += 3 * (2 * m * n + m * k) * b
+    return forward, backward
+
+
 def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
     forwards, input_grads, weight_grads = layer_gemms(shape)
-    fwd = sum(gemm_time(hw, *g) for g in forwards)
+    linear_hw = hw.fp8() if shape.fp8 else hw
+    fwd = sum(gemm_time(linear_hw, *g) for g in forwards)
     flops = sum(2 * m * n * k * b for m, n, k, b, _ in forwards)
-    dgrads, wgrads = [gemm_time(hw, *g) for g in input_grads], [gemm_time(hw, *g) for g in weight_grads]
+    dgrads, wgrads = [gemm_time(linear_hw, *g) for g in input_grads], [gemm_time(linear_hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
     if hw.cores:  # this runtime's eager operators
@@ -227,7 +242,9 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
         moved = eager_elementwise_bytes(shape, hw.bytes_per_element)
     else:  # the fused kernels of the published runs
         copies, moved = (0.0, 0.0), _elementwise_bytes(shape) * hw.bytes_per_element / 2
-    elementwise = [(passes * moved + copied) / hw.memory_bytes_per_s for passes, copied in zip((1, 2), copies)]
+    casts = fp8_cast_bytes(shape) if shape.fp8 else (0.0, 0.0)
+    elementwise = [(passes * moved + copied + cast) / hw.memory_bytes_per_s
+                   for passes, copied, cast in zip((1, 2), copies, casts)]
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
     ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=not hw.cores)
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise[0], ops_f),

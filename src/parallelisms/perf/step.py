@@ -185,12 +185,15 @@ def _cached(cache: dict | None, key, compute):
 
 
 def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
-                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None) -> dict:
+                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None,
+                 fp8: bool = False) -> dict:
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
-    across calls with the same model and hardware) reuses per-layer and data-parallel times."""
+    across calls with the same model and hardware) reuses per-layer and data-parallel times; ``fp8`` prices
+    the blocks' linear layers in FP8 (compute.py)."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
-    shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
+    shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention,
+                       fp8)
 
     def per_layer():
         layer = layer_times(hw, shape)

@@ -1,0 +1,77 @@
+"""The step model's GPU mechanisms against closed forms: the sustained clock, FP8 GEMMs and their casts, the
+host-dispatch floor of small layers, tensor parallelism's dispatched calls on a GPU, and the planner's reason."""
+
+import dataclasses
+
+import pytest
+
+from parallelisms.cli import main
+from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.errors import ConfigError
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS, LayerShape, _linears, block_ops,
+                                       fp8_cast_bytes, gemm_time, layer_times)
+from parallelisms.perf.estimate import bottleneck, estimate
+from parallelisms.perf.hardware import PRESETS as HARDWARE
+
+H100, A100 = HARDWARE["h100"], HARDWARE["a100"]
+BIG = (16384, 16384, 16384)  # compute-bound, whole waves, long reduction
+
+
+def test_sustained_clock_scales_gemms_not_mfu():
+    at_peak = dataclasses.replace(H100, sustained_tflops=0)
+    ratio = gemm_time(H100, *BIG) / gemm_time(at_peak, *BIG)
+    assert ratio == pytest.approx(1980 / 1755)
+    cfg, parallel, train = PRESETS["llama3-8b"], ParallelConfig(ParallelDims(dp_replicate=8), mixed_precision="bf16"), \
+        TrainConfig(global_batch=8, seq_len=2048)
+    slow, fast = estimate(cfg, parallel, train, H100), estimate(cfg, parallel, train, at_peak)
+    assert slow["step_s"] > fast["step_s"]
+    assert slow["mfu"] * slow["step_s"] == pytest.approx(fast["mfu"] * fast["step_s"])  # same datasheet peak
+
+
+def test_fp8_doubles_compute_bound_gemms_and_adds_its_casts():
+    assert gemm_time(H100.fp8(), *BIG) == pytest.approx(gemm_time(H100, *BIG) * 989 / 1979)
+    shape = LayerShape(PRESETS["llama3-8b"], 2, 4096, tp=2)
+    forward, backward = fp8_cast_bytes(shape)
+    linears = _linears(shape)
+    assert forward == sum(3 * m * k * b for m, n, k, b in linears)
+    assert backward == sum(3 * (2 * m * n + m * k) * b for m, n, k, b in linears)
+    bf16, fp8 = layer_times(H100, shape), layer_times(H100, dataclasses.replace(shape, fp8=True))
+    assert fp8.weight_grad < 0.6 * bf16.weight_grad and fp8.forward < bf16.forward
+    with pytest.raises(ConfigError, match="no FP8 tensor cores"):
+        A100.fp8()
+
+
+def test_fp8_estimate_is_marked_not_runnable(capsys):
+    argv = ["estimate", "--preset", "llama3-8b", "--dp", "8", "--global-batch", "8", "--seq-len", "2048",
+            "--mixed-precision", "bf16", "--hardware", "h100"]
+    assert main([*argv, "--fp8"]) == 0
+    assert "FP8: predicted only" in capsys.readouterr().out
+    assert main([*argv[:-2], "--hardware", "a100", "--fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no FP8 tensor cores" in err
+
+
+def test_small_layers_are_bound_by_dispatch_on_a_gpu():
+    """Eager PyTorch issues each operator from the host; a layer whose kernels are shorter than that is the
+    host's: its forward is the operators' count times the dispatch time, whatever its size."""
+    tiny = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=1024, mlp="gelu")
+    times = layer_times(A100, LayerShape(tiny, 1, 128))
+    assert times.forward == pytest.approx(BLOCK_OPS["gelu"][0] * A100.op_overhead_us * 1e-6)
+
+
+def test_gpu_tensor_parallelism_dispatches_only_its_collectives():
+    for sp in (False, True):
+        key = "sp" if sp else "tp"
+        cpu, gpu = block_ops("swiglu", 2, sp), block_ops("swiglu", 2, sp, device=True)
+        assert gpu == tuple(b + e for b, e in zip(BLOCK_OPS["swiglu"], GPU_TP_BLOCK_OPS[key]))
+        assert cpu == tuple(b + e for b, e in zip(BLOCK_OPS["swiglu"], TP_BLOCK_OPS[key]))
+    assert GPU_TP_BLOCK_OPS["tp"] == (2, 2)  # Megatron's g forward and f backward, per sublayer
+
+
+def test_bottleneck_names_the_bound_and_the_largest_cost():
+    result = {"step_s": 10.0, "time_breakdown": {"compute": 7.0, "bubble": 2.0, "optimizer": 0.2,
+                                                 "exposed_comm": {"all_reduce/dp": 0.8}}}
+    assert bottleneck(result) == "compute 70%; pipeline bubble 20%"
+    result["time_breakdown"]["bubble"] = 0.1
+    assert bottleneck(result) == "compute 70%; exposed all_reduce/dp 8%"
