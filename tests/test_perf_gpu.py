@@ -75,3 +75,23 @@ def test_bottleneck_names_the_bound_and_the_largest_cost():
     assert bottleneck(result) == "compute 70%; pipeline bubble 20%"
     result["time_breakdown"]["bubble"] = 0.1
     assert bottleneck(result) == "compute 70%; exposed all_reduce/dp 8%"
+
+
+def test_overlapped_param_gather_hides_behind_the_first_forward():
+    """ZeRO-1/2's gather of the updated parameters: exposed whole after the optimizer, or under the next step's
+    first forward bucket by bucket (--overlap-param-gather): the first bucket and what outlasts the forward."""
+    from parallelisms.perf.step import Layout, _data_parallel_exposed
+
+    cfg, lay = PRESETS["small"], Layout(1, 1, 2, 2)
+    traffic = [("all_gather/dp", "update", 0.4, 4)]
+    assert _data_parallel_exposed(traffic, cfg, lay, 1.0, 2.0, A100)["all_gather/dp"] == 0.4
+    overlapped = [("all_gather/dp", "overlapped_update", 0.4, 4)]
+    assert _data_parallel_exposed(overlapped, cfg, lay, 1.0, 2.0, A100)["all_gather/dp"] == pytest.approx(0.1)
+    assert _data_parallel_exposed(overlapped, cfg, lay, 0.25, 2.0, A100)["all_gather/dp"] == pytest.approx(0.25)
+    parallel = ParallelConfig(ParallelDims(dp_shard=8), zero=1, mixed_precision="bf16")
+    train = TrainConfig(global_batch=8, seq_len=2048)
+    exposed, hidden = (estimate(PRESETS["llama3-8b"], parallel.replace(overlap_param_gather=o), train, H100)
+                       for o in (False, True))
+    assert hidden["step_s"] < exposed["step_s"]
+    assert hidden["time_breakdown"]["exposed_comm"]["all_gather/dp"] < \
+        exposed["time_breakdown"]["exposed_comm"]["all_gather/dp"]

@@ -304,6 +304,7 @@ class ParallelConfig:
     zero: int = 0                      # 0 (plain DDP), 1, 2, 3
     fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
     fsdp_style: str = "flat"           # flat, per_param, reuse
+    overlap_param_gather: bool = False  # ZeRO-1/2: the updated parameters' all-gather under the next forward
     mixed_precision: str = "fp32"      # fp32, bf16
     # pipeline parallelism (issue: pipeline)
     schedule: str = "1f1b"
@@ -323,7 +324,8 @@ class ParallelConfig:
         d = self.dims
         options = [
             "+sp" if self.sequence_parallel else "", "+tp-overlap" if self.tp_overlap else "",
-            f"zero{self.zero}" if self.zero else "", f"fsdp {self.fsdp}" if self.fsdp else "",
+            f"zero{self.zero}" if self.zero else "", "+overlap-param-gather" if self.overlap_param_gather else "",
+            f"fsdp {self.fsdp}" if self.fsdp else "",
             self.fsdp_style if self.fsdp and self.fsdp_style != "flat" else "",
             self.cp_attention if d.cp > 1 else "",
             self.schedule if d.pp > 1 else "",

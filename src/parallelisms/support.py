@@ -152,6 +152,9 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
 def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     """--zero / --fsdp / --mixed-precision: a known stage or strategy, a data-parallel group to shard over, a
     2-D dp_replicate x dp_shard mesh exactly for the hybrid strategies."""
+    require(not parallel.overlap_param_gather or (parallel.zero in (1, 2) and parallel.dims.pp == 1),
+            f"--overlap-param-gather overlaps ZeRO-1/2's gather of the updated parameters with the next forward: it "
+            f"needs --zero 1 or 2 without --pp (got --zero {parallel.zero}, --pp {parallel.dims.pp})")
     dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
     two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
     require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "

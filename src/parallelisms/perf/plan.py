@@ -89,7 +89,12 @@ def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
     mesh = ParallelDims(dp_shard=dp if sharded else 1, dp_replicate=1 if sharded else dp, tp=tp, pp=pp, cp=cp, ep=ep)
     options = dict(schedule=v["schedule"], chunks=v["chunks"], microbatches=v["microbatches"]) if pp > 1 else {}
     return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=v["zero"], recompute=v["recompute"],
-                               fsdp=None, **options)
+                               fsdp=None, overlap_param_gather=_overlaps_param_gather(pp, v), **options)
+
+
+def _overlaps_param_gather(pp: int, v: dict) -> bool:
+    """ZeRO-1/2 without a pipeline gather the updated parameters under the next forward (never slower)."""
+    return v["zero"] in (1, 2) and pp == 1
 
 
 def check_degrees(gpus: int, fixed: Fixed) -> None:
@@ -155,6 +160,7 @@ def _flags(dims, v: dict) -> str:
     out = [f"--dp {dp}", f"--tp {tp}", f"--pp {pp}", f"--cp {cp}"] + ([f"--ep {ep}"] if ep > 1 else [])
     out += ["--sp"] if v["sp"] else []
     out += [f"--zero {v['zero']}"] if v["zero"] else []
+    out += ["--overlap-param-gather"] if _overlaps_param_gather(pp, v) else []
     out += [f"--recompute {v['recompute']}"] if v["recompute"] != "none" else []
     if pp > 1:
         out += [f"--schedule {v['schedule']}", f"--microbatches {v['microbatches']}"]

@@ -12,7 +12,9 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
   costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
   parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
-  the updated parameters after the optimizer, exposed;
+  the updated parameters after the optimizer, exposed, or with ``--overlap-param-gather`` (Megatron-LM's
+  distributed optimizer) bucket by bucket under the next step's first forward: the first bucket, and what
+  outlasts that forward, exposed;
 * context parallel: ring attention sends one K/V block per hop while the previous block's attention runs
   (Liu et al. 2023: hidden when the block's compute outlasts the hop); Ulysses' all-to-alls are exposed;
 * expert parallel: dispatch and combine all-to-alls, two each way per MoE layer, exposed (DualPipe: under the
@@ -220,7 +222,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if head_f + head_b:
         exposed["all_reduce/tp"] = exposed.get("all_reduce/tp", 0.0) + lay.m * (head_f + head_b)
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
-                              train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
+                              parallel.overlap_param_gather, train.bucket_mb, train.dtype),
+                      lambda: _data_parallel_traffic(cfg, parallel, train, hw))
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
     optimizer_s = _optimizer_time(cfg, parallel, train, hw)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
@@ -301,7 +304,8 @@ def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: 
 def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
     """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
     ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
-    ``update`` (ZeRO-1/2's gather after the optimizer) or ``reduce`` (gradients, bucket by bucket)."""
+    ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
+    (gradients, bucket by bucket)."""
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
@@ -318,7 +322,8 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         calls = 1 if full < 64 else units * (2 if v.kind == "all_gather" else 1) if per_unit \
             else max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
-                else "update" if v.kind == "all_gather" else "reduce")
+                else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
+                else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
     return out
 
@@ -368,7 +373,7 @@ def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
     """CPU seconds the asynchronous calls of an overlapped data-parallel collective (gradient buckets, ZeRO-3 and
     FSDP gathers and reduce-scatters) cost the rank beyond blocking ones (``hw.overlap_overhead_us``: a CPU comm
     layer's worker thread shares the rank's core with the compute it overlaps; 0 on GPUs)."""
-    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce") else 0.0
+    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce", "overlapped_update") else 0.0
 
 
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
@@ -379,6 +384,8 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
             exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
             exposed = t / calls + _behind(hw, t, t_bw)
+        elif role == "overlapped_update":  # under the next step's first forward, bucket by bucket
+            exposed = t / calls + _behind(hw, t, t_f)
         else:
             exposed = t
         out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)
