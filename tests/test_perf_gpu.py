@@ -95,3 +95,21 @@ def test_overlapped_param_gather_hides_behind_the_first_forward():
     assert hidden["step_s"] < exposed["step_s"]
     assert hidden["time_breakdown"]["exposed_comm"]["all_gather/dp"] < \
         exposed["time_breakdown"]["exposed_comm"]["all_gather/dp"]
+
+
+def test_forward_tp_overlap_is_a_two_stage_pipeline_over_row_blocks():
+    """--tp-overlap-chunks C: block i's all-reduce under block i+1's GEMM; exposed: the pipeline's span
+    g + c + (C-1) max(g, c) less the unchunked GEMM (so the chunking's smaller GEMMs are charged too)."""
+    from parallelisms.perf.step import chunked_overlap
+
+    gemm = (8192, 4096, 4096, 1, 0)
+    whole, g = gemm_time(A100, 8192, 4096, 4096), gemm_time(A100, 2048, 4096, 4096)
+    for c in (g / 10, g, 10 * g):
+        assert chunked_overlap(A100, gemm, 4 * c, c, 4) == pytest.approx(g + c + 3 * max(g, c) - whole)
+    assert chunked_overlap(A100, gemm, 1e-3, 1e-3, 1) == 1e-3  # one chunk: the all-reduce, exposed
+    assert chunked_overlap(A100, gemm, 4 * g / 10, g / 10, 4) < 4 * g / 10  # compute-bound: mostly hidden
+    cfg, train = PRESETS["llama3-8b"], TrainConfig(global_batch=16, seq_len=4096)
+    steps = [estimate(cfg, ParallelConfig(ParallelDims(dp_replicate=2, tp=4), mixed_precision="bf16", tp_overlap=True,
+                                          tp_overlap_chunks=c), train, A100)["time_breakdown"]["exposed_comm"]
+             ["all_reduce/tp"] for c in (0, 4)]
+    assert steps[1] < steps[0]

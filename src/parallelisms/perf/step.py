@@ -7,7 +7,9 @@ Where each collective goes (spec: "Critical path and latency hiding"):
 * tensor/sequence parallel: two collectives per block forward and two backward, on the critical path (with
   sequence parallelism also the all-reduce of each norm weight's gradient, Korthikanti et al. 2023, Sec. 4.2.2);
   ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
-  that GEMM lasts;
+  that GEMM lasts; ``--tp-overlap-chunks C`` (no SP) also pipelines each row-parallel forward GEMM with its
+  all-reduce over C row blocks (:func:`chunked_overlap`: the first block's GEMM and the last block's
+  all-reduce exposed, plus the chunking's cost: C smaller GEMMs and C latencies);
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
   costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
@@ -40,7 +42,8 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.compute import LayerShape, PassTimes, accumulation_time, head_times, layer_times
+from parallelisms.perf.compute import (LayerShape, PassTimes, accumulation_time, gemm_time, head_times, layer_gemms,
+                                       layer_times)
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
@@ -87,12 +90,28 @@ def _behind(hw: Hardware, t: float, window: float) -> float:
     return max(0.0, t - window) + hw.comm_cpu_fraction * min(t, window)
 
 
+def chunked_overlap(hw: Hardware, gemm: tuple, reduce_one: float, reduce_chunk: float, chunks: int) -> float:
+    """Exposed seconds of a row-parallel forward GEMM (m, n, k, batch, cold) whose output is all-reduced in
+    ``chunks`` row blocks, each all-reduce (``reduce_chunk`` seconds) running under the next block's GEMM: the
+    two-stage pipeline's span, g + c + (C - 1) max(g, c), less the unchunked GEMM; ``reduce_one`` (the
+    unchunked all-reduce, all exposed) for one chunk."""
+    m, n, k, b, cold = gemm
+    whole = gemm_time(hw, m, n, k, b, cold)
+    if chunks <= 1:
+        return reduce_one
+    g = gemm_time(hw, m / chunks, n, k, b, cold / chunks if cold == m * k else cold)
+    span = g + reduce_chunk + (chunks - 1) * max(g, reduce_chunk)
+    return max(0.0, span - whole) + hw.comm_cpu_fraction * (chunks - 1) * min(g, reduce_chunk)
+
+
 def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     """Exposed seconds per layer per microbatch of tp, cp and ep collectives: {(kind/dim): (forward, backward)}."""
     dims, e, out = parallel.dims, hw.bytes_per_element, {}
     activation = shape.tokens * cfg.dim * e
     if dims.tp > 1:  # per sublayer (attention, MLP): Megatron's f and g (Shoeybi et al. 2019)
         forward = backward = 0.0
+        linears = layer_gemms(shape)[0]  # the row-parallel GEMMs: the output projection, the MLP's down
+        row_gemms = [linears[1], linears[-1]]
         for dgrad, wgrad in zip(times.column_input_grads, times.column_weight_grads):
             overlap = (dgrad, wgrad) if parallel.tp_overlap else (0.0, 0.0)
             if parallel.sequence_parallel:  # g: reduce-scatter / all-gather; f: all-gather / reduce-scatter
@@ -104,7 +123,9 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
                 backward += gather + _behind(hw, gather, overlap[0]) + _behind(hw, scatter, overlap[1])
             else:  # g all-reduces forward, f backward (behind the weight gradient)
                 reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
-                forward += reduce
+                chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 0
+                forward += reduce if chunks <= 1 else chunked_overlap(
+                    hw, row_gemms.pop(0), reduce, _comm(hw, parallel, "all_reduce", "tp", activation / chunks), chunks)
                 backward += _behind(hw, reduce, overlap[1])
         if parallel.sequence_parallel:  # the norms' weights see 1/t of the tokens: their gradients are summed
             backward += 2 * _comm(hw, parallel, "all_reduce", "tp", cfg.dim * e)  # over tp as they come (blocking)
@@ -200,7 +221,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     def per_layer():
         layer = layer_times(hw, shape)
         return layer, head_times(hw, cfg, shape.tokens, dims.tp, parallel.sequence_parallel), _layer_comm(cfg, parallel, hw, shape, layer)
-    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
+    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.tp_overlap_chunks,
+                                        parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
     head_f, head_b = _head_comm(cfg, parallel, hw, shape)
