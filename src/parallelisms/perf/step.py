@@ -327,12 +327,14 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
     ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
     ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
-    (gradients, bucket by bucket)."""
+    (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward)."""
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
     pp = parallel.dims.pp  # wrapped units on a stage: its blocks, the embedding and the head (one each at the ends)
     units = math.ceil(cfg.n_layers / pp) + (2 if pp == 1 else 1)
+    # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
+    m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
         if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
             continue
@@ -341,11 +343,11 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
         per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per unit and pass
-        calls = 1 if full < 64 else units * (2 if v.kind == "all_gather" else 1) if per_unit \
+        calls = 1 if full < 64 else m * units * (2 if v.kind == "all_gather" else 1) if per_unit \
             else max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
                 else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
-                else "reduce")
+                else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
     return out
 
@@ -395,7 +397,8 @@ def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
     """CPU seconds the asynchronous calls of an overlapped data-parallel collective (gradient buckets, ZeRO-3 and
     FSDP gathers and reduce-scatters) cost the rank beyond blocking ones (``hw.overlap_overhead_us``: a CPU comm
     layer's worker thread shares the rank's core with the compute it overlaps; 0 on GPUs)."""
-    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce", "overlapped_update") else 0.0
+    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce", "reduce_each", "overlapped_update") \
+        else 0.0
 
 
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
@@ -406,6 +409,8 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
             exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
             exposed = t / calls + _behind(hw, t, t_bw)
+        elif role == "reduce_each":  # during every microbatch's backward, each ending with its last bucket
+            exposed = lay.m * t / calls + _behind(hw, t, lay.m * t_bw)
         elif role == "overlapped_update":  # under the next step's first forward, bucket by bucket
             exposed = t / calls + _behind(hw, t, t_f)
         else:
