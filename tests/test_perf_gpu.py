@@ -113,3 +113,17 @@ def test_forward_tp_overlap_is_a_two_stage_pipeline_over_row_blocks():
                                           tp_overlap_chunks=c), train, A100)["time_breakdown"]["exposed_comm"]
              ["all_reduce/tp"] for c in (0, 4)]
     assert steps[1] < steps[0]
+
+
+def test_data_parallel_all_reduce_bandwidth_holds_at_a_thousand_nodes():
+    """Hierarchical (NVLink inside the node on the whole tensor, then each GPU's own NIC across nodes on 1/8 of
+    it: rail-optimised) with tree latency where it is faster: the bandwidth term of a 1 GB all-reduce does not
+    grow with the node count, its latency grows with log2 of it."""
+    from parallelisms.perf.network import collective_time
+
+    at = {nodes: collective_time(H100, "all_reduce", 1e9, 8 * nodes) for nodes in (16, 1024)}
+    assert at[1024] == pytest.approx(at[16], rel=0.05)
+    (a_in, b_in), (a_out, b_out) = H100.link(False), H100.link(True)
+    inside = 2 * 7 * a_in + 2 * 7 / 8 * 1e9 / b_in
+    across = min(2 * 1023 * a_out + 2 * 1023 / 1024 * 1e9 / 8 / b_out, 2 * 10 * a_out + 2 * 1e9 / 8 / b_out)
+    assert at[1024] == pytest.approx(inside + across)
