@@ -68,3 +68,21 @@ def test_lower_layers_do_not_import_higher_ones():
             assert not targets & set(ABOVE_THE_PARALLELISMS), (name, targets & set(ABOVE_THE_PARALLELISMS))
     for bottom in ("parallelisms.errors", "parallelisms.config", "parallelisms.mesh"):
         assert not {t for t in graph[bottom] if t.startswith(("parallelisms.parallel", "parallelisms.model"))}, bottom
+
+
+# The step model prices a layout from its configs and the runtime's plan objects (schedules and their simulator,
+# the ZeRO formulas, the ledger's ring bytes), never from the running engines: it predicts layouts nothing runs.
+STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
+              "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
+              "parallelisms.perf.collectives", "parallelisms.perf.vtrain")
+PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
+                "parallelisms.comm.ledger", "parallelisms.parallel.memory", "parallelisms.parallel.pipeline.schedules",
+                "parallelisms.parallel.pipeline.simulate", "parallelisms.perf")
+
+
+def test_the_step_model_imports_only_configs_and_plan_objects():
+    graph = _imports()
+    for name in STEP_MODEL:
+        beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)}
+        assert not beyond, (name, beyond)
+        assert not {t for t in graph[name] if t.startswith(("parallelisms.perf.calibrate", "parallelisms.perf.predict"))}

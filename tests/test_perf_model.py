@@ -81,6 +81,8 @@ def test_comm_volumes_follow_the_spec():
 
 @pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"],
                                   ["--dp", "2", "--zero", "3", "--mixed-precision", "bf16", "--grad-clip", "0"],
+                                  ["--dp", "2", "--zero", "3", "--grad-accum", "2"],  # every microbatch: gathers,
+                                  ["--dp", "2", "--fsdp", "shard_grad_op", "--grad-accum", "2"],  # reductions
                                   ["--dp", "1", "--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--preset",
                                    "small", "--grad-clip", "0"],
                                   ["--dp", "1", "--tp", "2", "--grad-accum", "2"],
@@ -116,7 +118,8 @@ def test_estimate_command(capsys):
     # full recompute: 2sbh x L, b = 512 / 64 / 8 (at b = 8 the fp32 logits alone, 8 x 8192 x 128256 x 4 B, do not fit)
     assert mem["activations"] == pytest.approx(2 * 8192 * 1 * 4096 * 32)
     assert result["fits"] is True
-    assert result["comm_bytes_per_rank"]["all_gather/dp"] == pytest.approx(2 * 63 / 64 * 2 * 8_030_261_248)
+    # gathered for forward and backward of each of the 8 microbatches (as the flat engine's ledger counts)
+    assert result["comm_bytes_per_rank"]["all_gather/dp"] == pytest.approx(8 * 2 * 63 / 64 * 2 * 8_030_261_248)
     assert main(["estimate", "--hardware", "tpu"]) == 2
     assert "unknown --hardware 'tpu'" in capsys.readouterr().err
     assert main(["estimate", "--attention", "naive"]) == 2

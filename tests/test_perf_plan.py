@@ -62,3 +62,12 @@ def test_bad_input_is_one_line(capsys, tmp_path):
                                       "inter_latency_us": 10}), "peak_tflops must be a positive")):
         bad.write_text(text)
         _one_line_error(capsys, ["estimate", "--hardware", str(bad)], needle)
+
+
+def test_five_plans_by_default_each_with_its_bound(capsys):
+    plans = _plans(capsys, "--gpus", "8", "--preset", "small", "--global-batch", "16", "--hardware", "a100")
+    assert len(plans) == 5
+    for p in plans:
+        bound = p["reason"].split(";")[0].rsplit(" ", 1)
+        assert bound[1].endswith("%") and bound[0] in ("compute", "pipeline bubble", "optimizer") or \
+            bound[0].startswith("exposed "), p["reason"]

@@ -7,8 +7,10 @@ scenario targets a path a bug can hide in:
   hybrid_shard_zero2 on dp_replicate 2 x dp_shard 2: each with several gradient buckets (0.05 MB; the
   ledger shows the whole float64 gradient reduced once, in more than one collective) and each with
   gradient accumulation 2; padded shards (odd vocabulary at dp 2, odd widths at dp 4);
+- ZeRO-1/2 with the updated parameters' all-gather overlapped with the next forward (--overlap-param-gather);
 - tensor parallelism above the KV-head count (tp 4 replicates tiny's 2 KV heads), an odd vocabulary over
-  tp 4 (padded vocab-parallel embedding and head), sequence parallelism, the overlapped input gradient;
+  tp 4 (padded vocab-parallel embedding and head), sequence parallelism, the overlapped input gradient and
+  the forward's all-reduces pipelined over row blocks;
 - ring attention at cp 4 (the direction of the ring matters) and Ulysses, alone and under ZeRO-3 / FSDP;
 - expert parallelism (tiny-moe at dp 4 with ep 2 and ep 4; ep 2 with capacity and accumulation; ep 8);
 - every pipeline schedule at pp 2 (unclipped) and pp 4 (clipped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2,
@@ -105,6 +107,13 @@ SCENARIOS.update({
     "tp4_odd_vocab": (ODD_VOCAB, PLAIN, ParallelConfig(ParallelDims(tp=4))),
     "tp4_odd_vocab_sp": (ODD_VOCAB, PLAIN, ParallelConfig(ParallelDims(tp=4), sequence_parallel=True)),
     "dp2_tp2_overlap": (TINY, PLAIN, ParallelConfig(ParallelDims(dp_replicate=2, tp=2), tp_overlap=True)),
+    "dp2_tp2_overlap_forward_chunks": (TINY, ACCUM, ParallelConfig(ParallelDims(dp_replicate=2, tp=2), tp_overlap=True,
+                                                                   tp_overlap_chunks=3)),
+    # the distributed optimizer's parameter all-gather completed unit by unit in the next forward
+    "zero1_overlap_param_gather_buckets_clip": (TINY, CLIP, ParallelConfig(_dp(2, True), zero=1,
+                                                                           overlap_param_gather=True)),
+    "zero2_overlap_param_gather_accum": (ODD_VOCAB, ACCUM, ParallelConfig(_dp(2, True), zero=2,
+                                                                          overlap_param_gather=True)),
     "ulysses_cp2": (TINY, PLAIN, ParallelConfig(ParallelDims(cp=2), cp_attention="ulysses")),
     "ring_cp4_clip": (TINY, CLIP, ParallelConfig(ParallelDims(cp=4), cp_attention="ring")),
     "ring_cp4": (TINY, PLAIN, ParallelConfig(ParallelDims(cp=4), cp_attention="ring")),

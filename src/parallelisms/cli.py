@@ -77,6 +77,10 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
     g.add_argument("--tp-overlap", action="store_true", help="overlap the input-gradient all-reduce with dW")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="--zero 1/2: all-gather the updated parameters under the next forward (Megatron's)")
+    g.add_argument("--tp-overlap-chunks", type=integer(0, 64), default=0,
+                   help="with --tp-overlap, no --sp: hide the forward's all-reduces too, over N row blocks")
     g = p.add_argument_group("sharded data parallelism")
     g.add_argument("--zero", type=integer(0, 3), default=0, help="ZeRO stage 1, 2 or 3")
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
@@ -136,6 +140,8 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
+                              overlap_param_gather=getattr(args, "overlap_param_gather", False),
+                              tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, **options)
     parallel = validate_layout(model, train, parallel, runtime)
@@ -427,7 +433,7 @@ def estimate_result(args) -> dict:
 
     hw = load_hardware(args.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return estimate(model, parallel, train, hw, args.attention)
+    return estimate(model, parallel, train, hw, args.attention, fp8=args.fp8)
 
 
 def plan_result(args) -> dict:

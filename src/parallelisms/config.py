@@ -318,10 +318,12 @@ class ParallelConfig:
     # tensor parallelism (issue: tensor parallel)
     sequence_parallel: bool = False
     tp_overlap: bool = False
+    tp_overlap_chunks: int = 0         # >1: the forward's row-parallel all-reduces too, pipelined over row blocks
     # sharded data parallelism (issue: ZeRO / FSDP)
     zero: int = 0                      # 0 (plain DDP), 1, 2, 3
     fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
     fsdp_style: str = "flat"           # flat, per_param, reuse
+    overlap_param_gather: bool = False  # ZeRO-1/2: the updated parameters' all-gather under the next forward
     mixed_precision: str = "fp32"      # fp32, bf16
     # pipeline parallelism (issue: pipeline)
     schedule: str = "1f1b"
@@ -341,7 +343,9 @@ class ParallelConfig:
         d = self.dims
         options = [
             "+sp" if self.sequence_parallel else "", "+tp-overlap" if self.tp_overlap else "",
-            f"zero{self.zero}" if self.zero else "", f"fsdp {self.fsdp}" if self.fsdp else "",
+            f"forward x{self.tp_overlap_chunks}" if self.tp_overlap_chunks > 1 else "",
+            f"zero{self.zero}" if self.zero else "", "+overlap-param-gather" if self.overlap_param_gather else "",
+            f"fsdp {self.fsdp}" if self.fsdp else "",
             self.fsdp_style if self.fsdp and self.fsdp_style != "flat" else "",
             self.cp_attention if d.cp > 1 else "",
             self.schedule if d.pp > 1 else "",

@@ -151,6 +151,9 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
 def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
     """--zero / --fsdp / --mixed-precision: a known stage or strategy, a data-parallel group to shard over, a
     2-D dp_replicate x dp_shard mesh exactly for the hybrid strategies."""
+    require(not parallel.overlap_param_gather or (parallel.zero in (1, 2) and parallel.dims.pp == 1),
+            f"--overlap-param-gather overlaps ZeRO-1/2's gather of the updated parameters with the next forward: it "
+            f"needs --zero 1 or 2 without --pp (got --zero {parallel.zero}, --pp {parallel.dims.pp})")
     dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
     two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
     require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "
@@ -183,6 +186,10 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
     tp = parallel.dims.tp
     require(not parallel.sequence_parallel or tp > 1, "--sp (sequence parallelism) needs --tp > 1; add --tp 2")
     require(not parallel.tp_overlap or tp > 1, "--tp-overlap needs --tp > 1; add --tp 2")
+    require(parallel.tp_overlap_chunks <= 1 or (parallel.tp_overlap and not parallel.sequence_parallel),
+            f"--tp-overlap-chunks {parallel.tp_overlap_chunks} pipelines the forward's all-reduces over row blocks: it "
+            f"needs --tp-overlap and no --sp (under --sp the forward reduce-scatters along the sequence, not chunked "
+            f"here)")
     if tp == 1:
         return
     require(model.n_heads % tp == 0,

@@ -186,7 +186,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     dims = parallel.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
-                              overlap=parallel.tp_overlap)
+                              overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
     positions = None
     if dims.cp > 1:
         positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)

@@ -20,7 +20,8 @@ API (used by ``zero.py``, ``fsdp.py`` and the per-parameter / buffer-reuse varia
     engine.parameters()       # the fp32 shards (nn.Parameter, .grad = reduced gradient shard): optimizer input
     with engine.no_sync(): ...  # local accumulation (only while gradients are not sharded)
     engine.zero_grad(); loss.backward()   # hooks gather, prefetch, reshard and reduce-scatter
-    engine.after_step()       # all-gather updated shards into persistent full buffers (stages 1-2)
+    engine.after_step()       # all-gather updated shards into persistent full buffers (stages 1-2; with
+                              # overlap_param_gather launched here and completed in each unit's next forward)
     engine.full_state_dict()  # {name: full fp32 tensor}, a collective
     engine.memory(optimizer)  # persistent bytes by kind, transient peaks, all-gather counts
     engine.gathers            # {"prefetched": n, "on_demand": m} all-gathers so far
@@ -197,8 +198,10 @@ class ShardedEngine:
     ``GradSync`` whose optimizer parameters are the flat fp32 shards."""
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
-                 comms: Comms):
+                 comms: Comms, overlap_param_gather: bool = False):
         self.model, self.plan, self.comms = model, plan, comms
+        self.overlap_param_gather = overlap_param_gather and not plan.shard_params
+        self._updates = {}                # unit index: (Pending, source) of an overlapped after-step gather
         alone = Comm("none", None, comms.ledger, comms.timeline)
         shard_comm = comms[plan.shard_dim] if plan.shard_dim else alone
         replicate_comm = comms[plan.replicate_dim] if plan.replicate_dim else alone
@@ -263,9 +266,21 @@ class ShardedEngine:
             self._track("params", -_nbytes(unit.full))
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    def _finish_update(self, index: int) -> None:
+        """Complete the overlapped all-gather of unit ``index``'s updated parameters, if one is in flight."""
+        if index in self._updates:
+            pending, _ = self._updates.pop(index)
+            if pending is not None:
+                pending.wait()
+
+    def _finish_updates(self) -> None:
+        for index in list(self._updates):
+            self._finish_update(index)
+
     def _pre_forward_hook(self, index: int):
         def hook(module, args):
             unit = self.units[index]
+            self._finish_update(index)                        # overlap_param_gather: its update has landed
             self._wait_unshard(unit)
             unit.attach()
             if self.plan.shard_params and index + 1 < len(self.units):
@@ -398,11 +413,18 @@ class ShardedEngine:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Refresh the persistent full parameters from the updated shards (all-gather; stages 1-2)."""
+        """Refresh the persistent full parameters from the updated shards (all-gather; stages 1-2). With
+        ``overlap_param_gather`` (Megatron-LM's distributed optimizer's ``--overlap-param-gather``) every unit's
+        gather is launched here, in forward order, and completed by that unit's next forward pre-hook, so the
+        gathers of later units run under the forward of earlier ones."""
         if self.plan.shard_params:
             return
-        for unit in self.units:
-            _gather_into(unit.comm, unit.shard.detach().to(self.plan.compute_dtype), unit.full.data)
+        for index, unit in enumerate(self.units):
+            src = unit.shard.detach().to(self.plan.compute_dtype)
+            if self.overlap_param_gather:
+                self._updates[index] = (_gather_into(unit.comm, src, unit.full.data, async_op=True), src)
+            else:
+                _gather_into(unit.comm, src, unit.full.data)
 
     def finish(self) -> None:
         """Complete the last reduction (after backward the end-of-backward callback already has, unless the
@@ -424,6 +446,7 @@ class ShardedEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, full and fp32, by the plain model's names (all ranks call it); tensor-parallel
         shards are gathered too."""
+        self._finish_updates()
         state = {}
         for unit, names in zip(self.units, self.names):
             flat = unit.comm.all_gather(unit.shard.detach().clone())
@@ -459,6 +482,7 @@ class ShardedEngine:
                 "gathered_params_peak": self.peak["params"], "grad_buffers_peak": self.peak["grads"]}
 
     def remove(self) -> None:
+        self._finish_updates()
         for handle in self._hooks:
             handle.remove()
 

@@ -13,7 +13,10 @@ choice, which gives Korthikanti's Table 2 memory), and the replicated norm weigh
 sequence shard, get their gradients all-reduced over TP by an identity-forward / all-reduce-backward op.
 
 ``overlap=True`` launches the input-gradient reduction asynchronously and computes the weight gradients
-while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding").
+while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding"). ``chunks`` > 1
+(without SP) hides the forward's too: a row-parallel layer computes its output in ``chunks`` row blocks and
+all-reduces each asynchronously while the next block's GEMM runs (the GEMM/collective pipelining of Transformer
+Engine's comm overlap and PyTorch's async TP, Wang et al. ASPLOS'23), each block's sum the full one's rows.
 Under a split-backward pipeline schedule (Zero Bubble, Qi et al. 2024) the region holds the pipeline's
 weight-gradient ``store``: while it defers, both layers leave (weight, output gradient, input) there instead
 of computing the weight gradients (the column region's input is the re-gathered one under SP), and only the
@@ -38,8 +41,9 @@ class Region:
     activations outside the TP region are sharded along dim 1, the sequence) and ``overlap``; ``store``, the
     pipeline's ``WeightGradStore`` under a split schedule (set by ``split_linears``), else None."""
 
-    def __init__(self, comm: Comm, sequence_parallel: bool = False, overlap: bool = False):
+    def __init__(self, comm: Comm, sequence_parallel: bool = False, overlap: bool = False, chunks: int = 1):
         self.comm, self.sequence_parallel, self.overlap = comm, sequence_parallel, overlap
+        self.chunks = chunks  # row blocks of a row-parallel forward, each all-reduced behind the next's GEMM
         self.store = None
 
     def weight_grad(self, weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
@@ -123,6 +127,8 @@ class _RowParallel(torch.autograd.Function):
     def forward(ctx, x, weight, region: Region):
         ctx.region, ctx.weight = region, weight  # the weight itself, for a deferred gradient's .grad
         ctx.save_for_backward(x, weight)
+        if region.chunks > 1 and not region.sequence_parallel:
+            return _chunked_all_reduce(x, weight, region)
         y = F.linear(x, weight)
         if region.sequence_parallel:
             return region.comm.reduce_scatter(y, dim=1)
@@ -134,6 +140,21 @@ class _RowParallel(torch.autograd.Function):
         grad = ctx.region.gather_seq(grad.contiguous())
         grad_x = torch.mm(_mm2d(grad), weight).view(*grad.shape[:-1], weight.shape[-1])
         return grad_x, ctx.region.weight_grad(ctx.weight, grad, x), None
+
+
+def _chunked_all_reduce(x: torch.Tensor, weight: torch.Tensor, region: Region) -> torch.Tensor:
+    """``x W^T`` summed over TP, in ``region.chunks`` row blocks: block i's all-reduce runs (in place,
+    asynchronously) while block i+1's GEMM computes."""
+    rows = _mm2d(x)
+    y = rows.new_empty(rows.shape[0], weight.shape[0])
+    pending = []
+    for block in torch.arange(rows.shape[0]).tensor_split(min(region.chunks, rows.shape[0])):
+        start, stop = int(block[0]), int(block[-1]) + 1
+        torch.mm(rows[start:stop], weight.t(), out=y[start:stop])
+        pending.append(region.comm.all_reduce(y[start:stop], async_op=True))
+    for p in pending:
+        p.wait()
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def column_parallel(x: torch.Tensor, region: Region, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,7 @@ from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallel
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
-                          overlap: bool = False) -> nn.Module:
+                          overlap: bool = False, chunks: int = 1) -> nn.Module:
     """Shard ``model`` (the full seeded plain Transformer, or a pipeline stage of it) over ``comm`` in place.
 
     Blocks get parallel attention and MLP; the embedding, the output head and the loss become
@@ -27,10 +27,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
     experts stays whole on every tensor-parallel rank (experts replicated over tp, as Megatron-Core does when
     the expert tensor-parallel size is 1): the residual stream it reads is replicated, so each rank routes the
     same tokens, and expert parallelism splits the experts over its own group. Under SP the layer gathers the
-    sequence over tp around itself (:mod:`parallelisms.parallel.moe_sequence`).
+    sequence over tp around itself (:mod:`parallelisms.parallel.moe_sequence`). ``overlap``, ``chunks``:
+    :class:`~parallelisms.parallel.tensor.Region`.
     """
     cfg = model.cfg
-    region = Region(comm, sequence_parallel, overlap)
+    region = Region(comm, sequence_parallel, overlap, chunks)
     model.seq_shards = comm.size if sequence_parallel else 1  # the residual stream between layers
     padded_vocab = -(-cfg.vocab_size // comm.size) * comm.size
     for layer in model.layers.values():

@@ -5,7 +5,8 @@ every sharded data-parallel layout (ZeRO stages and FSDP strategies alike).
   accumulates locally across microbatches; after the last one each unit's gradient is reduce-scattered
   from its backward hook (units are the buckets: consecutive blocks merged under ``--bucket-mb``,
   launched in ready order, one in flight), each rank runs AdamW on its flat fp32 shard, and an
-  all-gather refreshes the full parameters.
+  all-gather refreshes the full parameters (``--overlap-param-gather``: launched after the step and
+  completed unit by unit in the next forward, Megatron-LM's distributed optimizer).
 * Stage 2: gradients partitioned too: every microbatch reduce-scatters each unit's gradient and keeps
   only the reduced shard (G/N persistent, plus the buckets in flight).
 * Stage 3: parameters partitioned too: a unit is all-gathered just before its forward (the next one is
@@ -53,4 +54,5 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
                                    replicate_dim=widen.get(plan.replicate_dim, plan.replicate_dim))
     # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block
     cap = int(train.bucket_mb * 2**20) if parallel.zero in (1, 2) else None
-    return ShardedEngine(model, module_units(model, cap), plan, comms)
+    return ShardedEngine(model, module_units(model, cap), plan, comms,
+                         overlap_param_gather=parallel.overlap_param_gather)

@@ -38,20 +38,32 @@ BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
 HEAD_OPS = (21, 34)
 TP_BLOCK_OPS = {"tp": (38, 28), "sp": (62, 98)}  # beyond BLOCK_OPS
 TP_HEAD_OPS = {"tp": (109, 51), "sp": (120, 86)}  # instead of HEAD_OPS (the loss's maxima through shared memory)
+# On a GPU the collectives are NCCL calls on device buffers, Megatron-LM's f and g (Shoeybi et al. 2019): tensor
+# parallelism adds only its collective calls per block (forward, backward; with SP the backward's re-gathers and
+# the norms' gradient all-reduces), and at the ends the vocabulary-parallel loss's two all-reduces and the
+# embedding's and head input's collective.
+GPU_TP_BLOCK_OPS = {"tp": (2, 2), "sp": (4, 8)}
+GPU_TP_HEAD_OPS = {"tp": (4, 2), "sp": (5, 4)}
 
 
-def block_ops(mlp: str, tp: int = 1, sp: bool = False) -> tuple[int, int]:
-    """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's)."""
+def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False) -> tuple[int, int]:
+    """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's: this runtime's
+    on a CPU, the collective calls alone on a ``device``)."""
     forward, backward = BLOCK_OPS[mlp]
     if tp == 1:
         return forward, backward
-    extra = TP_BLOCK_OPS["sp" if sp else "tp"]
+    extra = (GPU_TP_BLOCK_OPS if device else TP_BLOCK_OPS)["sp" if sp else "tp"]
     return forward + extra[0], backward + extra[1]
 
 
-def head_ops(tp: int = 1, sp: bool = False) -> tuple[int, int]:
+def head_ops(tp: int = 1, sp: bool = False, device: bool = False) -> tuple[int, int]:
     """Operators the embedding, final norm, head and loss dispatch forward and backward."""
-    return HEAD_OPS if tp == 1 else TP_HEAD_OPS["sp" if sp else "tp"]
+    if tp == 1:
+        return HEAD_OPS
+    if device:
+        extra = GPU_TP_HEAD_OPS["sp" if sp else "tp"]
+        return HEAD_OPS[0] + extra[0], HEAD_OPS[1] + extra[1]
+    return TP_HEAD_OPS["sp" if sp else "tp"]
 
 
 def with_dispatch(hw: Hardware, seconds: float, ops: int) -> float:
@@ -83,7 +95,7 @@ def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1, cold
     flops = 2 * m * n * k * batch
     traffic = (m * k + k * n + m * n) * batch * hw.bytes_per_element
     load = cold * batch * hw.bytes_per_element / hw.memory_bytes_per_s if hw.cores else 0.0
-    return max(flops / (hw.peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
+    return max(flops / (hw.gemm_peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
 
 
 def causal_attention_gemms(hw: Hardware, heads: float, s_q: float, s_kv: float, d: float) -> float:
@@ -103,6 +115,7 @@ class LayerShape:
     cp: int = 1
     ep: int = 1
     attention: str = "flash"
+    fp8: bool = False   # the linear layers' GEMMs in FP8 (Transformer Engine's recipe)
 
     @property
     def tokens(self) -> float:
@@ -202,12 +215,26 @@ def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:
             [(k, n, m, b, m * k) for m, n, k, b in linears])
 
 
+def fp8_cast_bytes(shape: LayerShape) -> tuple[float, float]:
+    """(forward, backward) bytes FP8 training's casts move per layer (Transformer Engine, Micikevicius et al.
+    2022, "FP8 Formats for Deep Learning"): each linear layer's input is read in 16 bits and written in 8 with
+    its scale (3 bytes per element) forward; backward casts its output gradient and writes the transposes the
+    weight gradient's FP8 GEMM reads (the input's and the gradient's: 3 bytes per element each). The weights'
+    casts, once per step, are left out. Attention, norms and the optimizer stay in 16 bits."""
+    forward = backward = 0.0
+    for m, n, k, b in _linears(shape):
+        forward += 3 * m * k * b
+        backward += 3 * (2 * m * n + m * k) * b
+    return forward, backward
+
+
 def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     """Seconds of one layer on one rank for one microbatch (compute only; collectives are in step.py)."""
     forwards, input_grads, weight_grads = layer_gemms(shape)
-    fwd = sum(gemm_time(hw, *g) for g in forwards)
+    linear_hw = hw.fp8() if shape.fp8 else hw
+    fwd = sum(gemm_time(linear_hw, *g) for g in forwards)
     flops = sum(2 * m * n * k * b for m, n, k, b, _ in forwards)
-    dgrads, wgrads = [gemm_time(hw, *g) for g in input_grads], [gemm_time(hw, *g) for g in weight_grads]
+    dgrads, wgrads = [gemm_time(linear_hw, *g) for g in input_grads], [gemm_time(linear_hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
     if hw.cores:  # this runtime's eager operators
@@ -215,9 +242,11 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
         moved = eager_elementwise_bytes(shape, hw.bytes_per_element)
     else:  # the fused kernels of the published runs
         copies, moved = (0.0, 0.0), _elementwise_bytes(shape) * hw.bytes_per_element / 2
-    elementwise = [(passes * moved + copied) / hw.memory_bytes_per_s for passes, copied in zip((1, 2), copies)]
+    casts = fp8_cast_bytes(shape) if shape.fp8 else (0.0, 0.0)
+    elementwise = [(passes * moved + copied + cast) / hw.memory_bytes_per_s
+                   for passes, copied, cast in zip((1, 2), copies, casts)]
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
-    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp)
+    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=not hw.cores)
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise[0], ops_f),
                      with_dispatch(hw, dgrad + core_b + elementwise[1], ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
@@ -248,6 +277,6 @@ def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool 
     v = cfg.vocab_size / tp
     forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
     loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
-    ops_f, ops_b = head_ops(tp, sp)
+    ops_f, ops_b = head_ops(tp, sp, device=not hw.cores)
     return PassTimes(with_dispatch(hw, forward + loss, ops_f), with_dispatch(hw, input_grad + loss, ops_b),
                      weight_grad, 0.0, 2 * tokens * v * cfg.dim)

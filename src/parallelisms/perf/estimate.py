@@ -15,13 +15,27 @@ FIELDS = ("step_s", "tokens_per_s", "mfu", "hfu", "model_tflops_per_gpu", "hardw
 
 
 def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
-             attention: str = "flash", simulate_schedule: bool = True) -> dict:
-    """The estimate's fields (FIELDS first), then the hardware, layout, parameters and bytes per collective."""
-    result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule)
+             attention: str = "flash", simulate_schedule: bool = True, fp8: bool = False) -> dict:
+    """The estimate's fields (FIELDS first), then the hardware, layout, parameters and bytes per collective;
+    ``fp8``: the blocks' linear layers priced in FP8, marked as not runnable by this runtime."""
+    result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule, fp8=fp8)
     volumes = comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4)
-    return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label(),
+    return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label() + (" fp8" if fp8 else ""),
+            "runnable": not fp8,
             "params": cfg.num_params(), "comm_bytes_per_rank": {f"{v.kind}/{v.dim}": v.bytes_per_rank for v in volumes},
             "per_microbatch_stage_s": result["per_microbatch_stage_s"]}
+
+
+def bottleneck(result: dict) -> str:
+    """Where the step goes, largest first: the bound (compute, or the exposed term that costs most beyond it) and
+    its share of the step, e.g. ``compute 81%; pipeline bubble 12%``: the planner's reason beside a layout."""
+    t, step = result["time_breakdown"], result["step_s"]
+    terms = {"compute": t["compute"], "pipeline bubble": t["bubble"], "optimizer": t["optimizer"],
+             **{f"exposed {k}": v for k, v in t["exposed_comm"].items()}}
+    if "shared_cores" in t:
+        terms["ranks sharing cores"] = t["shared_cores"]
+    ranked = sorted(((v / step, k) for k, v in terms.items() if v > 0), reverse=True)
+    return "; ".join(f"{k} {share:.0%}" for share, k in ranked[:2] if share >= 0.05 or k == ranked[0][1])
 
 
 def explain(result: dict) -> list[str]:
@@ -29,7 +43,8 @@ def explain(result: dict) -> list[str]:
     mem, t = result["memory_per_rank"], result["time_breakdown"]
     comm = ", ".join(f"{k} {seconds(v)}" for k, v in t["exposed_comm"].items() if v >= 1e-3 * result["step_s"]) or "none"
     return [
-        f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters",
+        f"{result['layout']} on {result['hardware']}: {count(result['params'])} parameters"
+        + ("" if result.get("runnable", True) else " (FP8: predicted only; this runtime does not train in FP8)"),
         f"step {seconds(result['step_s'])} = compute {seconds(t['compute'])} + exposed communication {comm} + "
         f"pipeline bubble {seconds(t['bubble'])} + optimizer {seconds(t['optimizer'])}"
         + (f" + ranks sharing cores {seconds(t['shared_cores'])} (each waits for its peers while another works; the "

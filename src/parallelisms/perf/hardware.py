@@ -4,7 +4,11 @@
 Required keys: ``name``, ``peak_tflops`` (dense 16-bit; fp32 for ``cpu``), ``hbm_gb``, ``hbm_tbps``,
 ``gpus_per_node``, ``intra_node_gbps`` and ``inter_node_gbps`` (GB/s per GPU, one direction),
 ``intra_latency_us``, ``inter_latency_us``. Optional keys describe the GEMM engine (defaults: public cuBLAS
-characteristics, NVIDIA's "Matrix multiplication background" guide): ``gemm_fraction`` (the share of peak a
+characteristics, NVIDIA's "Matrix multiplication background" guide): ``sustained_tflops`` (the dense 16-bit rate
+at the clock the GPU holds under a training load, below the datasheet's boost-clock peak where power caps it:
+an H100 SXM at 700 W holds about 1,755 of its 1,980 MHz; 0: the datasheet peak; MFU stays against
+``peak_tflops``), ``fp8_tflops`` (dense FP8 at the same clock as ``peak_tflops``; 0: no FP8 tensor cores),
+``gemm_fraction`` (the share of peak a
 large GEMM reaches), ``gemm_k_half`` (the reduction length at which a GEMM runs at half that: its
 prologue/epilogue cost), ``sms`` and ``tile`` (tile and wave quantisation; 0 turns it off), ``hbm_fraction``
 (the share of HBM bandwidth an elementwise kernel reaches), ``link_fraction`` (the share of a link's bandwidth
@@ -53,6 +57,8 @@ class Hardware:
     inter_node_gbps: float
     intra_latency_us: float
     inter_latency_us: float
+    sustained_tflops: float = 0.0
+    fp8_tflops: float = 0.0
     gemm_fraction: float = 0.8
     gemm_k_half: float = 64.0
     sms: int = 108
@@ -61,7 +67,7 @@ class Hardware:
     link_fraction: float = 0.8
     bytes_per_element: int = 2
     cores: int = 0          # CPUs: cores the ranks share (beyond them a step is the ranks' CPU work over the cores); 0: a device each
-    op_overhead_us: float = 8.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
+    op_overhead_us: float = 10.0  # host time to dispatch one operator (eager PyTorch; a GPU hides it behind longer kernels)
     attention_fraction: float = 1.0
     attention_backward: float = 2.5  # the attention kernel's backward seconds over its forward's
     optimizer_tbps: float = 0.0
@@ -75,6 +81,19 @@ class Hardware:
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    @property
+    def gemm_peak_flops(self) -> float:
+        """The tensor cores' rate at the sustained clock: what a GEMM's efficiency is a share of."""
+        return (self.sustained_tflops or self.peak_tflops) * 1e12
+
+    def fp8(self) -> "Hardware":
+        """This GPU's FP8 GEMM engine: ``fp8_tflops`` at the same sustained clock, one byte per element (one line
+        where it has none)."""
+        require(self.fp8_tflops > 0, f"{self.name} has no FP8 tensor cores (fp8_tflops unset); FP8 compute needs "
+                                     f"Hopper or later: --hardware h100 or h200, or a file with fp8_tflops")
+        clock = (self.sustained_tflops or self.peak_tflops) / self.peak_tflops
+        return replace(self, peak_tflops=self.fp8_tflops, sustained_tflops=self.fp8_tflops * clock, bytes_per_element=1)
 
     @property
     def memory_bytes(self) -> float:
@@ -118,8 +137,11 @@ PRESETS = {
     # datasheets: A100 SXM 80GB 312 TFLOP/s bf16, 2.0 TB/s, NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR per node
     "a100": Hardware("A100 SXM 80GB", 312, 80, 2.039, 8, 300, 25, 8, 15, sms=108),
     # H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 450 GB/s per direction, 8 x 400 Gb/s per node
-    "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
-    "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, gemm_fraction=0.75, sms=132),
+    # (1,979 dense FP8); at 700 W the SXM part holds about 1,755 of its 1,980 MHz boost clock under GEMM load
+    "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, sustained_tflops=989 * 1755 / 1980,
+                     fp8_tflops=1979, sms=132),
+    "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, sustained_tflops=989 * 1755 / 1980,
+                     fp8_tflops=1979, sms=132),
     # this 2-core machine (a KVM Xeon with AVX-512, as re-measured on 2026-12-02), fp32 over gloo/shared memory:
     # `parallelisms calibrate` and the calibrations of `bench predict`, medians, both cores measuring at once as
     # two ranks share them: in the `small` model's own step from no gradients, GEMMs 160-171 GFLOP/s per thread
@@ -171,7 +193,7 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
                                                     _positive(v.get("alpha_us"), zero=True) for v in value.values()),
                     f"{flag} {spec!r}: collectives must map a kind to {{\"alpha_us\", \"gbps\"}} (positive numbers)")
         else:
-            zero = key in ("intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "op_overhead_us",
+            zero = key in ("sustained_tflops", "fp8_tflops", "intra_latency_us", "inter_latency_us", "sms", "tile", "gemm_k_half", "cores", "op_overhead_us",
                            "optimizer_tbps", "optimizer_tensor_us", "comm_cpu_fraction", "meeting_overhead_us",
                            "overlap_overhead_us")
             require(_positive(value, zero), f"{flag} {spec!r}: {key} must be a {'non-negative' if zero else 'positive'}"

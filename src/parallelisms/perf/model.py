@@ -119,10 +119,17 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dp > 1:
         ring = (dp - 1) / dp
         grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
+        # the flat engine without a pipeline reduces sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gathers
+        # sharded parameters every microbatch; a pipeline stage holds its units through the step (once)
+        m = microbatches_per_step(parallel, train) if dims.pp == 1 and parallel.fsdp_style == "flat" else 1
         if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-            out += [CommVolume("all_gather", "dp", 2 * ring * params), CommVolume("reduce_scatter", "dp", ring * grads)]
+            out += [CommVolume("all_gather", "dp", 2 * m * ring * params),
+                    CommVolume("reduce_scatter", "dp", m * ring * grads)]
         elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
-            out += [CommVolume("reduce_scatter", "dp", ring * grads), CommVolume("all_gather", "dp", ring * params)]
+            per_microbatch = parallel.zero != 1  # ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does
+            gathers = m if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2") else 1
+            out += [CommVolume("reduce_scatter", "dp", (m if per_microbatch else 1) * ring * grads),
+                    CommVolume("all_gather", "dp", gathers * ring * params)]
         else:
             out.append(CommVolume("all_reduce", "dp", 2 * ring * grads))
     if expert_params:  # expert gradients: only over the ranks holding the same experts

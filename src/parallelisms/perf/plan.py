@@ -17,7 +17,7 @@ import math
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.estimate import estimate
+from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import Hardware
 from parallelisms.perf.step import predict_step
 
@@ -89,7 +89,12 @@ def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
     mesh = ParallelDims(dp_shard=dp if sharded else 1, dp_replicate=1 if sharded else dp, tp=tp, pp=pp, cp=cp, ep=ep)
     options = dict(schedule=v["schedule"], chunks=v["chunks"], microbatches=v["microbatches"]) if pp > 1 else {}
     return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=v["zero"], recompute=v["recompute"],
-                               fsdp=None, **options)
+                               fsdp=None, overlap_param_gather=_overlaps_param_gather(pp, v), **options)
+
+
+def _overlaps_param_gather(pp: int, v: dict) -> bool:
+    """ZeRO-1/2 without a pipeline gather the updated parameters under the next forward (never slower)."""
+    return v["zero"] in (1, 2) and pp == 1
 
 
 def check_degrees(gpus: int, fixed: Fixed) -> None:
@@ -105,8 +110,9 @@ def check_degrees(gpus: int, fixed: Fixed) -> None:
 
 
 def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
-         attention: str = "flash", top: int = 10) -> list[dict]:
-    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first."""
+         attention: str = "flash", top: int = 5, fp8: bool = False) -> list[dict]:
+    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first, each
+    with its ``reason``: the step's bound and largest cost (:func:`bottleneck`)."""
     from parallelisms.support import validate_layout
 
     check_degrees(gpus, fixed)
@@ -116,7 +122,7 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
             parallel = _config(dims, v, base)
             run = train.replace(grad_accum=v["grad_accum"])
             try:
-                result = predict_step(cfg, parallel, run, hw, attention, simulate_schedule=False, cache=cache)
+                result = predict_step(cfg, parallel, run, hw, attention, simulate_schedule=False, cache=cache, fp8=fp8)
             except (ConfigError, ValueError, ZeroDivisionError):  # a shape this layout cannot split
                 continue
             if result["fits"]:
@@ -140,10 +146,11 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
             parallel = validate_layout(cfg, run, parallel)
         except ConfigError:
             continue
-        result = estimate(cfg, parallel, run, hw, attention)
+        result = estimate(cfg, parallel, run, hw, attention, fp8=fp8)
         if result["fits"]:
             dp, tp, pp, cp, ep = dims
-            plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v), **result})
+            plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v),
+                          "reason": bottleneck(result), **result})
     plans.sort(key=lambda p: p["step_s"])
     return plans
 
@@ -153,6 +160,7 @@ def _flags(dims, v: dict) -> str:
     out = [f"--dp {dp}", f"--tp {tp}", f"--pp {pp}", f"--cp {cp}"] + ([f"--ep {ep}"] if ep > 1 else [])
     out += ["--sp"] if v["sp"] else []
     out += [f"--zero {v['zero']}"] if v["zero"] else []
+    out += ["--overlap-param-gather"] if _overlaps_param_gather(pp, v) else []
     out += [f"--recompute {v['recompute']}"] if v["recompute"] != "none" else []
     if pp > 1:
         out += [f"--schedule {v['schedule']}", f"--microbatches {v['microbatches']}"]
@@ -167,7 +175,7 @@ def add_plan_args(p) -> None:
     from parallelisms.flags import integer
 
     p.add_argument("--gpus", type=integer(1, 2**20), required=True, help="GPUs to lay the run out on")
-    p.add_argument("--top", type=integer(1, 1000), default=10, help="plans to print, best first")
+    p.add_argument("--top", type=integer(1, 1000), default=5, help="plans to print (and in --json), best first")
     p.set_defaults(tp=None, pp=None, cp=None, ep=None, sp=None, zero=None, recompute=None, grad_accum=None,
                    mixed_precision="bf16")
 
@@ -186,7 +194,7 @@ def plan_result(args, model: ModelConfig) -> dict:
     check_degrees(args.gpus, fixed)
     base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
-    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top)}
+    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False))}
 
 
 def run_plan(args, model: ModelConfig) -> int:
@@ -196,7 +204,7 @@ def run_plan(args, model: ModelConfig) -> int:
     plans = plan_result(args, model)["plans"]
     for i, p in enumerate(plans):
         print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
-              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU")
+              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU; bound: {p['reason']}")
     if args.json:
         print(json_line({"plans": plans}))
     return 0

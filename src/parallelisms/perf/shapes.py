@@ -50,7 +50,7 @@ def shape_from_args(base: ModelConfig, args) -> ModelConfig:
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
-    """--hardware and --attention, for estimate and plan."""
+    """--hardware, --attention and --fp8, for estimate and plan."""
     from parallelisms.perf.compute import ATTENTION_KERNELS
     from parallelisms.perf.hardware import PRESETS
 
@@ -58,3 +58,6 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
                                                       f"file with the keys of `parallelisms calibrate`'s output")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                    help="attention kernel: flash, or fused-softmax (scores materialised: Megatron-LM 2021-22)")
+    p.add_argument("--fp8", action="store_true",
+                   help="price the blocks' linear layers in FP8 (Transformer Engine's recipe; Hopper or later): "
+                        "predicted only, this runtime does not train in FP8")

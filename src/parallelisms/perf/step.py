@@ -7,12 +7,16 @@ Where each collective goes (spec: "Critical path and latency hiding"):
 * tensor/sequence parallel: two collectives per block forward and two backward, on the critical path (with
   sequence parallelism also the all-reduce of each norm weight's gradient, Korthikanti et al. 2023, Sec. 4.2.2);
   ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
-  that GEMM lasts;
+  that GEMM lasts; ``--tp-overlap-chunks C`` (no SP) also pipelines each row-parallel forward GEMM with its
+  all-reduce over C row blocks (:func:`chunked_overlap`: the first block's GEMM and the last block's
+  all-reduce exposed, plus the chunking's cost: C smaller GEMMs and C latencies);
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
   costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
   parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
-  the updated parameters after the optimizer, exposed;
+  the updated parameters after the optimizer, exposed, or with ``--overlap-param-gather`` (Megatron-LM's
+  distributed optimizer) bucket by bucket under the next step's first forward: the first bucket, and what
+  outlasts that forward, exposed;
 * context parallel: ring attention sends one K/V block per hop while the previous block's attention runs
   (Liu et al. 2023: hidden when the block's compute outlasts the hop); Ulysses' all-to-alls are exposed;
 * expert parallel: dispatch and combine all-to-alls, two each way per MoE layer, exposed (DualPipe: under the
@@ -38,7 +42,8 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.compute import LayerShape, PassTimes, accumulation_time, head_times, layer_times
+from parallelisms.perf.compute import (LayerShape, PassTimes, accumulation_time, gemm_time, head_times, layer_gemms,
+                                       layer_times)
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
@@ -85,12 +90,28 @@ def _behind(hw: Hardware, t: float, window: float) -> float:
     return max(0.0, t - window) + hw.comm_cpu_fraction * min(t, window)
 
 
+def chunked_overlap(hw: Hardware, gemm: tuple, reduce_one: float, reduce_chunk: float, chunks: int) -> float:
+    """Exposed seconds of a row-parallel forward GEMM (m, n, k, batch, cold) whose output is all-reduced in
+    ``chunks`` row blocks, each all-reduce (``reduce_chunk`` seconds) running under the next block's GEMM: the
+    two-stage pipeline's span, g + c + (C - 1) max(g, c), less the unchunked GEMM; ``reduce_one`` (the
+    unchunked all-reduce, all exposed) for one chunk."""
+    m, n, k, b, cold = gemm
+    whole = gemm_time(hw, m, n, k, b, cold)
+    if chunks <= 1:
+        return reduce_one
+    g = gemm_time(hw, m / chunks, n, k, b, cold / chunks if cold == m * k else cold)
+    span = g + reduce_chunk + (chunks - 1) * max(g, reduce_chunk)
+    return max(0.0, span - whole) + hw.comm_cpu_fraction * (chunks - 1) * min(g, reduce_chunk)
+
+
 def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     """Exposed seconds per layer per microbatch of tp, cp and ep collectives: {(kind/dim): (forward, backward)}."""
     dims, e, out = parallel.dims, hw.bytes_per_element, {}
     activation = shape.tokens * cfg.dim * e
     if dims.tp > 1:  # per sublayer (attention, MLP): Megatron's f and g (Shoeybi et al. 2019)
         forward = backward = 0.0
+        linears = layer_gemms(shape)[0]  # the row-parallel GEMMs: the output projection, the MLP's down
+        row_gemms = [linears[1], linears[-1]]
         for dgrad, wgrad in zip(times.column_input_grads, times.column_weight_grads):
             overlap = (dgrad, wgrad) if parallel.tp_overlap else (0.0, 0.0)
             if parallel.sequence_parallel:  # g: reduce-scatter / all-gather; f: all-gather / reduce-scatter
@@ -102,7 +123,9 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
                 backward += gather + _behind(hw, gather, overlap[0]) + _behind(hw, scatter, overlap[1])
             else:  # g all-reduces forward, f backward (behind the weight gradient)
                 reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
-                forward += reduce
+                chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 0
+                forward += reduce if chunks <= 1 else chunked_overlap(
+                    hw, row_gemms.pop(0), reduce, _comm(hw, parallel, "all_reduce", "tp", activation / chunks), chunks)
                 backward += _behind(hw, reduce, overlap[1])
         if parallel.sequence_parallel:  # the norms' weights see 1/t of the tokens: their gradients are summed
             backward += 2 * _comm(hw, parallel, "all_reduce", "tp", cfg.dim * e)  # over tp as they come (blocking)
@@ -185,17 +208,21 @@ def _cached(cache: dict | None, key, compute):
 
 
 def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
-                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None) -> dict:
+                 attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None,
+                 fp8: bool = False) -> dict:
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
-    across calls with the same model and hardware) reuses per-layer and data-parallel times."""
+    across calls with the same model and hardware) reuses per-layer and data-parallel times; ``fp8`` prices
+    the blocks' linear layers in FP8 (compute.py)."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
-    shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention)
+    shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention,
+                       fp8)
 
     def per_layer():
         layer = layer_times(hw, shape)
         return layer, head_times(hw, cfg, shape.tokens, dims.tp, parallel.sequence_parallel), _layer_comm(cfg, parallel, hw, shape, layer)
-    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.cp_attention), per_layer)
+    layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.tp_overlap_chunks,
+                                        parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
     head_f, head_b = _head_comm(cfg, parallel, hw, shape)
@@ -217,7 +244,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if head_f + head_b:
         exposed["all_reduce/tp"] = exposed.get("all_reduce/tp", 0.0) + lay.m * (head_f + head_b)
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
-                              train.bucket_mb, train.dtype), lambda: _data_parallel_traffic(cfg, parallel, train, hw))
+                              parallel.overlap_param_gather, train.bucket_mb, train.dtype),
+                      lambda: _data_parallel_traffic(cfg, parallel, train, hw))
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
     optimizer_s = _optimizer_time(cfg, parallel, train, hw)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
@@ -298,12 +326,15 @@ def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: 
 def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
     """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
     ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
-    ``update`` (ZeRO-1/2's gather after the optimizer) or ``reduce`` (gradients, bucket by bucket)."""
+    ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
+    (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward)."""
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
     pp = parallel.dims.pp  # wrapped units on a stage: its blocks, the embedding and the head (one each at the ends)
     units = math.ceil(cfg.n_layers / pp) + (2 if pp == 1 else 1)
+    # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
+    m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
         if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
             continue
@@ -312,10 +343,11 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
         per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per unit and pass
-        calls = 1 if full < 64 else units * (2 if v.kind == "all_gather" else 1) if per_unit \
+        calls = 1 if full < 64 else m * units * (2 if v.kind == "all_gather" else 1) if per_unit \
             else max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
-                else "update" if v.kind == "all_gather" else "reduce")
+                else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
+                else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
     return out
 
@@ -365,7 +397,8 @@ def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
     """CPU seconds the asynchronous calls of an overlapped data-parallel collective (gradient buckets, ZeRO-3 and
     FSDP gathers and reduce-scatters) cost the rank beyond blocking ones (``hw.overlap_overhead_us``: a CPU comm
     layer's worker thread shares the rank's core with the compute it overlaps; 0 on GPUs)."""
-    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce") else 0.0
+    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce", "reduce_each", "overlapped_update") \
+        else 0.0
 
 
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
@@ -376,6 +409,10 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
             exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
             exposed = t / calls + _behind(hw, t, t_bw)
+        elif role == "reduce_each":  # during every microbatch's backward, each ending with its last bucket
+            exposed = lay.m * t / calls + _behind(hw, t, lay.m * t_bw)
+        elif role == "overlapped_update":  # under the next step's first forward, bucket by bucket
+            exposed = t / calls + _behind(hw, t, t_f)
         else:
             exposed = t
         out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)

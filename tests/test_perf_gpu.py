@@ -1,0 +1,129 @@
+"""The step model's GPU mechanisms against closed forms: the sustained clock, FP8 GEMMs and their casts, the
+host-dispatch floor of small layers, tensor parallelism's dispatched calls on a GPU, and the planner's reason."""
+
+import dataclasses
+
+import pytest
+
+from parallelisms.cli import main
+from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.errors import ConfigError
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS, LayerShape, _linears, block_ops,
+                                       fp8_cast_bytes, gemm_time, layer_times)
+from parallelisms.perf.estimate import bottleneck, estimate
+from parallelisms.perf.hardware import PRESETS as HARDWARE
+
+H100, A100 = HARDWARE["h100"], HARDWARE["a100"]
+BIG = (16384, 16384, 16384)  # compute-bound, whole waves, long reduction
+
+
+def test_sustained_clock_scales_gemms_not_mfu():
+    at_peak = dataclasses.replace(H100, sustained_tflops=0)
+    ratio = gemm_time(H100, *BIG) / gemm_time(at_peak, *BIG)
+    assert ratio == pytest.approx(1980 / 1755)
+    cfg, parallel, train = PRESETS["llama3-8b"], ParallelConfig(ParallelDims(dp_replicate=8), mixed_precision="bf16"), \
+        TrainConfig(global_batch=8, seq_len=2048)
+    slow, fast = estimate(cfg, parallel, train, H100), estimate(cfg, parallel, train, at_peak)
+    assert slow["step_s"] > fast["step_s"]
+    assert slow["mfu"] * slow["step_s"] == pytest.approx(fast["mfu"] * fast["step_s"])  # same datasheet peak
+
+
+def test_fp8_doubles_compute_bound_gemms_and_adds_its_casts():
+    assert gemm_time(H100.fp8(), *BIG) == pytest.approx(gemm_time(H100, *BIG) * 989 / 1979)
+    shape = LayerShape(PRESETS["llama3-8b"], 2, 4096, tp=2)
+    forward, backward = fp8_cast_bytes(shape)
+    linears = _linears(shape)
+    assert forward == sum(3 * m * k * b for m, n, k, b in linears)
+    assert backward == sum(3 * (2 * m * n + m * k) * b for m, n, k, b in linears)
+    bf16, fp8 = layer_times(H100, shape), layer_times(H100, dataclasses.replace(shape, fp8=True))
+    assert fp8.weight_grad < 0.6 * bf16.weight_grad and fp8.forward < bf16.forward
+    with pytest.raises(ConfigError, match="no FP8 tensor cores"):
+        A100.fp8()
+
+
+def test_fp8_estimate_is_marked_not_runnable(capsys):
+    argv = ["estimate", "--preset", "llama3-8b", "--dp", "8", "--global-batch", "8", "--seq-len", "2048",
+            "--mixed-precision", "bf16", "--hardware", "h100"]
+    assert main([*argv, "--fp8"]) == 0
+    assert "FP8: predicted only" in capsys.readouterr().out
+    assert main([*argv[:-2], "--hardware", "a100", "--fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no FP8 tensor cores" in err
+
+
+def test_small_layers_are_bound_by_dispatch_on_a_gpu():
+    """Eager PyTorch issues each operator from the host; a layer whose kernels are shorter than that is the
+    host's: its forward is the operators' count times the dispatch time, whatever its size."""
+    tiny = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=1024, mlp="gelu")
+    times = layer_times(A100, LayerShape(tiny, 1, 128))
+    assert times.forward == pytest.approx(BLOCK_OPS["gelu"][0] * A100.op_overhead_us * 1e-6)
+
+
+def test_gpu_tensor_parallelism_dispatches_only_its_collectives():
+    for sp in (False, True):
+        key = "sp" if sp else "tp"
+        cpu, gpu = block_ops("swiglu", 2, sp), block_ops("swiglu", 2, sp, device=True)
+        assert gpu == tuple(b + e for b, e in zip(BLOCK_OPS["swiglu"], GPU_TP_BLOCK_OPS[key]))
+        assert cpu == tuple(b + e for b, e in zip(BLOCK_OPS["swiglu"], TP_BLOCK_OPS[key]))
+    assert GPU_TP_BLOCK_OPS["tp"] == (2, 2)  # Megatron's g forward and f backward, per sublayer
+
+
+def test_bottleneck_names_the_bound_and_the_largest_cost():
+    result = {"step_s": 10.0, "time_breakdown": {"compute": 7.0, "bubble": 2.0, "optimizer": 0.2,
+                                                 "exposed_comm": {"all_reduce/dp": 0.8}}}
+    assert bottleneck(result) == "compute 70%; pipeline bubble 20%"
+    result["time_breakdown"]["bubble"] = 0.1
+    assert bottleneck(result) == "compute 70%; exposed all_reduce/dp 8%"
+
+
+def test_overlapped_param_gather_hides_behind_the_first_forward():
+    """ZeRO-1/2's gather of the updated parameters: exposed whole after the optimizer, or under the next step's
+    first forward bucket by bucket (--overlap-param-gather): the first bucket and what outlasts the forward."""
+    from parallelisms.perf.step import Layout, _data_parallel_exposed
+
+    cfg, lay = PRESETS["small"], Layout(1, 1, 2, 2)
+    traffic = [("all_gather/dp", "update", 0.4, 4)]
+    assert _data_parallel_exposed(traffic, cfg, lay, 1.0, 2.0, A100)["all_gather/dp"] == 0.4
+    overlapped = [("all_gather/dp", "overlapped_update", 0.4, 4)]
+    assert _data_parallel_exposed(overlapped, cfg, lay, 1.0, 2.0, A100)["all_gather/dp"] == pytest.approx(0.1)
+    assert _data_parallel_exposed(overlapped, cfg, lay, 0.25, 2.0, A100)["all_gather/dp"] == pytest.approx(0.25)
+    parallel = ParallelConfig(ParallelDims(dp_shard=8), zero=1, mixed_precision="bf16")
+    train = TrainConfig(global_batch=8, seq_len=2048)
+    exposed, hidden = (estimate(PRESETS["llama3-8b"], parallel.replace(overlap_param_gather=o), train, H100)
+                       for o in (False, True))
+    assert hidden["step_s"] < exposed["step_s"]
+    assert hidden["time_breakdown"]["exposed_comm"]["all_gather/dp"] < \
+        exposed["time_breakdown"]["exposed_comm"]["all_gather/dp"]
+
+
+def test_forward_tp_overlap_is_a_two_stage_pipeline_over_row_blocks():
+    """--tp-overlap-chunks C: block i's all-reduce under block i+1's GEMM; exposed: the pipeline's span
+    g + c + (C-1) max(g, c) less the unchunked GEMM (so the chunking's smaller GEMMs are charged too)."""
+    from parallelisms.perf.step import chunked_overlap
+
+    gemm = (8192, 4096, 4096, 1, 0)
+    whole, g = gemm_time(A100, 8192, 4096, 4096), gemm_time(A100, 2048, 4096, 4096)
+    for c in (g / 10, g, 10 * g):
+        assert chunked_overlap(A100, gemm, 4 * c, c, 4) == pytest.approx(g + c + 3 * max(g, c) - whole)
+    assert chunked_overlap(A100, gemm, 1e-3, 1e-3, 1) == 1e-3  # one chunk: the all-reduce, exposed
+    assert chunked_overlap(A100, gemm, 4 * g / 10, g / 10, 4) < 4 * g / 10  # compute-bound: mostly hidden
+    cfg, train = PRESETS["llama3-8b"], TrainConfig(global_batch=16, seq_len=4096)
+    steps = [estimate(cfg, ParallelConfig(ParallelDims(dp_replicate=2, tp=4), mixed_precision="bf16", tp_overlap=True,
+                                          tp_overlap_chunks=c), train, A100)["time_breakdown"]["exposed_comm"]
+             ["all_reduce/tp"] for c in (0, 4)]
+    assert steps[1] < steps[0]
+
+
+def test_data_parallel_all_reduce_bandwidth_holds_at_a_thousand_nodes():
+    """Hierarchical (NVLink inside the node on the whole tensor, then each GPU's own NIC across nodes on 1/8 of
+    it: rail-optimised) with tree latency where it is faster: the bandwidth term of a 1 GB all-reduce does not
+    grow with the node count, its latency grows with log2 of it."""
+    from parallelisms.perf.network import collective_time
+
+    at = {nodes: collective_time(H100, "all_reduce", 1e9, 8 * nodes) for nodes in (16, 1024)}
+    assert at[1024] == pytest.approx(at[16], rel=0.05)
+    (a_in, b_in), (a_out, b_out) = H100.link(False), H100.link(True)
+    inside = 2 * 7 * a_in + 2 * 7 / 8 * 1e9 / b_in
+    across = min(2 * 1023 * a_out + 2 * 1023 / 1024 * 1e9 / 8 / b_out, 2 * 10 * a_out + 2 * 1e9 / 8 / b_out)
+    assert at[1024] == pytest.approx(inside + across)
