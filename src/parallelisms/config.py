@@ -260,6 +260,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # after warmup: constant, cosine or linear decay to min_lr at the last step
     min_lr: float = 0.0            # the decay's floor
     data: DataConfig = field(default_factory=DataConfig)
+    slow_rank: tuple[int, float] | None = None  # (rank, factor): that rank's compute factor x slower (stragglers)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")

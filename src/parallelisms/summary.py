@@ -11,7 +11,7 @@ from parallelisms.device import Placement
 from parallelisms.units import size
 
 # options of train that do not change the layout: left out of the commands suggested next
-_NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default"}
+_NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default", "slow_rank"}
 
 
 def layout_flags(args, defaults: dict) -> str:
@@ -60,6 +60,10 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
                      + (f", {pipe['simulated_bubble_rate_in_run']:.3f} with the run's latency "
                         f"{pipe['t_latency_in_run_s'] * 1e3:.2f} ms and host time {pipe['t_host_s'] * 1e3:.2f} ms"
                         if pipe.get("simulated_bubble_rate_in_run") is not None else ""))
+    if report.get("stragglers"):
+        from parallelisms.stragglers import describe
+
+        lines.extend(describe(report["stragglers"]))
     if report.get("trace"):
         from parallelisms.comm.trace import format_summary
 

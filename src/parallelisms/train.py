@@ -44,6 +44,7 @@ from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
+from parallelisms.stragglers import StragglerWatch
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,9 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     dims = spec.parallel.dims.check_world_size(info.world_size)
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
+    slow = spec.train.slow_rank
+    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace,
+                                                 slow=slow[1] if slow and slow[0] == info.rank else 1.0))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
@@ -272,6 +275,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         from parallelisms.hf import load_hf
         model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
+    watch = StragglerWatch(comms, info.rank, info.world_size, trace)
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
@@ -310,9 +314,13 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
         ledger_marks.append(comms.ledger.mark())
+        comms.ledger.arrivals.active = True
         start = Timeline.now()
         loss = trainer.train_step(inputs, targets)
         end = Timeline.now()
+        comms.ledger.arrivals.active = False
+        # rank 0: this step's straggler figures when handed over now (every step when metrics are logged)
+        late = watch.end_step((start, end), exchange=logging)
         losses.append(loss)
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
@@ -323,7 +331,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
             eval_loss = trainer.evaluate(evaluation).item()
             eval_losses.append([step + 1, eval_loss])
         if logging:
-            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end))
+            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end), late)
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -338,6 +346,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
             saver.save(trainer, step + 1, getattr(loader, "state_dict", lambda: None)())
             save_times.append((Timeline.now() - began) / 1e9)
         _test_kill(info, step + 1)
+    watch.flush()  # the steps not handed over yet
     if saver is not None:
         saver.close()
     if metrics is not None:
@@ -367,6 +376,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "lr_last": trainer.lr,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
+        "stragglers": watch.report.result(),
     }
     report.update(extra)
     if spec.train.nonfinite != "continue":
@@ -380,6 +390,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         report["overlap_per_rank"] = per_rank
         report["exposed_comm_fraction"] = max(s["exposed_ns"] / max(s["wall_ns"], 1) for s in per_rank)
         report["spans"] = [g["spans"] for g in gathered]
+        report["straggler_waits"] = watch.report.waits
     if state is not None:
         report["state"] = state
     return report
@@ -410,10 +421,10 @@ def _test_kill(info: RankInfo, step: int) -> None:
 
 
 def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, loss: torch.Tensor,
-              eval_loss: float | None, tokens: int, window: tuple[int, int]) -> None:
+              eval_loss: float | None, tokens: int, window: tuple[int, int], late: dict) -> None:
     """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (an all-reduce outside the
     timed step, phase report), learning rate, gradient norm, tokens/s, this rank's exposed communication (with a
-    timeline) and peak memory."""
+    timeline), peak memory and the step's stragglers (``late``: :meth:`StragglerReport.add_step`'s figures)."""
     from parallelisms.parallel.memory import process_peak_bytes
 
     with comms.ledger.in_phase("report"):
@@ -425,7 +436,7 @@ def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, ste
     metrics.write({"step": step + 1, "loss": mean.item(), "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
-                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped})
+                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped, **late})
 
 
 def _sum_stats(stats: list[dict]) -> dict:
