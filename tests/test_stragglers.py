@@ -79,3 +79,12 @@ def test_clock_offsets_move_other_hosts_onto_rank_0():
     report.add_step([_rows((0, 3, 1, 0, 0, 0)), _rows((0, 3, 1, 0, 5030, 5030))], [(0, 100), (5000, 5100)],
                     measured=True)
     assert report.result()["dims"]["dp"]["per_rank"][0]["waited_s_per_step"] == pytest.approx(30e-9)
+
+
+def test_expert_load_counts_every_routed_token():
+    """tiny-moe routes each of 8 x 64 tokens to 2 experts in each of 2 layers: 2048 assignments a step, split over
+    the 2 expert-parallel ranks, none dropped (no capacity limit)."""
+    load = report_of("ep")["expert_load"]
+    assert len(load["tokens_per_expert"]) == 8 and len(load["tokens_per_ep_rank"]) == 2
+    assert sum(load["tokens_per_ep_rank"]) == pytest.approx(8 * 64 * 2 * 2)
+    assert load["dropped_per_step"] == 0 and load["ep_rank_imbalance"] >= 1.0

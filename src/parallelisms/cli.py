@@ -76,6 +76,11 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    g = p.add_argument_group("data-parallel balance")
+    g.add_argument("--dp-balance", default="even", help="split each global batch evenly (even) or in proportion "
+                                                        "to each data-parallel rank's measured speed (measured)")
+    g.add_argument("--rebalance-every", type=integer(0, 10**9), default=0,
+                   help="with --dp-balance measured: re-measure and re-split every N steps (0: once)")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
@@ -132,7 +137,8 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
                               sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              recompute=args.recompute, **options)
+                              recompute=args.recompute, dp_balance=args.dp_balance,
+                              rebalance_every=args.rebalance_every, **options)
     parallel = validate_layout(model, train, parallel, runtime)
     require(train.slow_rank is None or train.slow_rank[0] < dims.world_size,
             lambda: f"--slow-rank {train.slow_rank[0]}:{train.slow_rank[1]:g} names rank {train.slow_rank[0]}, but the "

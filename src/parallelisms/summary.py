@@ -60,6 +60,16 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
                      + (f", {pipe['simulated_bubble_rate_in_run']:.3f} with the run's latency "
                         f"{pipe['t_latency_in_run_s'] * 1e3:.2f} ms and host time {pipe['t_host_s'] * 1e3:.2f} ms"
                         if pipe.get("simulated_bubble_rate_in_run") is not None else ""))
+    if "dp_balance" in report:
+        balance = report["dp_balance"]
+        lines.append(f"balance: sequences per data-parallel rank {balance['split']} (measured speed"
+                     + (f", re-split every {balance['every']} steps" if balance["every"] else "") + ")")
+    if "expert_load" in report:
+        load, ep = report["expert_load"], report.get("stragglers", {}).get("dims", {}).get("ep")
+        lines.append(f"experts: tokens per ep rank a step {[round(t) for t in load['tokens_per_ep_rank']]}, max/mean "
+                     f"{load['ep_rank_imbalance']:.2f} (per expert {load['expert_imbalance']:.2f}); dropped by capacity "
+                     f"{load['dropped_fraction']:.1%}" + (f"; all-to-all wait for the most loaded "
+                                                         f"{ep['wait_s_per_step'] * 1e3:.1f} ms a step" if ep else ""))
     if report.get("stragglers"):
         from parallelisms.stragglers import describe
 
