@@ -1,7 +1,9 @@
 """``parallelisms plot-trace TRACE --out PNG``: draw a ``train --trace`` timeline as a picture.
 
 After the first step (setup and warm-up; ``--skip-steps``), two rows per rank, as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on
-communication the rank could not hide, in red) above communication (each collective from issue to completion).
+communication the rank could not hide, in red) above communication (each collective from issue to completion),
+and a third where the rank waited for a straggler (the straggler report's waits, each with an arrow to the late
+rank's compute row).
 What is red is the exposed communication the summary reports; communication under a compute bar is hidden.
 Needs matplotlib (``pip install 'parallelisms[plot]'``).
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 from parallelisms.errors import ConfigError, require
 
 COLOURS = {"forward": "#4878d0", "backward": "#ee854a", "optimizer": "#6acc64", "wait": "#d65f5f",
-           "comm": "#956cb4"}
+           "comm": "#956cb4", "straggler": "#c9a100"}
 
 
 def read_spans(path: str | Path) -> dict[int, list[dict]]:
@@ -33,7 +35,7 @@ def read_spans(path: str | Path) -> dict[int, list[dict]]:
 
 
 def _colour(event: dict) -> str:
-    if event.get("cat") in ("wait", "comm"):
+    if event.get("cat") in ("wait", "comm", "straggler"):
         return COLOURS[event["cat"]]
     return COLOURS.get(event["name"].split()[0], "#8c8c8c")
 
@@ -60,19 +62,30 @@ def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip
     ranks = sorted(spans)
     origin = _start(spans, skip_steps)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
-    labels, ticks = [], []
-    for i, rank in enumerate(ranks):
-        for tid, row in ((0, "compute"), (1, "comm")):
-            y = -(2 * i + tid)
+    labels, ticks, row_of = [], [], {}
+    for rank in ranks:
+        for tid, row in ((0, "compute"), (1, "comm"), (3, "waits")):
             bars = [e for e in spans[rank] if e.get("tid", 0) == tid and e["ts"] >= origin]
+            if tid == 3 and not any(e.get("cat") == "straggler" for e in spans[rank]):
+                continue  # a rank that never waited for a straggler (or a trace without the report)
+            y = row_of[rank, tid] = -len(ticks)
             ax.broken_barh([((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in bars], (y - 0.4, 0.8),
                            facecolors=[_colour(e) for e in bars], linewidth=0)
             labels.append(f"rank {rank} {row}")
             ticks.append(y)
+    for rank in ranks:  # each wait for a straggler: an arrow from its end to the late rank's compute row
+        for e in spans[rank]:
+            late = e.get("args", {}).get("late_rank")
+            if late is not None and (rank, 3) in row_of and (late, 0) in row_of and e["ts"] >= origin:
+                end = (e["ts"] + e["dur"] - origin) / 1e3
+                ax.annotate("", xy=(end, row_of[late, 0]), xytext=(end, row_of[rank, 3]),
+                            arrowprops={"arrowstyle": "->", "color": COLOURS["straggler"], "lw": 0.8})
+    fig.set_size_inches(12, 0.45 * len(ticks) + 1.2)
     ax.set_yticks(ticks, labels)
     ax.set_xlabel("time (ms)" + (f", from the end of step {skip_steps}" if skip_steps else ""))
     ax.set_title(title or f"timeline of {Path(path).name}")
-    ax.legend(handles=[Patch(color=c, label=n if n != "wait" else "exposed comm (wait)") for n, c in COLOURS.items()],
+    names = {"wait": "exposed comm (wait)", "straggler": "waiting for a straggler (arrow: to it)"}
+    ax.legend(handles=[Patch(color=c, label=names.get(n, n)) for n, c in COLOURS.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=len(COLOURS),
               frameon=False)
     fig.tight_layout()
