@@ -23,7 +23,8 @@ def _spec(slow=SLOW, model=TINY, train=TRAIN, **dims) -> RunSpec:
 
 
 SPECS = {  # data parallelism: more rows a rank, so compute (which --slow-rank slows) outweighs the optimizer
-    "dp": _spec(dp_replicate=2, train=TRAIN.replace(global_batch=16, seq_len=128)), "tp": _spec(tp=2), "cp": _spec(cp=2), "pp": _spec(pp=2),
+    "dp": _spec(dp_replicate=2, train=TRAIN.replace(global_batch=16, seq_len=128)), "tp": _spec(tp=2), "cp": _spec(cp=2),
+    "pp": RunSpec(TINY, TRAIN.replace(slow_rank=SLOW), ParallelConfig(dims=ParallelDims(pp=2), microbatches=8)),
     "ep": _spec(model=PRESETS["tiny-moe"], dp_replicate=2, ep=2),
     "none": _spec(slow=None, dp_replicate=2), "none_tp": _spec(slow=None, tp=2),
 }
