@@ -21,7 +21,7 @@ from parallelisms.config import (ModelConfig, ParallelConfig, TrainConfig, load_
                                  with_positions)
 from parallelisms.errors import ConfigError, LaunchError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
-from parallelisms.flags import DEGREE, check_writable, integer, json_line, number
+from parallelisms.flags import DEGREE, check_writable, integer, json_line, number, slow_rank
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
@@ -86,6 +86,11 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    g = p.add_argument_group("data-parallel balance")
+    g.add_argument("--dp-balance", default="even", help="split each global batch evenly (even) or in proportion "
+                                                        "to each data-parallel rank's measured speed (measured)")
+    g.add_argument("--rebalance-every", type=integer(0, 10**9), default=0,
+                   help="with --dp-balance measured: re-measure and re-split every N steps (0: once)")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
@@ -116,6 +121,8 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
                    help="collective timeout, seconds")
     g.add_argument("--dtype", default=d.dtype, help="parameter dtype: float32, or float64 (rounding ~1e-16, so verify's "
                                                     "contract tightens to 1e-10)")
+    g.add_argument("--slow-rank", type=slow_rank, metavar="R:F", help="make rank R's compute F times slower (real "
+                                                                       "work; a straggler to see in the report)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 
@@ -136,6 +143,7 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
                         bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype or TrainConfig.dtype,
+                        slow_rank=getattr(args, "slow_rank", None),
                         **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
@@ -143,8 +151,12 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
                               overlap_param_gather=getattr(args, "overlap_param_gather", False),
                               tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              recompute=args.recompute, **options)
+                              recompute=args.recompute, dp_balance=args.dp_balance,
+                              rebalance_every=args.rebalance_every, **options)
     parallel = validate_layout(model, train, parallel, runtime)
+    require(train.slow_rank is None or train.slow_rank[0] < dims.world_size,
+            lambda: f"--slow-rank {train.slow_rank[0]}:{train.slow_rank[1]:g} names rank {train.slow_rank[0]}, but the "
+                    f"layout has {dims.world_size} rank(s); name a rank from 0 to {dims.world_size - 1}")
     if hasattr(args, "data"):
         check_data_args(model, train, parallel)
     if under_torchrun():  # the launcher fixed the world size: the layout must match it
@@ -250,6 +262,7 @@ def train_report(args, announce: bool = False) -> dict | None:
         from parallelisms.hf import export_hf
         report["exported_hf"] = str(export_hf(report.pop("state"), model, args.export_hf))
     spans = report.pop("spans")
+    waits = report.pop("straggler_waits", None) or []
     if args.trace:
         from parallelisms.comm.trace import Timeline, write_chrome_trace
 
@@ -258,7 +271,7 @@ def train_report(args, announce: bool = False) -> dict | None:
             t = Timeline(rank)
             t.spans = rank_spans
             timelines.append(t)
-        write_chrome_trace(timelines, args.trace)
+        write_chrome_trace(timelines, args.trace, waits)
         report["trace"] = args.trace
     if args.predict:
         from parallelisms.perf.predict import compare

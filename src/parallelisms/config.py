@@ -274,6 +274,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # after warmup: constant, cosine or linear decay to min_lr at the last step
     min_lr: float = 0.0            # the decay's floor
     data: DataConfig = field(default_factory=DataConfig)
+    slow_rank: tuple[int, float] | None = None  # (rank, factor): that rank's compute factor x slower (stragglers)
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
@@ -333,6 +334,9 @@ class ParallelConfig:
     # context parallelism
     cp_attention: str = "ring"         # ring (ring attention, zigzag shards) or ulysses (all-to-all over heads)
     recompute: str = "none"            # activation recomputation: none, selective (attention core), full (block)
+    # data-parallel balance (parallelisms.parallel.dp_balance): split each batch by measured speed
+    dp_balance: str = "even"           # even, or measured
+    rebalance_every: int = 0           # steps between re-measured splits (0: the first measured split stays)
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
@@ -353,6 +357,7 @@ class ParallelConfig:
             f"{self.chunks} chunks" if d.pp > 1 and self.chunks > 1 else "",
             "balance measured" if d.pp > 1 and self.pp_balance == "measured" else "",
             f"recompute {self.recompute}" if self.recompute != "none" else "",
+            "dp-balance measured" if self.dp_balance == "measured" else "",
             "bf16" if self.mixed_precision == "bf16" else "",
         ]
         return " ".join([d.describe(" x "), *filter(None, options)])

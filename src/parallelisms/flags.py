@@ -54,6 +54,20 @@ def integer_list(low: int, high: int):
     return parse
 
 
+def slow_rank(text: str) -> tuple[int, float]:
+    """``--slow-rank R:F``: rank R (an integer from 0) and its slowdown factor F (a finite number above 1, at
+    most 100)."""
+    rank, _, factor = text.partition(":")
+    try:
+        parsed = (int(rank), float(factor))
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed[0] < 0 or not (math.isfinite(parsed[1]) and 1 < parsed[1] <= 100):
+        raise argparse.ArgumentTypeError(f"must be RANK:FACTOR, a rank from 0 and a factor above 1 and at most 100 "
+                                         f"(e.g. 1:1.5), got {shown(text, False)}")
+    return parsed
+
+
 def _num(x: float) -> str:
     return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 

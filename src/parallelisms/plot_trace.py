@@ -2,8 +2,10 @@
 
 After the first step (setup and warm-up; ``--skip-steps``), or the steps ``--steps A:B`` name, two rows per rank,
 as the Chrome trace holds them: compute (forward, backward, optimizer, and the waits on communication the rank
-could not hide, in red) above communication (each collective from issue to completion). A pipeline's actions
-(``F s0 mb0``, ``B``, and the zero-bubble schedules' split ``I`` and ``W``) take the colour of their kind.
+could not hide, in red) above communication (each collective from issue to completion), and a third where the rank
+waited for a straggler (the straggler report's waits, each with an arrow to the late rank's compute row). A
+pipeline's actions (``F s0 mb0``, ``B``, and the zero-bubble schedules' split ``I`` and ``W``) take the colour of
+their kind.
 What is red is the exposed communication the summary reports; communication under a compute bar is hidden.
 The legend names the kinds the picture holds.
 Needs matplotlib (``pip install 'parallelisms[plot]'``).
@@ -17,7 +19,9 @@ from pathlib import Path
 from parallelisms.errors import ConfigError, require
 
 COLOURS = {"forward": "#4878d0", "backward": "#ee854a", "backward (input)": "#dc7ec0",
-           "weight gradient": "#d5bb67", "optimizer": "#6acc64", "wait": "#d65f5f", "comm": "#956cb4"}
+           "weight gradient": "#d5bb67", "optimizer": "#6acc64", "wait": "#d65f5f", "comm": "#956cb4",
+           "straggler": "#c9a100"}
+NAMES = {"wait": "exposed comm (wait)", "straggler": "waiting for a straggler (arrow: to it)"}
 # a compute span's first word -> its kind: the training loop's names, and the pipeline's actions (``F s0 mb0``)
 KINDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "F": "forward", "B": "backward",
          "I": "backward (input)", "W": "weight gradient"}
@@ -42,7 +46,7 @@ def read_spans(path: str | Path) -> dict[int, list[dict]]:
 def kind(event: dict) -> str | None:
     """The legend's name for a span: its category for waits and communication, else its name's kind (None: none
     of them, drawn grey)."""
-    if event.get("cat") in ("wait", "comm"):
+    if event.get("cat") in ("wait", "comm", "straggler"):
         return event["cat"]
     words = event["name"].split()
     return KINDS.get(words[0]) if words else None
@@ -81,21 +85,31 @@ def plot_trace(path: str | Path, out: str | Path, title: str | None = None, skip
     origin, end = _window(spans, skip_steps, steps)
     shown = set()
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
-    labels, ticks = [], []
-    for i, rank in enumerate(ranks):
-        for tid, row in ((0, "compute"), (1, "comm")):
-            y = -(2 * i + tid)
+    labels, ticks, row_of = [], [], {}
+    for rank in ranks:
+        for tid, row in ((0, "compute"), (1, "comm"), (3, "waits")):
             bars = [e for e in spans[rank] if e.get("tid", 0) == tid and origin <= e["ts"] < end]
+            if tid == 3 and not any(e.get("cat") == "straggler" for e in spans[rank]):
+                continue  # a rank that never waited for a straggler (or a trace without the report)
             shown |= {kind(e) for e in bars}
+            y = row_of[rank, tid] = -len(ticks)
             ax.broken_barh([((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in bars], (y - 0.4, 0.8),
                            facecolors=[_colour(e) for e in bars], linewidth=0)
             labels.append(f"rank {rank} {row}")
             ticks.append(y)
+    for rank in ranks:  # each wait for a straggler: an arrow from its end to the late rank's compute row
+        for e in spans[rank]:
+            late = e.get("args", {}).get("late_rank")
+            if late is not None and (rank, 3) in row_of and (late, 0) in row_of and origin <= e["ts"] < end:
+                x = (e["ts"] + e["dur"] - origin) / 1e3
+                ax.annotate("", xy=(x, row_of[late, 0]), xytext=(x, row_of[rank, 3]),
+                            arrowprops={"arrowstyle": "->", "color": COLOURS["straggler"], "lw": 0.8})
+    fig.set_size_inches(12, 0.45 * len(ticks) + 1.2)
     ax.set_yticks(ticks, labels)
     start = steps[0] - 1 if steps else skip_steps
     ax.set_xlabel("time (ms)" + (f", from the end of step {start}" if start else ""))
     ax.set_title(title or f"timeline of {Path(path).name}" + (f", steps {steps[0]} to {steps[1]}" if steps else ""))
-    legend = [Patch(color=c, label=n if n != "wait" else "exposed comm (wait)") for n, c in COLOURS.items() if n in shown]
+    legend = [Patch(color=c, label=NAMES.get(n, n)) for n, c in COLOURS.items() if n in shown]
     legend += [Patch(color=OTHER, label="other")] if None in shown else []
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
               ncol=len(legend), frameon=False)

@@ -11,7 +11,7 @@ from parallelisms.device import Placement
 from parallelisms.units import size
 
 # options of train that do not change the layout: left out of the commands suggested next
-_NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default"}
+_NOT_LAYOUT = {"command", "func", "json", "trace", "steps", "device", "tolerance", "dp_default", "slow_rank"}
 
 
 def layout_flags(args, defaults: dict) -> str:
@@ -78,6 +78,20 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
                      + (", ".join(saved) if len(saved) <= 3 else f"{saved[0]}, ..., {saved[-1]}"))
     if report.get("metrics"):
         lines.append(f"log:   {report['metrics']} (one JSON line per step)")
+    if "dp_balance" in report:
+        balance = report["dp_balance"]
+        lines.append(f"balance: sequences per data-parallel rank {balance['split']} (measured speed"
+                     + (f", re-split every {balance['every']} steps" if balance["every"] else "") + ")")
+    if "expert_load" in report:
+        load, ep = report["expert_load"], report.get("stragglers", {}).get("dims", {}).get("ep")
+        lines.append(f"experts: tokens per ep rank a step {[round(t) for t in load['tokens_per_ep_rank']]}, max/mean "
+                     f"{load['ep_rank_imbalance']:.2f} (per expert {load['expert_imbalance']:.2f}); dropped by capacity "
+                     f"{load['dropped_fraction']:.1%}" + (f"; all-to-all wait for the most loaded "
+                                                         f"{ep['wait_s_per_step'] * 1e3:.1f} ms a step" if ep else ""))
+    if report.get("stragglers"):
+        from parallelisms.stragglers import describe
+
+        lines.extend(describe(report["stragglers"]))
     if report.get("trace"):
         from parallelisms.comm.trace import format_summary
 

@@ -32,6 +32,8 @@ from parallelisms.optim import make_optimizer
 from parallelisms.parallel.common import clip_grad_norm_
 from parallelisms.parallel.context import apply_context_parallel
 from parallelisms.parallel.data import DataParallel
+from parallelisms.parallel.dp_balance import DataBalance
+from parallelisms.parallel.expert_load import ExpertLoad
 from parallelisms.parallel.expert import apply_expert_parallel
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.grad_sync import GradSync, LocalGradients
@@ -44,6 +46,7 @@ from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
+from parallelisms.stragglers import StragglerWatch
 
 
 @dataclass(frozen=True)
@@ -69,22 +72,26 @@ class MicrobatchLoop:
 
     def __init__(self, model: nn.Module, comms: Comms, grad_accum: int, positions: torch.Tensor | None = None):
         self.model, self.comms, self.grad_accum, self.positions = model, comms, grad_accum, positions
+        self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its share of the batch)
+        self.compute_ns = 0  # the last call's forward and backward time (--dp-balance measured measures it)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync: GradSync) -> torch.Tensor:
         ledger, timeline = self.comms.ledger, self.comms.timeline
         micro = microbatches(inputs, targets, self.grad_accum)
-        total = None
+        total, start = None, Timeline.now()
+        scale = self.weight / len(micro)
         for i, (x, y) in enumerate(micro):
             with (grad_sync.no_sync() if i < len(micro) - 1 else nullcontext()):
                 with ledger.in_phase("forward"), timeline.span("forward"):
                     if self.positions is None:
-                        loss = self.model(x, y) / len(micro)
+                        loss = self.model(x, y) * scale
                     else:
                         pos = self.positions.to(x.device)
-                        loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)
+                        loss = self.model(x[:, pos], y[:, pos], positions=pos) * scale
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        self.compute_ns = Timeline.now() - start
         return upcast(total).cpu()
 
     @torch.no_grad()
@@ -298,7 +305,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     dims = spec.parallel.dims.check_world_size(info.world_size)
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
+    slow = spec.train.slow_rank
+    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace,
+                                                 slow=slow[1] if slow and slow[0] == info.rank else 1.0))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
@@ -306,11 +315,15 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         from parallelisms.hf import load_hf
         model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
+    watch = StragglerWatch(comms, info.rank, info.world_size, trace)
+    experts = ExpertLoad(model, dims.ep) if spec.model.n_experts else None
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
     loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed,
                          spec.train.data.vocab_sweep)
+    balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, spec.train.grad_accum,
+                           spec.parallel.rebalance_every) if spec.parallel.dp_balance == "measured" else None)
     data = spec.train.data
     evaluation = None
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
@@ -325,6 +338,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             first = resumed.step
             if resumed.data_state is not None and hasattr(loader, "load_state_dict"):
                 loader.load_state_dict(resumed.data_state)
+                if balance is not None:
+                    balance.load_state_dict(resumed.data_state)
         if spec.checkpoint.save_dir:
             saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
                           info.rank, spec.checkpoint.meta, info.device)
@@ -343,11 +358,24 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
     nonfinite, skipped, save_times, saved = None, 0, [], []
     for step in steps:
-        inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
+        if balance is None:
+            inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
+        else:  # this rank's measured share of the global batch, its loss weighted by it
+            inputs, targets = (t.to(info.device) for t in balance.rows_of(*loader.batch(loader.step)))
+            loader.step += 1
+            trainer.forward_backward.weight = balance.weight
         ledger_marks.append(comms.ledger.mark())
+        comms.ledger.arrivals.active = True
         start = Timeline.now()
         loss = trainer.train_step(inputs, targets)
         end = Timeline.now()
+        comms.ledger.arrivals.active = False
+        # rank 0: this step's straggler figures when handed over now (every step when metrics are logged)
+        late = watch.end_step((start, end), exchange=logging)
+        if balance is not None:
+            balance.after_step(step, trainer.forward_backward.compute_ns)
+        if experts is not None:
+            experts.after_step()
         losses.append(loss)
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
@@ -359,7 +387,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             eval_losses.append([step + 1, eval_loss])
         mean = _rank_average(comms, loss) if averaged else None
         if logging:
-            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end))
+            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end), late)
         if hasattr(steps, "set_postfix"):  # the loss as the summary shows it: the mean over the data-parallel ranks
             steps.set_postfix(loss_rank_mean=f"{mean:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -371,10 +399,12 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
                 break  # stop: every rank agrees (one all-reduce); cmd_train names the step and the rank
         if saver is not None and (saver.due(step + 1) or step + 1 == spec.train.steps):
             began = Timeline.now()
-            saver.save(trainer, step + 1, getattr(loader, "state_dict", lambda: None)())
+            data_state = getattr(loader, "state_dict", lambda: None)()
+            saver.save(trainer, step + 1, data_state if balance is None else {**data_state, **balance.state_dict()})
             save_times.append((Timeline.now() - began) / 1e9)
             saved.append(step + 1)
         _test_kill(info, step + 1)
+    watch.flush()  # the steps not handed over yet
     if saver is not None:
         saver.close()
     if metrics is not None:
@@ -388,6 +418,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
         overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
+        expert_load = experts.report(comms, dims.tp) if experts is not None else None
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
     state = trainer.full_state_dict() if spec.collect_state else None
@@ -404,8 +435,13 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "lr_last": trainer.lr,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
+        "stragglers": watch.report.result(),
     }
     report.update(extra)
+    if balance is not None:
+        report["dp_balance"] = balance.report()
+    if expert_load is not None:
+        report["expert_load"] = expert_load
     if spec.train.nonfinite != "continue":
         report.update(nonfinite=nonfinite, skipped_steps=skipped)
     if save_times:
@@ -422,6 +458,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         report["overlap_per_rank"] = per_rank
         report["exposed_comm_fraction"] = max(s["exposed_ns"] / max(s["wall_ns"], 1) for s in per_rank)
         report["spans"] = [g["spans"] for g in gathered]
+        report["straggler_waits"] = watch.report.waits
     if state is not None:
         report["state"] = state
     return report
@@ -465,9 +502,10 @@ def _rank_average(comms: Comms, loss: torch.Tensor) -> float:
 
 
 def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, mean: float,
-              eval_loss: float | None, tokens: int, window: tuple[int, int]) -> None:
+              eval_loss: float | None, tokens: int, window: tuple[int, int], late: dict) -> None:
     """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (:func:`_rank_average`),
-    learning rate, gradient norm, tokens/s, this rank's exposed communication (with a timeline) and peak memory."""
+    learning rate, gradient norm, tokens/s, this rank's exposed communication (with a timeline), peak memory and
+    the step's stragglers (``late``: :meth:`StragglerReport.add_step`'s figures)."""
     from parallelisms.parallel.memory import process_peak_bytes
 
     if metrics is None:
@@ -477,7 +515,7 @@ def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, ste
     metrics.write({"step": step + 1, "loss": mean, "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
-                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped})
+                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped, **late})
 
 
 def _sum_stats(stats: list[dict]) -> dict:

@@ -13,6 +13,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from parallelisms.comm.arrivals import Arrivals
+
 PHASES = ("forward", "backward", "optimizer", "setup")
 
 
@@ -44,6 +46,7 @@ class CommLedger:
         # collectives entered per mesh dimension (point-to-point left out): every member of a group enters the
         # same ones in the same order, so a member behind this rank's count has not arrived (see .liveness)
         self.collectives: dict[str, int] = defaultdict(int)
+        self.arrivals = Arrivals()  # when this rank arrived at each call of the step (the straggler report)
 
     @contextmanager
     def in_phase(self, phase: str):

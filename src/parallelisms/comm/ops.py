@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from parallelisms.comm.arrivals import Arrivals
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
 from parallelisms.comm.liveness import dead_ranks, lagging_ranks, late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
@@ -56,12 +57,15 @@ class Pending:
     """An asynchronous collective. ``wait()`` blocks (recorded as a ``wait`` span) and returns the result."""
 
     def __init__(self, comm: "Comm", works: list, result=None, label: str = "", issued: int | None = None,
-                 then=None):
+                 then=None, arrivals=()):
         self.comm, self.works, self.result, self.label = comm, works, result, label
+        self.arrivals = arrivals  # this call's arrival notes: the wait's start is when the rank blocked
         self.issued = issued  # set when completion cannot be observed: the comm span then ends at the wait
         self.then = then      # run once, after completion (e.g. keep this rank's slice of an all-reduce)
 
     def wait(self):
+        if self.arrivals:
+            Arrivals.blocked(self.arrivals)
         timeline = self.comm.timeline
         start = timeline.now() if timeline.enabled else 0
         try:
@@ -103,6 +107,7 @@ class Comm:
         self._shm_now = None   # the shared-memory collectives run in the caller's thread (blocking calls)
         self._p2p = None  # the shared-memory point-to-point transport, likewise
         self.timeout_s = group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
+        self._identity = None  # (name, group name, member global ranks): the group's key in the arrival notes
 
     def close(self) -> None:
         """Stop this Comm's shared-memory transports (their worker thread, their mappings)."""
@@ -115,6 +120,13 @@ class Comm:
         """A handle on a process group, not data: a copied module (DualPipe's second copy of a stage) talks over
         the same group and records into the same ledger."""
         return self
+
+    def identity(self) -> tuple:
+        """The group as every member names it: this Comm's name, the process group's name and its global ranks."""
+        if self._identity is None:
+            self._identity = (self.name, getattr(self.group, "group_name", ""),
+                              tuple(dist.get_process_group_ranks(self.group)))
+        return self._identity
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -156,6 +168,7 @@ class Comm:
         nbytes = full_numel * tensor.element_size()
         sent = ring_bytes_per_rank(kind, nbytes, self.size) if sent_bytes is None else sent_bytes
         self.ledger.add(kind, self.name, self.size, tensor.dtype, full_numel, sent)
+        arrival = self.ledger.arrivals.collective(self.name, self.identity(), blocking=not async_op)
         label = f"{kind} {full_numel}x{str(tensor.dtype).removeprefix('torch.')}"
         timeline = self.timeline
         start = timeline.now() if timeline.enabled else 0
@@ -177,7 +190,7 @@ class Comm:
                                                                        dim=self.name)):
                 issued = start
         if async_op:
-            return Pending(self, works, result, label, issued, then)
+            return Pending(self, works, result, label, issued, then, (arrival,) if arrival is not None else ())
         if then is not None:
             then()
         return result
@@ -343,6 +356,10 @@ class Comm:
             for t, _ in items:
                 self.ledger.add(kind, self.name, self.size, t.dtype, t.numel(),
                                 ring_bytes_per_rank(kind, t.numel() * t.element_size(), self.size))
+        me, arrivals = dist.get_rank(), self.ledger.arrivals
+        notes = [arrivals.transfer(self.name, me, self.global_rank(p), receiving=False) for _, p in sends]
+        notes = [n for n in notes + [arrivals.transfer(self.name, self.global_rank(p), me, receiving=True)
+                                     for _, p in recvs] if n is not None and n.key[0] == "r"]
         label = f"p2p {len(sends)} send {len(recvs)} recv"
         start = self.timeline.now() if self.timeline.enabled else 0
         try:
@@ -352,7 +369,8 @@ class Comm:
         timeline = self.timeline
         observed = timeline.enabled and _on_completion(
             works[-1], lambda: timeline.add(label, "comm", start, timeline.now(), dim=self.name))
-        return Pending(self, works, None, label, start if timeline.enabled and not observed else None)
+        return Pending(self, works, None, label, start if timeline.enabled and not observed else None,
+                       arrivals=notes)
 
 
     def _point_to_point(self, sends, recvs) -> list:

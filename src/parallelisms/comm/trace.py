@@ -56,11 +56,25 @@ def _length(intervals) -> int:
     return sum(e - s for s, e in intervals)
 
 
-class Timeline:
-    """Spans of one rank. Disabled timelines record nothing and cost one attribute check per span."""
+def burn(ns: int) -> None:
+    """Real work for ``ns`` nanoseconds: small matrix products until the deadline (``--slow-rank``)."""
+    import torch
 
-    def __init__(self, rank: int = 0, enabled: bool = True):
-        self.rank, self.enabled = rank, enabled
+    deadline = time.perf_counter_ns() + ns
+    a = torch.full((48, 48), 1.0 / 48)
+    while time.perf_counter_ns() < deadline:
+        a = a @ a + 1.0 / 48
+
+
+class Timeline:
+    """Spans of one rank. Disabled timelines record nothing and cost one attribute check per span.
+
+    ``slow`` above 1 makes this rank's compute that many times slower (``--slow-rank R:F``, a demonstration
+    of stragglers): each compute span but the optimizer's is followed, inside the span, by (F - 1) x its
+    own time of real work (:func:`burn`), so the rank reaches its next collective late as a slower chip would."""
+
+    def __init__(self, rank: int = 0, enabled: bool = True, slow: float = 1.0):
+        self.rank, self.enabled, self.slow = rank, enabled, slow
         self.spans: list[Span] = []
 
     @staticmethod
@@ -73,12 +87,15 @@ class Timeline:
 
     @contextmanager
     def span(self, name: str, cat: str = "compute", **args):
-        if not self.enabled:
+        slowed = self.slow > 1 and cat == "compute" and not name.startswith("optimizer")
+        if not self.enabled and not slowed:
             yield
             return
         start = self.now()
         try:
             yield
+            if slowed:
+                burn(int((self.slow - 1) * (self.now() - start)))
         finally:
             self.add(name, cat, start, self.now(), **args)
 
@@ -105,15 +122,19 @@ class Timeline:
                 for s in self.spans]
 
 
-def write_chrome_trace(timelines: list[Timeline], path: str | Path) -> Path:
-    """One Chrome-trace JSON (Perfetto and chrome://tracing open it) with a process per rank."""
+def write_chrome_trace(timelines: list[Timeline], path: str | Path, waits: list[tuple] = ()) -> Path:
+    """One Chrome-trace JSON (Perfetto and chrome://tracing open it) with a process per rank; ``waits`` (the
+    straggler report's) on a third row per rank, each with a flow arrow to the rank it waited for."""
+    from parallelisms.stragglers import chrome_wait_events
+
     origin = min((s.start for t in timelines for s in t.spans), default=0)
     events = []
     for t in timelines:
         events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
-        for tid, label in ((0, "compute"), (1, "communication")):
+        for tid, label in ((0, "compute"), (1, "communication"), (3, "waits for stragglers")):
             events.append({"name": "thread_name", "ph": "M", "pid": t.rank, "tid": tid, "args": {"name": label}})
         events.extend(t.chrome_events(origin))
+    events.extend(chrome_wait_events(list(waits), origin))
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path

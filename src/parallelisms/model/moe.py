@@ -87,6 +87,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, ffn_dim)
         self.aux_loss: torch.Tensor | None = None   # the last forward's load-balancing loss
         self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped = 0  # the last forward's assignments over the capacity (left out)
         self.sequence = WholeSequences()
 
     def route(self, x: torch.Tensor):
@@ -119,7 +120,7 @@ class MoE(nn.Module):
         order = torch.argsort(expert_ids, stable=True)
         source = torch.div(kept[order], self.top_k, rounding_mode="floor")  # token row of each assignment
         counts = torch.bincount(expert_ids, minlength=self.n_experts)
-        self.tokens_per_expert = counts.detach()
+        self.tokens_per_expert, self.dropped = counts.detach(), keep.numel() - len(kept)
         out = self.experts(tokens[source], counts)                         # rows sorted by expert
         scale = weights.flatten()[kept[order]].to(out.dtype)
         combined = torch.zeros_like(tokens).index_add(0, source, out * scale[:, None])

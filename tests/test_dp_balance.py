@@ -1,0 +1,62 @@
+"""--dp-balance measured: a slowed data-parallel rank gets fewer sequences, and training stays equal to
+single-process training in float64 (DDP and ZeRO), the split resumes from a checkpoint's data state."""
+
+import pytest
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.errors import ConfigError
+from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.dp_balance import DataBalance, proportional_split
+from parallelisms.support import validate_layout
+from parallelisms.train import RunSpec
+from parallelisms.verify import TOLERANCE_FLOAT64
+
+from _launching import launch_reports, settled
+
+TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
+TRAIN = TrainConfig(steps=5, global_batch=16, seq_len=32, dtype="float64", slow_rank=(1, 3.0))
+
+
+def _spec(**options) -> RunSpec:
+    dims = ParallelDims(dp_shard=2) if options.get("zero") else ParallelDims(dp_replicate=2)
+    parallel = ParallelConfig(dims=dims, dp_balance="measured", rebalance_every=2, **options)
+    return RunSpec(TINY, TRAIN, parallel, collect_state=True)
+
+
+SPECS = {"ddp": _spec(), "zero2": _spec(zero=2)}
+report_of = launch_reports(SPECS)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_balanced_training_equals_single_process_training(name):
+    report = report_of(name)
+    split = report["dp_balance"]["split"]
+    assert sum(split) == TRAIN.global_batch and split[1] < split[0], report["dp_balance"]  # the slow rank: fewer
+    assert len(report["dp_balance"]["splits"]) == 2  # measured after step 2, re-measured after step 4
+    result = settled(report, TINY, TRAIN, splits=2, tolerance=TOLERANCE_FLOAT64)
+    assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
+
+
+def test_proportional_split():
+    assert proportional_split([1.0, 1.0], 16, 1) == [8, 8]
+    assert proportional_split([3.0, 1.0], 16, 1) == [12, 4]
+    assert proportional_split([1.0, 1 / 1.5, 1.0, 1.0], 16, 2) == [4, 4, 4, 4]  # 4.36/2.9: whole units of 2
+    assert proportional_split([100.0, 1.0], 8, 2) == [6, 2]  # at least one unit each
+    assert sum(proportional_split([1.0, 2.0, 3.0], 60, 1)) == 60
+
+
+def test_the_split_resumes_from_the_data_state():
+    balance = DataBalance(None, 2, 0, 16, 1, 0)
+    balance.load_state_dict({"step": 3, "dp_split": [12, 4]})
+    assert balance.split == [12, 4] and balance.weight == 12 * 2 / 16
+    other = DataBalance(None, 4, 0, 16, 1, 0)  # resumed on another layout: even, measured again
+    other.load_state_dict({"step": 3, "dp_split": [12, 4]})
+    assert other.split == [4, 4, 4, 4]
+
+
+def test_bad_settings_are_one_line():
+    parallel = ParallelConfig(dims=ParallelDims(pp=2, dp_replicate=2), dp_balance="measured")
+    with pytest.raises(ConfigError, match="pipeline"):
+        validate_layout(TINY, TrainConfig(global_batch=8), parallel)
+    with pytest.raises(ConfigError, match="--rebalance-every"):
+        validate_layout(TINY, TrainConfig(), ParallelConfig(dims=ParallelDims(dp_replicate=2), rebalance_every=3))
