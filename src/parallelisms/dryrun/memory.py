@@ -12,6 +12,7 @@ else: activations, temporaries, communication buffers), by what holds it at the 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -27,8 +28,10 @@ class MemoryAccount(TorchDispatchMode):
     def __init__(self, enabled: bool = True):
         super().__init__()
         self.enabled = enabled
-        self.live: dict[int, int] = {}  # storage key -> bytes
+        self.live: dict[int, int] = {}  # storage serial -> bytes
+        self._serial: dict[int, int] = {}  # live storage's key (its C pointer, reused once freed) -> serial
         self._refs: dict[int, weakref.ref] = {}
+        self._count = itertools.count()
         self.current = self.peak = 0
         self.at_peak: dict[int, int] = {}  # storage key -> bytes, at the peak
         self.moment = ("setup", "")
@@ -41,16 +44,19 @@ class MemoryAccount(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self.live:
+        if key in self._serial:
             return
-        self.live[key] = storage.nbytes()
-        self.current += self.live[key]
-        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        serial = self._serial[key] = next(self._count)
+        self.live[serial] = storage.nbytes()
+        self.current += self.live[serial]
+        self._refs[serial] = weakref.ref(storage, lambda _, k=key, s=serial: self._free(k, s))
         self._maybe_peak()
 
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-        self._refs.pop(key, None)
+    def _free(self, key: int, serial: int) -> None:
+        self.current -= self.live.pop(serial, 0)
+        self._refs.pop(serial, None)
+        if self._serial.get(key) == serial:
+            del self._serial[key]
 
     def _maybe_peak(self) -> None:
         if self.current > self.peak:
@@ -77,11 +83,11 @@ class MemoryAccount(TorchDispatchMode):
         original = torch.UntypedStorage.resize_
 
         def resize_(storage, size):
-            key = storage._cdata
+            serial = account._serial.get(storage._cdata)
             result = original(storage, size)
-            if key in account.live:
-                account.current += size - account.live[key]
-                account.live[key] = size
+            if serial in account.live:
+                account.current += size - account.live[serial]
+                account.live[serial] = size
                 account._maybe_peak()
             return result
 
@@ -116,7 +122,7 @@ class MemoryAccount(TorchDispatchMode):
         if not self.enabled:
             return {}
         split = dict.fromkeys(CATEGORIES, 0)
-        kinds = _storage_kinds(self._trainer) if self._trainer is not None else {}
+        kinds = _storage_kinds(self._trainer, self._serial) if self._trainer is not None else {}
         for key, nbytes in self.at_peak.items():
             split[kinds.get(key, "activations")] += nbytes
         phase, module = self.moment
@@ -132,14 +138,14 @@ def _modules_of(trainer) -> list:
     return [trainer.forward_backward.model]
 
 
-def _storage_kinds(trainer) -> dict[int, str]:
-    """Storage key -> category, by what holds each storage at the end of the step."""
+def _storage_kinds(trainer, serials: dict[int, int]) -> dict[int, str]:
+    """Storage serial -> category, by what holds each storage at the end of the step."""
     kinds = {}
 
     def mark(tensors, kind):
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in kinds:
-                kinds[t.untyped_storage()._cdata] = kind
+            if isinstance(t, torch.Tensor):
+                kinds.setdefault(serials.get(t.untyped_storage()._cdata), kind)
 
     for optimizer in trainer.optimizers:
         mark((v for state in optimizer.state.values() for v in state.values()), "optimizer")
