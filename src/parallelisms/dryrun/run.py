@@ -23,7 +23,7 @@ class RankRun:
     """What one rank's dry run recorded."""
 
     rank: int
-    events: list[Event]          # setup and the first step, in order
+    events: list[Event]          # setup and the first step, in order (memory: over two steps)
     records: list                # the same calls as the ledger's CommRecords (compared with a real run's ledger)
     memory: dict = field(default_factory=dict)  # :meth:`MemoryAccount.report`
     seconds: float = 0.0
@@ -68,5 +68,8 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
             inputs, targets = local_batch(train, parallel)
             account.start_step(trainer)
             trainer.train_step(inputs, targets)
+            events, records = list(ledger.events), list(ledger.records)
+            if memory:  # the second step is the steady state (the optimizer's state exists from the first on)
+                trainer.train_step(inputs, targets)
         trainer.grad_sync.remove()
-    return RankRun(rank, list(ledger.events), list(ledger.records), account.report(), time.perf_counter() - began)
+    return RankRun(rank, events, records, account.report(), time.perf_counter() - began)
