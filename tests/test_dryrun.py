@@ -168,3 +168,34 @@ def test_a_correct_layout_passes_with_its_counts():
     check = result["precheck"]
     assert check["ok"] and check["groups"] >= 2 and check["collectives"] > 0 and check["messages"] > 0, check
     assert dataclasses.asdict(parallel.dims)["pp"] == 2
+
+
+def _main(argv, capsys):
+    from parallelisms.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dryrun_command_json_and_summary(capsys):
+    import json
+
+    code, out, _ = _main(["dryrun", "--dp", "2", "--pp", "2", "--layers", "4", "--gpus", "4", "--json"], capsys)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["precheck"]["ok"] and result["world_size"] == 4
+    assert [c["ranks"] for c in result["rank_classes"]] == [2, 2]
+    assert all(m["peak_bytes"] > m["persistent_bytes"] > 0 and m["fits"] for m in result["memory_per_rank"])
+    assert {(c["group"], c["kind"]) for c in result["collectives"]} >= {("dp", "all_reduce"), ("pp", "send")}
+    assert "collective-order proof" in out and "rank class" in out
+
+
+def test_dryrun_bad_input_is_one_line(capsys, tmp_path):
+    code, _, err = _main(["dryrun", "--dp", "2", "--tp", "2", "--gpus", "8"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "4 ranks, but --gpus is 8" in err, err
+    from parallelisms.perf.hardware import PRESETS
+
+    tiny = {**dataclasses.asdict(PRESETS["h100"]), "name": "tiny", "hbm_gb": 0.001}
+    (tmp_path / "tiny.json").write_text(__import__("json").dumps(tiny))
+    code, _, err = _main(["dryrun", "--dp", "2", "--hardware", str(tmp_path / "tiny.json")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit: rank 0" in err and "GiB over" in err, err
