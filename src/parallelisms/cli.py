@@ -220,6 +220,9 @@ def prepare(args, announce: bool = False):
 
         check_fits(model, train, parallel, placement.device, local_ranks(parallel.dims.world_size),
                    args.config or getattr(args, "init_from", None) or args.preset)
+    if not getattr(args, "no_precheck", True):
+        from parallelisms.dryrun.cli import precheck_before_launch
+        precheck_before_launch(model, train, parallel)
     if announce and os.environ.get("RANK", "0") == "0":
         world = parallel.dims.world_size
         print(f"{args.command} {parallel.label()}: {world} rank{'s' if world > 1 else ''} on {placement.describe()}",
@@ -468,6 +471,7 @@ def cmd_estimate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from parallelisms import __version__
+    from parallelisms.dryrun.cli import add_dryrun_parser, add_precheck_arg
 
     parser = _Parser(prog="parallelisms", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"parallelisms {__version__}")
@@ -485,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predict", nargs="?", const="cpu", metavar="HARDWARE",
                    help="print the step model's prediction against this run (hardware: cpu or a calibrate file)")
     add_checkpoint_args(p)
+    add_precheck_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("verify", help="check a layout against single-process training")
@@ -495,7 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(p)
     p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
     p.set_defaults(dtype=None)  # unset: float32, then float64 where cheap (verify_result)
+    add_precheck_arg(p)
     p.set_defaults(func=cmd_verify)
+
+    add_dryrun_parser(sub, _add_model_args, _add_layout_args, _add_train_args)
 
     p = sub.add_parser("estimate", help="predict memory, communication and step time of a layout")
     _add_model_args(p)

@@ -414,8 +414,11 @@ class Comms:
     """The :class:`Comm` of every mesh dimension, sharing one ledger and one timeline.
 
     ``meshes`` maps dimension names to 1-D ``DeviceMesh`` objects (:meth:`ParallelDims.build_meshes`);
-    a name that is absent, or of size one, gives a one-rank Comm.
+    a name that is absent, or of size one, gives a one-rank Comm. ``comm_type``: the Comm class (the dry run's
+    recording transport, :mod:`.recording`, swaps it).
     """
+
+    comm_type = Comm
 
     def __init__(self, meshes: dict | None = None, ledger: CommLedger | None = None, timeline: Timeline | None = None):
         self.meshes = meshes or {}
@@ -430,7 +433,7 @@ class Comms:
                 group = dist.group.WORLD
             elif name in self.meshes and self.meshes[name].size() > 1:
                 group = self.meshes[name].get_group()
-            self._comms[name] = Comm(name, group, self.ledger, self.timeline)
+            self._comms[name] = self.comm_type(name, group, self.ledger, self.timeline)
         return self._comms[name]
 
     def close(self) -> None:

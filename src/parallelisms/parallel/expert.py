@@ -55,7 +55,7 @@ class ExpertParallelExperts(nn.Module):
 def apply_expert_parallel(model: nn.Module, comm: Comm, backward: Comm | None = None) -> None:
     """Give every MoE layer's experts to their owners over ``comm`` (the ``ep`` mesh dimension); the backward
     all-to-alls run over ``backward``'s group (the same ranks; recorded as ``ep``) when given."""
-    backward = Comm(comm.name, backward.group, comm.ledger, comm.timeline) if backward is not None else None
+    backward = type(comm)(comm.name, backward.group, comm.ledger, comm.timeline) if backward is not None else None
     for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
             layer.feed_forward.experts = ExpertParallelExperts(layer.feed_forward.experts, comm, backward)

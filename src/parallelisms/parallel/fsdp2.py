@@ -321,9 +321,9 @@ class PerParamSharding:
     # -- saved tensors: references instead of full weights -----------------------------------------------
     def _pack(self, tensor: torch.Tensor):
         if tensor.numel():
-            ptr = tensor.untyped_storage().data_ptr()
+            storage = tensor.untyped_storage()._cdata  # the storage itself (a fake tensor has no data pointer)
             for unit in self.units:
-                if unit.full_storage is not None and unit.full_storage.untyped_storage().data_ptr() == ptr:
+                if unit.full_storage is not None and unit.full_storage.untyped_storage()._cdata == storage:
                     unit.saves_weights = True
                     return unit, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
         return tensor

@@ -1,0 +1,75 @@
+"""One rank's dry run: the real model, the real ``parallelize`` and one real training step of rank r of an
+N-rank layout, on the fake process group with fake tensors and the recording transport
+(:mod:`parallelisms.comm.recording`). Nothing is allocated and nothing is sent; what comes out is the rank's
+ledger (every collective and message, in order) and its memory over the step (:mod:`.memory`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from parallelisms.comm import Timeline
+from parallelisms.comm.recording import Event, RecordingComms, RecordingLedger
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.dryrun.fake import balance_routing, fake_rank
+from parallelisms.dryrun.memory import MemoryAccount
+
+
+@dataclass
+class RankRun:
+    """What one rank's dry run recorded."""
+
+    rank: int
+    events: list[Event]          # setup and the first step, in order (memory: over two steps)
+    records: list                # the same calls as the ledger's CommRecords (compared with a real run's ledger)
+    memory: dict = field(default_factory=dict)  # :meth:`MemoryAccount.report`
+    seconds: float = 0.0
+
+
+def local_batch(train: TrainConfig, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets: zeros of the shape the loader gives a data-parallel rank (token ids do not
+    change shapes; real, so the integer decisions taken from them run)."""
+    rows = train.global_batch // parallel.dims.dp
+    tokens = torch.zeros(rows, train.seq_len, dtype=torch.long)
+    return tokens, tokens.clone()
+
+
+def build_fake_model(model_cfg: ModelConfig, train: TrainConfig):
+    """The real model class, its parameters fake (the same shapes, dtypes and modules as ``build_model``'s)."""
+    from parallelisms.model.transformer import Transformer
+
+    model_cfg.validate()
+    model = Transformer(model_cfg)
+    if train.torch_dtype != torch.float32:
+        model = model.to(train.torch_dtype)
+    balance_routing(model)
+    return model
+
+
+def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelConfig, rank: int,
+                 memory: bool = True) -> RankRun:
+    """Rank ``rank``'s setup and first training step through the real code (see the module docstring)."""
+    from parallelisms.train import parallelize
+
+    began = time.perf_counter()
+    dims = parallel.dims
+    ledger = RecordingLedger()
+    with fake_rank(rank, dims.world_size):
+        torch.manual_seed(train.seed)
+        meshes = dims.build_meshes("cpu") if dims.world_size > 1 else {}
+        account = MemoryAccount(enabled=memory)
+        with account:
+            model = build_fake_model(model_cfg, train)
+            comms = RecordingComms(meshes, ledger, Timeline(rank, enabled=False))
+            trainer = parallelize(model, parallel, train, comms)
+            inputs, targets = local_batch(train, parallel)
+            account.start_step(trainer)
+            trainer.train_step(inputs, targets)
+            events, records = list(ledger.events), list(ledger.records)
+            if memory:  # the second step is the steady state (the optimizer's state exists from the first on)
+                trainer.train_step(inputs, targets)
+        trainer.grad_sync.remove()
+    return RankRun(rank, events, records, account.report(), time.perf_counter() - began)

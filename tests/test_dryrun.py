@@ -1,0 +1,201 @@
+"""The dry run (parallelisms.dryrun): its recording transport's ledger equals a real gloo run's, rank classes
+equal the every-rank run, and planted desynchronisations are caught before any process starts."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from parallelisms.comm import CommLedger, Comms, Timeline
+from parallelisms.dryrun import dry_run, dry_run_rank
+from parallelisms.dryrun.fake import balance_routing
+from parallelisms.launch import launch
+from parallelisms.model import build_model
+
+from _layouts import layout_with
+
+# small layouts covering every dimension: DDP, ZeRO-1/2/3, FSDP (flat, per-parameter, reuse, hybrid), tp + sp,
+# cp ring and Ulysses, ep, pipeline schedules; grad accumulation, recompute and bf16 on the way
+LAYOUTS = {
+    "ddp-accum": (["ddp"], {"grad_accum": 2}),
+    "zero1": (["zero1"], {}),
+    "zero2-bf16": (["zero2", "bf16"], {}),
+    "zero3": (["zero3"], {}),
+    "fsdp-per-param": (["per_param"], {}),
+    "fsdp-reuse": (["reuse"], {}),
+    "tp-sp-recompute": (["sp", "recompute-full"], {}),
+    "cp-ring": (["ring"], {}),
+    "cp-ulysses": (["ulysses"], {}),
+    "ep": (["ep"], {}),
+    "pp-1f1b-selective": (["1f1b", "recompute-selective"], {}),
+    "pp-zbv": (["zb-v"], {}),
+    "pp-dualpipev": (["dualpipev"], {}),
+    "pp-interleaved-tp": (["interleaved", "tp"], {}),
+    "hybrid-fsdp": (["fsdp-hybrid_shard"], {}),
+}
+
+
+def _layout(name):
+    features, train_options = LAYOUTS[name]
+    model, train, parallel = layout_with(features)
+    return model, train.replace(**train_options), parallel
+
+
+def _real_records(info, world: int) -> dict:
+    """name -> this rank's ledger records of the setup and one real training step, for every layout of ``world``
+    ranks (gloo, real data; MoE routing balanced as in the dry run)."""
+    from parallelisms.api import batches
+    from parallelisms.train import parallelize
+
+    out = {}
+    for name in LAYOUTS:
+        model_cfg, train, parallel = _layout(name)
+        if parallel.dims.world_size != world:
+            continue
+        torch.manual_seed(train.seed)
+        comms = Comms(parallel.dims.build_meshes("cpu"), CommLedger(), Timeline(info.rank, enabled=False))
+        model = build_model(model_cfg, train.seed, "cpu", train.torch_dtype)
+        balance_routing(model)
+        trainer = parallelize(model, parallel, train, comms)
+        inputs, targets = next(batches(train, parallel, steps=1, device="cpu"))
+        trainer.train_step(inputs, targets)
+        out[name] = list(comms.ledger.records)
+        trainer.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def real_run(world: int) -> list[dict]:
+    return launch(_real_records, world, world, threads=1)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_recording_ledger_equals_a_real_run(name):
+    model, train, parallel = _layout(name)
+    world = parallel.dims.world_size
+    real = real_run(world)
+    for rank in range(world):
+        dry = dry_run_rank(model, train, parallel, rank, memory=False)
+        assert dry.records == real[rank][name], (name, rank)
+        assert dry.records and len(dry.events) == len(dry.records)
+
+
+@pytest.mark.parametrize("features", [["sp", "zero1"], ["interleaved", "ddp"], ["ring", "ep", "ddp"], ["dualpipev", "tp"]])
+def test_rank_classes_equal_the_every_rank_run(features):
+    model, train, parallel = layout_with(features)
+    every = dry_run(model, train, parallel, every_rank=True)
+    by_class = dry_run(model, train, parallel)
+    assert every["precheck"] == by_class["precheck"] and every["precheck"]["ok"], every["precheck"]
+    for members in every["classes"].values():
+        first = every["runs"][members[0]]
+        for rank in members[1:]:
+            run = every["runs"][rank]
+            assert [e.signature() + (e.dim, e.phase) for e in run.events] == \
+                   [e.signature() + (e.dim, e.phase) for e in first.events]
+            assert run.memory == first.memory, (rank, members[0])
+    assert len(by_class["runs"]) == len(every["classes"]) < parallel.dims.world_size
+
+
+def _planted(rank: int, method: str, plant):
+    """A dry_run_rank whose ``rank`` has ``RecordingComm.method`` replaced by ``plant(original)``."""
+    from parallelisms.comm.recording import RecordingComm
+
+    def run_rank(model, train, parallel, r, memory=True):
+        if r != rank:
+            return dry_run_rank(model, train, parallel, r, memory)
+        original = getattr(RecordingComm, method)
+        setattr(RecordingComm, method, plant(original))
+        try:
+            return dry_run_rank(model, train, parallel, r, memory)
+        finally:
+            setattr(RecordingComm, method, original)
+    return run_rank
+
+
+def test_a_rank_that_skips_a_bucket_is_caught():
+    def skip_second(original):
+        calls = []
+
+        def all_reduce(self, tensor, *args, **kwargs):
+            calls.append(1)
+            if self.ledger.phase == "backward" and len(calls) == 2:
+                return tensor if not kwargs.get("async_op") else original(self, tensor[:0], *args, **kwargs)
+            return original(self, tensor, *args, **kwargs)
+        return all_reduce
+
+    model, train, parallel = layout_with(["ddp"])
+    train = train.replace(bucket_mb=0.01)  # several buckets
+    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(1, "all_reduce", skip_second))
+    assert not result["precheck"]["ok"]
+    message = result["precheck"]["violations"][0]
+    assert "group 'dp_cp' [0, 1]" in message and "collective #" in message and "rank 1" in message, message
+
+
+def test_a_stage_that_sends_one_microbatch_too_many_is_caught():
+    def one_more(original):
+        def send_recv(self, sends=(), recvs=()):
+            pending = original(self, sends, recvs)
+            if sends and self.name == "pp" and not hasattr(self, "_planted"):
+                self._planted = True
+                original(self, sends[:1], ())
+            return pending
+        return send_recv
+
+    model, train, parallel = layout_with(["1f1b"])
+    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(0, "send_recv", one_more))
+    message = result["precheck"]["violations"][0]
+    assert not result["precheck"]["ok"] and "from rank 0 to rank 1" in message and "receives nothing" in message, message
+
+
+def test_an_expert_all_to_all_with_a_wrong_split_is_caught():
+    def wrong_split(original):
+        def all_to_all(self, tensor, output_splits=None, input_splits=None, async_op=False):
+            if input_splits is not None and input_splits[0] > 0:
+                input_splits = [input_splits[0] - 1, input_splits[1] + 1, *input_splits[2:]]
+            return original(self, tensor, output_splits, input_splits, async_op)
+        return all_to_all
+
+    model, train, parallel = layout_with(["ep"])
+    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(1, "all_to_all", wrong_split))
+    message = result["precheck"]["violations"][0]
+    assert not result["precheck"]["ok"] and "all_to_all" in message and "expects" in message, message
+
+
+def test_a_correct_layout_passes_with_its_counts():
+    model, train, parallel = layout_with(["zb-v", "tp"])
+    result = dry_run(model, train, parallel, memory=False)
+    check = result["precheck"]
+    assert check["ok"] and check["groups"] >= 2 and check["collectives"] > 0 and check["messages"] > 0, check
+    assert dataclasses.asdict(parallel.dims)["pp"] == 2
+
+
+def _main(argv, capsys):
+    from parallelisms.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dryrun_command_json_and_summary(capsys):
+    import json
+
+    code, out, _ = _main(["dryrun", "--dp", "2", "--pp", "2", "--layers", "4", "--gpus", "4", "--json"], capsys)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["precheck"]["ok"] and result["world_size"] == 4
+    assert [c["ranks"] for c in result["rank_classes"]] == [2, 2]
+    assert all(m["peak_bytes"] > m["persistent_bytes"] > 0 and m["fits"] for m in result["memory_per_rank"])
+    assert {(c["group"], c["kind"]) for c in result["collectives"]} >= {("dp", "all_reduce"), ("pp", "send")}
+    assert "collective-order proof" in out and "rank class" in out
+
+
+def test_dryrun_bad_input_is_one_line(capsys, tmp_path):
+    code, _, err = _main(["dryrun", "--dp", "2", "--tp", "2", "--gpus", "8"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "4 ranks, but --gpus is 8" in err, err
+    from parallelisms.perf.hardware import PRESETS
+
+    tiny = {**dataclasses.asdict(PRESETS["h100"]), "name": "tiny", "hbm_gb": 0.001}
+    (tmp_path / "tiny.json").write_text(__import__("json").dumps(tiny))
+    code, _, err = _main(["dryrun", "--dp", "2", "--hardware", str(tmp_path / "tiny.json")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit: rank 0" in err and "GiB over" in err, err
