@@ -11,18 +11,32 @@ from __future__ import annotations
 import time
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.dryrun.groups import class_key, rank_classes
-from parallelisms.dryrun.precheck import precheck
-from parallelisms.dryrun.run import RankRun, dry_run_rank
 
-__all__ = ["dry_run", "dry_run_rank", "precheck", "rank_classes", "RankRun"]
+__all__ = ["dry_run", "dry_run_rank", "rank_classes", "RankRun"]
+
+
+def __getattr__(name: str):
+    """The runtime's names load on first use: this package's ``cli`` module is imported by ``--help``, which must not
+    import torch."""
+    if name in ("dry_run_rank", "RankRun"):
+        from parallelisms.dryrun import run
+        return getattr(run, name)
+    if name == "rank_classes":
+        from parallelisms.dryrun.groups import rank_classes
+        return rank_classes
+    raise AttributeError(name)
 
 
 def dry_run(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, every_rank: bool = False,
-            memory: bool = True, run_rank=dry_run_rank) -> dict:
+            memory: bool = True, run_rank=None) -> dict:
     """Dry-run the layout: one rank per class (``every_rank``: all of them), the precheck, the figures. Returns
     ``{"runs": {rank: RankRun}, "classes": {key: ranks}, "precheck": ..., "seconds": ...}``; ``run_rank`` is
     :func:`dry_run_rank` (tests plant faults through it)."""
+    from parallelisms.dryrun.groups import class_key, rank_classes
+    from parallelisms.dryrun.precheck import precheck
+    from parallelisms.dryrun.run import dry_run_rank
+
+    run_rank = run_rank or dry_run_rank
     began = time.perf_counter()
     dims = parallel.dims
     classes = rank_classes(dims)
