@@ -3,7 +3,6 @@
 import glob
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -118,21 +117,3 @@ def test_an_unknown_start_method_is_refused(monkeypatch):
     monkeypatch.setenv("PARALLELISMS_START_METHOD", "fork")
     with pytest.raises(LaunchError, match="PARALLELISMS_START_METHOD='fork' is not one of spawn, forkserver"):
         launch(_environment_and_pid, 2)
-
-
-def _rank(info):
-    return info.rank
-
-
-def test_a_rendezvous_port_taken_before_the_store_binds_it_is_replaced(monkeypatch):
-    """The port found free is taken by another process (here a listening socket) before the launcher's store binds
-    it: the launch goes on with another port at once (elastic alone would wait 60 s to connect there)."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        ports = [taken.getsockname()[1]]
-        free = launching._free_port
-        monkeypatch.setattr(launching, "_free_port", lambda: ports.pop(0) if ports else free())
-        start = time.monotonic()
-        assert launch(_rank, 2, threads=1) == [0, 1]
-        assert not ports and time.monotonic() - start < 30
