@@ -201,7 +201,11 @@ class Saver:
         # async: DCP's background thread synchronizes over a group of its own, not the training's
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.times: list[float] = []  # seconds the training loop spent in each save
-        self.lock = lock_directory(self.root) if rank == 0 else None  # one run per directory, until this one ends
+        self.lock = None  # rank 0: one run per directory, until this one ends
+        if rank == 0:
+            with one_line(self.root, "saving"):
+                self.root.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_directory(self.root)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
