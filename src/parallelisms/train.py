@@ -59,6 +59,7 @@ class RunSpec:
     metrics_path: str | None = None      # JSON lines per step, rank 0 (parallelisms.metrics)
     tensorboard_dir: str | None = None   # TensorBoard scalars, rank 0
     init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
+    keep_spans: bool = True              # the report carries every span (--trace, --predict); else summed per step
 
 
 class MicrobatchLoop:
@@ -264,7 +265,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     dims = spec.parallel.dims.check_world_size(info.world_size)
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace))
+    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace, keep=spec.keep_spans))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
     model = build_model(spec.model, spec.train.seed, info.device, spec.train.torch_dtype)
@@ -306,6 +307,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
                      disable=not sys.stderr.isatty())
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
+    overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times = None, 0, []
     for step in steps:
         inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
@@ -317,13 +319,18 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
+        overlap_step = comms.timeline.step_stats(start, end) if trace else None
+        if trace:
+            overlap_first = overlap_first or overlap_step
+            overlap_sum = _sum_stats([overlap_sum, overlap_step]) if overlap_sum else overlap_step
         eval_loss = None
         if evaluation is not None and (step + 1 == spec.train.steps or data.eval_every and
                                        (step + 1) % data.eval_every == 0):
             eval_loss = trainer.evaluate(evaluation).item()
             eval_losses.append([step + 1, eval_loss])
         if logging:
-            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end))
+            _log_step(metrics, comms, trainer, step, loss, eval_loss, tokens_per_step, (start, end),
+                      overlap_step)
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -350,7 +357,8 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
-        overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
+        overlap = overlap_sum if not trace or len(step_windows) == 1 else {  # the measured steps: all but the first
+            k: overlap_sum[k] - overlap_first[k] for k in overlap_sum}
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
     state = trainer.full_state_dict() if spec.collect_state else None
@@ -376,7 +384,7 @@ def train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | Non
     if eval_losses:
         report["eval_losses"] = eval_losses  # [step, validation loss]
     if trace:
-        per_rank = [_sum_stats(g["overlap"]) for g in gathered]
+        per_rank = [g["overlap"] for g in gathered]
         report["overlap_per_rank"] = per_rank
         report["exposed_comm_fraction"] = max(s["exposed_ns"] / max(s["wall_ns"], 1) for s in per_rank)
         report["spans"] = [g["spans"] for g in gathered]
@@ -410,7 +418,7 @@ def _test_kill(info: RankInfo, step: int) -> None:
 
 
 def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, loss: torch.Tensor,
-              eval_loss: float | None, tokens: int, window: tuple[int, int]) -> None:
+              eval_loss: float | None, tokens: int, window: tuple[int, int], overlap: dict | None) -> None:
     """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (an all-reduce outside the
     timed step, phase report), learning rate, gradient norm, tokens/s, this rank's exposed communication (with a
     timeline) and peak memory."""
@@ -421,7 +429,7 @@ def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, ste
     if metrics is None:
         return
     seconds = (window[1] - window[0]) / 1e9
-    exposed = comms.timeline.overlap_stats(*window)["exposed_ns"] / 1e9 if comms.timeline.enabled else None
+    exposed = overlap["exposed_ns"] / 1e9 if overlap is not None else None
     metrics.write({"step": step + 1, "loss": mean.item(), "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
