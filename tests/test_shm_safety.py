@@ -2,6 +2,7 @@
 or a symbolic link there, is refused (the run ends with one line naming the file), the owner's own files are
 opened and mapped from the descriptor, and the launcher's store listens on loopback only."""
 
+import glob
 import os
 import pwd
 import socket
@@ -76,8 +77,12 @@ def _a_ring_name_taken_first(info):
 
 @pytest.mark.skipif(not shm_machine(), reason="shared-memory transport needs x86 and /dev/shm")
 def test_a_run_whose_shared_file_was_made_by_another_user_ends_with_one_line():
-    with pytest.raises(LaunchError) as failure:
-        launch(_a_ring_name_taken_first, 2, threads=1)
+    try:
+        with pytest.raises(LaunchError) as failure:
+            launch(_a_ring_name_taken_first, 2, threads=1)
+    finally:  # the other user's file stays (the launcher removes only the run's own): the test removes it
+        for path in glob.glob(f"/dev/shm/parallelisms-*-{TOKEN}-0"):
+            os.unlink(path)
     line = str(failure.value)
     assert "\n" not in line and line.startswith("rank 0 failed") and "ShmRefused" in line, line
     assert "exists already, made by another process: refused" in line
