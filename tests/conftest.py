@@ -54,3 +54,24 @@ def _with_the_others(tmp_path_factory):
     """Every test holds the lock shared, so :func:`alone` waits for the other workers' running tests."""
     with _locked(_lock_path(tmp_path_factory), fcntl.LOCK_SH):
         yield
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``make(size)``: a tmpfs of ``size`` (``"1m"``) mounted in ``tmp_path``, where this process may mount one
+    (a full disk on demand); unmounted lazily afterwards (a failed run may still hold a file there)."""
+    import subprocess
+
+    mounts = []
+
+    def make(size: str):
+        mount = tmp_path / f"disk{len(mounts)}"
+        mount.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a small file system here")
+        mounts.append(mount)
+        return mount
+    yield make
+    for mount in mounts:
+        subprocess.run(["umount", "--lazy", str(mount)], capture_output=True)

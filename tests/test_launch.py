@@ -3,7 +3,6 @@
 import glob
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -49,10 +48,10 @@ def _rank_one_skips_a_collective(info, counted: bool):
 
 
 def test_failing_rank_is_named_and_the_others_are_stopped():
-    start, timeout = time.monotonic(), 300.0
+    start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed .*ValueError: rank one gives up"):
-        launch(_rank_one_fails, 2, threads=1, timeout_s=timeout)
-    assert time.monotonic() - start < timeout  # rank 0 was stopped: it never waited out its collective's timeout
+        launch(_rank_one_fails, 2, threads=1)
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
@@ -118,20 +117,3 @@ def test_an_unknown_start_method_is_refused(monkeypatch):
     monkeypatch.setenv("PARALLELISMS_START_METHOD", "fork")
     with pytest.raises(LaunchError, match="PARALLELISMS_START_METHOD='fork' is not one of spawn, forkserver"):
         launch(_environment_and_pid, 2)
-
-
-def _rank(info):
-    return info.rank
-
-
-def test_a_rendezvous_port_taken_before_the_store_binds_it_is_replaced(monkeypatch):
-    """The port found free is taken by another process (here a listening socket) before the launcher's store binds
-    it: the launch goes on with another port at once (elastic alone would wait 60 s to connect there)."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        ports = [taken.getsockname()[1]]
-        free, drawn = launching._free_port, []
-        monkeypatch.setattr(launching, "_free_port", lambda: drawn.append(1) or (ports.pop(0) if ports else free()))
-        assert launch(_rank, 2, threads=1) == [0, 1]
-        assert not ports and len(drawn) == 2  # the taken port, then at once another (no connection attempted there)

@@ -6,7 +6,9 @@ them, and the optimizer step; DCP writes each box once (replicas are deduplicate
 on load reads, for every box a rank of the new layout holds, the overlapping saved chunks. dp, ZeRO stage,
 FSDP strategy and style, tp, sp, cp, ep, pp and schedule may therefore all change between save and resume
 (torchtitan resumes FSDP2/TP/PP runs through DCP the same way, with DTensors). A checkpoint also holds the
-step, the data loader's position (an opaque object the loop hands over) and every rank's RNG states.
+step, the data loader's position and the schedulers' states (plain data, stored as JSON in a byte tensor) and
+every rank's RNG state (a byte tensor): only tensors, so a load runs nothing from the files
+(:mod:`parallelisms.checkpoint_files` reads DCP's metadata with a restricted unpickler).
 
 A save writes ``step_N.tmp`` and rank 0 renames it ``step_N`` once DCP has written every rank's data and
 its metadata, then writes ``parallelisms.json`` (model shape, layout, step) there: a save that dies half-way
@@ -34,7 +36,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
                                                          create_read_items_for_chunk_list)
 
-from parallelisms.errors import ConfigError
+from parallelisms.checkpoint_files import (SafeReader, json_tensor, lock_directory, one_line, require_tensors,
+                                           tensor_json, write_manifest)
+from parallelisms.errors import ConfigError, require
 from parallelisms.resume import META, latest  # noqa: F401 (latest: the newest complete checkpoint)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state shaped like its parameter
 
@@ -96,6 +100,7 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         saved = self.metadata.state_dict_metadata
+        require_tensors(self.metadata, self.state_dict, "being loaded")
         missing = [fqn for fqn in self.state_dict if fqn not in saved and fqn not in self.optional]
         if missing:
             raise ConfigError(f"the checkpoint lacks {missing[0]} ({len(missing)} entries missing): it was saved "
@@ -113,6 +118,9 @@ class _LoadPlanner(DefaultLoadPlanner):
             else:
                 items += _create_read_items(fqn, md, obj)
         return LoadPlan(items)
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ConfigError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object: refused")
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
@@ -161,10 +169,11 @@ def _tensors(trainer) -> tuple[dict[str, Boxes], list]:
     return out, states
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
+def _rng_state(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's RNG states as byte tensors (``rng.RANK.torch``, ``rng.RANK.cuda``)."""
+    state = {f"rng.{rank}.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -192,6 +201,11 @@ class Saver:
         # async: DCP's background thread synchronizes over a group of its own, not the training's
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.times: list[float] = []  # seconds the training loop spent in each save
+        self.lock = None  # rank 0: one run per directory, until this one ends
+        if rank == 0:
+            with one_line(self.root, "saving"):
+                self.root.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_directory(self.root)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -202,21 +216,29 @@ class Saver:
         tmp = self.root / f"step_{step}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
-            tmp.mkdir(parents=True)
+            with one_line(tmp, "saving"):
+                tmp.mkdir()  # the --save directory removed meanwhile: one line, not a new one
         self._barrier()
+        try:
+            self._write(trainer, step, data_state, tmp)
+        except BaseException:
+            self._discard(tmp)
+            raise
+
+    def _write(self, trainer, step: int, data_state, tmp: Path) -> None:
         tensors, states = _tensors(trainer)
         state = dict(tensors)
         if states:
             state["optim.step"] = states[0]["step"].detach().clone()
-        state["train"] = {"step": step, "data": data_state, "schedulers": _scheduler_states(trainer)}
-        state[f"rng.{self.rank}"] = _rng_state()
+        state["train.json"] = json_tensor({"step": step, "data": data_state, "schedulers": _scheduler_states(trainer)})
+        state.update(_rng_state(self.rank))
         writer = dcp.FileSystemWriter(str(tmp))
         if self.async_save:
             state = {k: v.snapshot() if isinstance(v, Boxes) else v for k, v in state.items()}
             future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=self.group)
             self.pending = (future, step, tmp)
         else:
-            with _single_process_quiet():
+            with _single_process_quiet(), one_line(tmp, "saving"):
                 dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
             self._finalize(step, tmp)
 
@@ -228,22 +250,40 @@ class Saver:
         """Rank 0, once DCP's metadata is written (every rank's data is): metadata file, then the rename."""
         if self.rank != 0:
             return
-        (tmp / META).write_text(json.dumps({**self.meta, "step": step}, indent=1))
-        final = checkpoint_dir(self.root, step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        try:
+            with one_line(tmp, "saving"):
+                write_manifest(tmp)
+                (tmp / META).write_text(json.dumps({**self.meta, "step": step}, indent=1))  # last: complete
+                final = checkpoint_dir(self.root, step)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+        except BaseException:
+            self._discard(tmp)
+            raise
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0: remove what a failed save wrote (the previous complete step stays as it was)."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def wait(self) -> None:
         """Complete an asynchronous save in flight."""
         if self.pending is not None:
             future, step, tmp = self.pending
             self.pending = None
-            future.result()
+            try:
+                with one_line(tmp, "saving"):
+                    future.result()
+            except BaseException:
+                self._discard(tmp)
+                raise
             self._finalize(step, tmp)
 
     def close(self) -> None:
         self.wait()
         self._barrier()  # rank 0's rename is done before any rank returns
+        if self.lock is not None:
+            self.lock.close()
 
 
 def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
@@ -251,27 +291,33 @@ def load(trainer, path: str | os.PathLike, rank: int) -> Resumed:
     step, this rank's RNG state (rank 0's when the saving run had fewer ranks); the sharded engines refresh
     their gathered copies."""
     _init_adam_state(trainer.optimizers)
+    reader = SafeReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     tensors, states = _tensors(trainer)
     state = dict(tensors)
     step_tensor = torch.zeros((), dtype=states[0]["step"].dtype) if states else None
     if states:
         state["optim.step"] = step_tensor
-    state["train"] = {}
-    state[f"rng.{rank}"] = {}
-    state["rng.0"] = {}
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not dist.is_initialized(),
-                 planner=_LoadPlanner(optional={f"rng.{rank}", "optim.step"}))
+    rng = f"rng.{rank}" if f"rng.{rank}.torch" in saved else "rng.0"  # rank 0's when the saving run had fewer
+    byte_entries = ["train.json", f"{rng}.torch"] + ([f"{rng}.cuda"] if torch.cuda.is_available() else [])
+    for name in byte_entries:
+        if name in saved and hasattr(saved[name], "size"):
+            state[name] = torch.empty(tuple(saved[name].size), dtype=torch.uint8)
+    with _single_process_quiet(), one_line(path, "loading"):
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized(),
+                 planner=_LoadPlanner(optional={"optim.step", f"{rng}.torch", f"{rng}.cuda"}))
+    require("train.json" in state, f"checkpoint {str(path)!r} lacks its training state (train.json): saved by "
+                                   f"another version or damaged")
+    train = tensor_json(state["train.json"], f"train.json of {str(path)!r}")
     for s in states:
         s["step"].fill_(step_tensor.item())
-    rng = state.get(f"rng.{rank}") or state["rng.0"]
-    if rng:
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    _restore_schedulers(trainer, state["train"].get("schedulers") or [])
+    if f"{rng}.torch" in state:
+        torch.set_rng_state(state[f"{rng}.torch"])
+    if f"{rng}.cuda" in state:
+        torch.cuda.set_rng_state(state[f"{rng}.cuda"])
+    _restore_schedulers(trainer, train.get("schedulers") or [])
     trainer.grad_sync.after_step()
-    return Resumed(state["train"]["step"], state["train"].get("data"))
+    return Resumed(train["step"], train.get("data"))
 
 
 def _scheduler_states(trainer) -> list[dict]:
@@ -291,10 +337,11 @@ def _restore_schedulers(trainer, saved: list[dict]) -> None:
 def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full parameters of the checkpoint at ``path`` by the plain model's names, in one process (no process
     group): what an export or an evaluation reads, whatever layout saved it."""
-    reader = dcp.FileSystemReader(str(path))
-    saved = reader.read_metadata().state_dict_metadata
-    state = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype) for fqn, md in saved.items()
-             if fqn.startswith("model.")}
-    with _single_process_quiet():
+    reader = SafeReader(str(path))
+    metadata = reader.read_metadata()
+    require_tensors(metadata, [fqn for fqn in metadata.state_dict_metadata if fqn.startswith("model.")], path)
+    state = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for fqn, md in metadata.state_dict_metadata.items() if fqn.startswith("model.")}
+    with _single_process_quiet(), one_line(path, "loading"):
         dcp.load(state, storage_reader=reader, no_dist=True)
     return {fqn[len("model."):]: t for fqn, t in state.items()}

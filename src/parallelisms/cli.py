@@ -19,7 +19,7 @@ import sys
 from parallelisms.support import validate_layout
 from parallelisms.config import (ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, PRESETS,
                                  with_positions)
-from parallelisms.errors import ConfigError, LaunchError, require
+from parallelisms.errors import ConfigError, LaunchError, StorageError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
 from parallelisms.flags import DEGREE, check_writable, integer, json_line, number, slow_rank
 from parallelisms.device import under_torchrun
@@ -255,15 +255,17 @@ def train_report(args, announce: bool = False) -> dict | None:
     checkpoint = checkpoint_options(args, model, train, parallel)
     metrics = args.metrics or (default_metrics_path(args.save) if args.save else None)  # next to the checkpoints
     spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf), metrics_path=metrics,
-                   tensorboard_dir=args.tensorboard, init_from=args.init_from, checkpoint=checkpoint)
+                   tensorboard_dir=args.tensorboard, init_from=args.init_from, checkpoint=checkpoint,
+                   keep_spans=bool(args.trace or args.predict))  # else summed per step: flat on long runs
     report = run_layout(spec, placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
     if metrics:
         report["metrics"] = metrics
+    from parallelisms.outputs import attempt, export_or_keep, last_checkpoint
     if args.export_hf:
-        from parallelisms.hf import export_hf
-        report["exported_hf"] = str(export_hf(report.pop("state"), model, args.export_hf))
+        last = report["first_step"] - 1 + len(report["losses"])
+        export_or_keep(report, report.pop("state"), model, args.export_hf, last_checkpoint(args.save, last))
     spans = report.pop("spans")
     waits = report.pop("straggler_waits", None) or []
     if args.trace:
@@ -274,8 +276,8 @@ def train_report(args, announce: bool = False) -> dict | None:
             t = Timeline(rank)
             t.spans = rank_spans
             timelines.append(t)
-        write_chrome_trace(timelines, args.trace, waits)
-        report["trace"] = args.trace
+        if attempt(report, f"--trace {args.trace!r}", lambda: write_chrome_trace(timelines, args.trace, waits)):
+            report["trace"] = args.trace
     if args.predict:
         from parallelisms.perf.predict import compare
         report["prediction"] = compare(model, parallel, train, report, hardware, spans[0])
@@ -302,7 +304,9 @@ def cmd_train(args) -> int:
         print(f"exported to {report['exported_hf']} (Hugging Face Llama)")
     if args.json:
         print(json_line(report))
-    return _diverged(report, args.lr, args.skip_nonfinite)
+    for line in report.get("output_errors", []):  # after the report: the results are printed whatever failed
+        print(f"error: {line}", file=sys.stderr)
+    return _diverged(report, args.lr, args.skip_nonfinite) or (1 if report.get("output_errors") else 0)
 
 
 def _diverged(report: dict, lr: float, skip_nonfinite: bool = False) -> int:
@@ -548,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:  # a one-process run's checkpoint or output write
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if os.environ.get("PARALLELISMS_DEBUG"):

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallelisms.errors import ConfigError, divisors, require, require_finite
+from parallelisms.errors import ConfigError, divisors, path_kind, require, require_finite
 from parallelisms.hf_arch import architecture_fields, check_architecture
 from parallelisms.mesh import ParallelDims
 
@@ -194,14 +194,14 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a Llama-family Hugging Face ``config.json`` into a :class:`ModelConfig`."""
     path = Path(path)
     require(not path.is_dir(), f"--config {str(path)!r} is a directory; pass the config.json file in it")
-    require(path.is_file(), f"--config {str(path)!r} does not exist; pass a Hugging Face config.json")
+    require(path.is_file(), lambda: f"--config {str(path)!r} {path_kind(path)}; pass a Hugging Face config.json")
     try:
         raw = json.loads(path.read_text(), parse_constant=_refuse_constant)
     except OSError as exc:
         raise ConfigError(f"--config {str(path)!r} cannot be read ({exc.strerror}); pass a readable file") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"--config {str(path)!r} is not valid JSON ({exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0]})") from None
+                          f"{(str(exc).splitlines() or [''])[0][:100]})") from None
     require(isinstance(raw, dict), f"--config {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
     missing = [hf for _, (hf, needed) in _HF_FIELDS.items() if needed and hf not in raw]
     require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")

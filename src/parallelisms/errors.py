@@ -41,3 +41,26 @@ def require_finite(name: str, value, above: float | None = None, at_least: float
     if at_least is not None:
         ok, bound = ok and value >= at_least, f" of at least {at_least:g}"
     require(ok, f"{name} must be a finite number{bound}, got {value!r}")
+
+
+class StorageError(RuntimeError):
+    """A file the run writes or reads failed it (a checkpoint, a result): one line naming the path and the
+    operating system's error."""
+
+
+def path_kind(path) -> str:
+    """What ``path`` is when it is not a readable regular file, for a one-line message: "does not exist", "is a
+    symbolic link loop", "is a FIFO", "is a device", "is a socket", "is a directory"."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a dangling symbolic link" if os.path.islink(path) else "does not exist"
+    except OSError as exc:
+        return "is a symbolic link loop" if exc.errno == 40 else f"cannot be read ({exc.strerror})"
+    kinds = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO (named pipe)"),
+             (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
+             (stat.S_ISSOCK, "is a socket"))
+    return next((text for test, text in kinds if test(mode)), "is a regular file")

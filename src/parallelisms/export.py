@@ -4,10 +4,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from parallelisms.errors import require
+from parallelisms.errors import ConfigError, require
 from parallelisms.resume import META
 
 
@@ -24,10 +23,15 @@ def cmd_export(args) -> int:
             f"{args.checkpoint!r} is not a complete checkpoint (no {META} or .metadata); give a DIR/step_N directory")
     require(not Path(args.out).is_file(), f"--out {args.out!r} is a file; name a directory")
     from parallelisms.checkpoint import load_full_state
+    from parallelisms.checkpoint_files import verified
     from parallelisms.config import ModelConfig
     from parallelisms.hf import export_hf
 
-    model = ModelConfig(**json.loads((path / META).read_text())["model"])
+    meta = verified(path, META, "export")
+    try:
+        model = ModelConfig(**meta["model"])
+    except TypeError as exc:
+        raise ConfigError(f"{str(path / META)!r} is damaged: its model does not fit this version ({exc})") from None
     out = export_hf(load_full_state(path), model, args.out)
-    print(f"exported {path} (step {json.loads((path / META).read_text())['step']}) to {out} (Hugging Face Llama)")
+    print(f"exported {path} (step {meta['step']}) to {out} (Hugging Face Llama)")
     return 0

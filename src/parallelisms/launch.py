@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from parallelisms.comm.liveness import LATE, Heartbeat
 from parallelisms.comm.ops import CommError
@@ -50,7 +49,6 @@ from parallelisms.fit import killed_for_memory, oom_signs
 
 PEER_GONE_GRACE_S = 1.0  # a rank whose collective broke because a peer exited waits this long before it exits
 OVERSUBSCRIBED = 4  # ranks per CPU core beyond which a local launch warns (CPU ranks share the cores)
-PORT_ATTEMPTS = 5  # rendezvous ports tried where another process takes the one found free before the store binds it
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,33 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOOPBACK_RENDEZVOUS = "parallelisms-loopback"
+
+
+def _loopback_rendezvous(params):
+    """Elastic's c10d rendezvous handler, with the store it serves the ranks (``MASTER_PORT``) on loopback as
+    well: torch's handler makes that one on every interface (``_create_tcp_store_server``)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    handler = create_handler(*reversed(create_backend(params)), params)
+    handler._create_tcp_store_server = lambda addr, port: _loopback_store()
+    handler.get_backend = lambda: LOOPBACK_RENDEZVOUS  # what the registry checks
+    return handler
+
+
+def _loopback_store() -> dist.TCPStore:
+    """The rendezvous store of a local launch, listening on 127.0.0.1 only: torch's ``TCPStore`` binds every
+    interface, unauthenticated, so it is handed a socket bound to loopback (``master_listen_fd``); elastic's c10d
+    rendezvous, given the same port, shares this server (``multi_tenant``). The port is the socket's own (no
+    race with another process for a port found free). The store owns the socket; keep it until the launch ends."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, multi_tenant=True,
+                          master_listen_fd=listener.fileno(), wait_for_workers=False)
+    listener.detach()  # the store closes it
+    return store
 
 
 @record
@@ -93,6 +114,11 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
         if not LATE.search(str(exc)):  # broken by a peer that went: let the launcher see the peer's failure first
             time.sleep(PEER_GONE_GRACE_S)
         raise
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as exc:  # torch's CheckpointException: ``record`` writes down Exceptions only
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        raise RuntimeError(f"{exc.__class__.__name__}: {lines[-1] if lines else ''}") from None
     finally:
         signal.signal(signal.SIGINT, interrupt)
     # only after success: a failing rank keeps its group until it exits, once its error is recorded, so that its
@@ -286,21 +312,19 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
     os.environ["PARALLELISMS_RANK_STARTING"] = "1"  # read by parallelisms.__main__ as each rank imports it
     oom_before = oom_signs()
     try:
-        for attempt in range(PORT_ATTEMPTS):
-            # the launcher hosts the rendezvous store on a port found free a moment ago; where another process
-            # took it meanwhile, no rank has started yet: another port (elastic would instead wait 60 s to join
-            # whatever listens there as a client)
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
-                                  rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                                  rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.05,
-                                  start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=logs))
-            try:
-                with _ranks_run_the_package_main():
-                    results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads)
-                break
-            except RendezvousConnectionError as exc:
-                if "EADDRINUSE" not in str(exc.__cause__) or attempt == PORT_ATTEMPTS - 1:
-                    raise
+        from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
+        store = _loopback_store()  # one host: neither store is reachable from another
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
+                              rdzv_backend=LOOPBACK_RENDEZVOUS, rdzv_endpoint=f"127.0.0.1:{store.port}",
+                              local_addr="127.0.0.1",
+                              rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.05,
+                              start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=logs))
+        try:
+            with _ranks_run_the_package_main():
+                results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads)
+        finally:
+            del store
     except ChildFailedError as exc:
         raise _launch_error(exc.failures, oom_before) from None
     except SignalException as exc:

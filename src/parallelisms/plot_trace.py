@@ -32,7 +32,7 @@ def read_spans(path: str | Path) -> dict[int, list[dict]]:
     """Rank -> the complete events (``ph`` X) of a Chrome trace written by ``train --trace``."""
     try:
         events = json.loads(Path(path).read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ConfigError(f"plot-trace {str(path)!r} is not a trace written by train --trace ({exc.__class__.__name__}"
                           f"); write one with parallelisms train --trace FILE") from None
     spans: dict[int, list[dict]] = {}

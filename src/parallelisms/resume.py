@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from parallelisms.errors import require
 from parallelisms.flags import integer, number
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
+FORMAT = 2  # its "format": 2 stores only tensors (1 pickled the training and RNG states)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def latest(root: str | Path) -> Path | None:
 def layout_meta(model, train, parallel) -> dict:
     """What a checkpoint records of its run: the model's shape and the layout that saved it."""
     dims = parallel.dims
-    return {"format": 1, "model": dataclasses.asdict(model), "layout": dims.describe(),
+    return {"format": FORMAT, "model": dataclasses.asdict(model), "layout": dims.describe(),
             "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule == "pipedream",
             "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed}
 
@@ -68,9 +69,14 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             require(False, f"--save {save!r} cannot be created ({exc.strerror}); choose a directory you can write")
+        from parallelisms.checkpoint_files import check_save_directory
+        check_save_directory(root, resume is not None, META)
     path = None
     if resume == "auto":
-        path = latest(save)
+        from parallelisms.checkpoint_files import newest_verified
+        path, skipped = newest_verified(Path(save), META)
+        for line in skipped:
+            print(f"warning: {line}", file=sys.stderr)
     elif resume is not None:
         path = Path(resume)
         require(path.is_dir(), f"--resume {resume!r} does not exist; give a checkpoint directory (DIR/step_N) "
@@ -80,7 +86,8 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
                 f"{'' if (path / '.metadata').is_file() else ' nor .metadata'}: a save that did not finish, or not a "
                 f"checkpoint); choose a step_N directory")
     if path is not None:
-        saved = json.loads((path / META).read_text())
+        from parallelisms.checkpoint_files import verified
+        saved = verified(path, META, "--resume")
         diff = [k for k, v in meta["model"].items() if saved["model"].get(k) != v]
         require(not diff, lambda: f"--resume {str(path)!r} holds a model with {diff[0]} {saved['model'].get(diff[0])}, "
                                   f"this run's has {meta['model'][diff[0]]} ({len(diff)} field(s) differ); use the "

@@ -63,6 +63,7 @@ class RunSpec:
     tensorboard_dir: str | None = None   # TensorBoard scalars, rank 0
     init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
     poison_fresh_memory: bool = False    # verify: fresh memory (torch.empty, buffers) filled with NaN (_poisoned)
+    keep_spans: bool = True              # the report carries every span (--trace, --predict); else summed per step
 
 
 class MicrobatchLoop:
@@ -306,7 +307,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     slow = spec.train.slow_rank
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace,
+    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace, keep=spec.keep_spans,
                                                  slow=slow[1] if slow and slow[0] == info.rank else 1.0))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
@@ -356,6 +357,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
                      initial=first, total=spec.train.steps)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
+    overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times, saved = None, 0, [], []
     for step in steps:
         if balance is None:
@@ -380,6 +382,10 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
         step_windows.append((start, end))
+        overlap_step = comms.timeline.step_stats(start, end) if trace else None
+        if trace:
+            overlap_first = overlap_first or overlap_step
+            overlap_sum = _sum_stats([overlap_sum, overlap_step]) if overlap_sum else overlap_step
         eval_loss = None
         if evaluation is not None and (step + 1 == spec.train.steps or data.eval_every and
                                        (step + 1) % data.eval_every == 0):
@@ -387,7 +393,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             eval_losses.append([step + 1, eval_loss])
         mean = _rank_average(comms, loss) if averaged else None
         if logging:
-            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end), late)
+            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end), late,
+                      overlap_step)
         if hasattr(steps, "set_postfix"):  # the loss as the summary shows it: the mean over the data-parallel ranks
             steps.set_postfix(loss_rank_mean=f"{mean:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -417,7 +424,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
         step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
-        overlap = [comms.timeline.overlap_stats(s, e) for s, e in step_windows[measured]] if trace else []
+        overlap = overlap_sum if not trace or len(step_windows) == 1 else {  # the measured steps: all but the first
+            k: overlap_sum[k] - overlap_first[k] for k in overlap_sum}
         expert_load = experts.report(comms, dims.tp) if experts is not None else None
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
                                            "memory": trainer.memory_report()}, info.world_size)
@@ -454,7 +462,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     if eval_losses:
         report["eval_losses"] = eval_losses  # [step, validation loss]
     if trace:
-        per_rank = [_sum_stats(g["overlap"]) for g in gathered]
+        per_rank = [g["overlap"] for g in gathered]
         report["overlap_per_rank"] = per_rank
         report["exposed_comm_fraction"] = max(s["exposed_ns"] / max(s["wall_ns"], 1) for s in per_rank)
         report["spans"] = [g["spans"] for g in gathered]
@@ -502,7 +510,7 @@ def _rank_average(comms: Comms, loss: torch.Tensor) -> float:
 
 
 def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, mean: float,
-              eval_loss: float | None, tokens: int, window: tuple[int, int], late: dict) -> None:
+              eval_loss: float | None, tokens: int, window: tuple[int, int], late: dict, overlap: dict | None) -> None:
     """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (:func:`_rank_average`),
     learning rate, gradient norm, tokens/s, this rank's exposed communication (with a timeline), peak memory and
     the step's stragglers (``late``: :meth:`StragglerReport.add_step`'s figures)."""
@@ -511,7 +519,7 @@ def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, ste
     if metrics is None:
         return
     seconds = (window[1] - window[0]) / 1e9
-    exposed = comms.timeline.overlap_stats(*window)["exposed_ns"] / 1e9 if comms.timeline.enabled else None
+    exposed = overlap["exposed_ns"] / 1e9 if overlap is not None else None
     metrics.write({"step": step + 1, "loss": mean, "eval_loss": eval_loss, "lr": trainer.lr,
                    "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,

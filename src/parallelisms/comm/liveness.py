@@ -15,6 +15,7 @@ small writes per second per rank. ``late_ranks`` phrases the finding the way the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -102,11 +103,19 @@ def _beats(ranks, store) -> dict[int, dict]:
     for rank in ranks if store is not None else ():
         key = KEY.format(rank)
         try:
-            if store.check([key]):
-                beats[rank] = json.loads(store.get(key))
-        except (RuntimeError, ValueError):
+            beat = json.loads(store.get(key)) if store.check([key]) else None
+        except (RuntimeError, ValueError, RecursionError):
             return {}
+        if _is_beat(beat):
+            beats[rank] = beat
     return beats
+
+
+def _is_beat(beat) -> bool:
+    """Whether a value read from the store is a heartbeat (the store is a network service: values are checked)."""
+    return (isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) and math.isfinite(beat["time"])
+            and isinstance(beat.get("collectives"), dict)
+            and all(isinstance(k, str) and type(v) is int for k, v in beat["collectives"].items()))
 
 
 def silent_ranks(ranks, older_than_s: float, store=None) -> dict[int, float]:

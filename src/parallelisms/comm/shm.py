@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import mmap
 import os
 import platform
 import queue
 import re
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -106,16 +108,64 @@ def shm_machine() -> bool:
 def shm_path(name: str) -> str:
     """The /dev/shm file ``name`` of this rank's launch: named after the run id that torch's elastic agent gives
     every rank (``TORCHELASTIC_RUN_ID``), so the launcher removes what a rank killed between creating a file and
-    unlinking it leaves behind (:func:`remove_run_files`)."""
+    unlinking it leaves behind (:func:`remove_run_files`). ``name`` carries a random token of the group's
+    (unguessable; :func:`open_shared` refuses a file someone else made under it all the same)."""
     run = re.sub(r"[^0-9A-Za-z]", "", os.environ.get("TORCHELASTIC_RUN_ID", ""))
     return f"/dev/shm/parallelisms-{run}-{name}" if run else f"/dev/shm/parallelisms-{name}"
+
+
+class ShmRefused(RuntimeError):
+    """A shared-memory file that this run did not make (another user's, a link, another kind of file)."""
+
+
+def open_shared(path: str, size: int, create: bool) -> torch.Tensor:
+    """``size`` bytes of the /dev/shm file ``path`` mapped shared, as a uint8 tensor (which keeps the mapping).
+    ``create``: make it, ``O_CREAT|O_EXCL`` (a file already there, anyone's, is refused), else open the one a peer
+    made, or make it where none is there yet (``create=None``: whichever end comes first). Opened with
+    ``O_NOFOLLOW`` (a symbolic link is refused), then checked on the descriptor (a regular file of this user, no
+    access for others) and mapped from it, so the file checked is the file mapped."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        if create is False:
+            fd = os.open(path, flags)
+        else:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                if create:
+                    raise
+                fd = os.open(path, flags)
+    except OSError as exc:
+        kind = ("is a symbolic link" if os.path.islink(path) else
+                "exists already, made by another process" if isinstance(exc, FileExistsError) else
+                f"cannot be opened ({exc.strerror})")
+        raise ShmRefused(f"shared-memory file {path} {kind}: refused (another user may be reading or changing this "
+                         f"run's data; remove the file or find who made it)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ShmRefused(f"shared-memory file {path} is not this run's (owner uid {st.st_uid}, mode "
+                             f"{stat.filemode(st.st_mode)}; this run is uid {os.geteuid()}, mode -rw-------): refused")
+        if st.st_size < size:
+            os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def unlink_own(path: str) -> None:
+    """Unlink ``path`` if it is a regular file of this user (not someone else's file under a run's name)."""
+    with contextlib.suppress(FileNotFoundError):  # a rank of the run unlinked it meanwhile
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
 
 
 def remove_run_files(run_id: str) -> None:
     """Unlink the /dev/shm files of run ``run_id`` (its ranks have ended)."""
     for path in glob.glob(f"/dev/shm/parallelisms-{run_id}-*"):
-        with contextlib.suppress(FileNotFoundError):  # a rank of the run unlinked it meanwhile
-            os.unlink(path)
+        unlink_own(path)
 
 
 def shm_supported(group) -> bool:
@@ -285,18 +335,13 @@ class SharedMemoryCollectives:
             drained.wait()
         path = f"{self.prefix}-{self.generation}"
         total = self._bytes(capacity)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, total)
-        finally:
-            os.close(fd)
-        try:
+            memory = open_shared(path, total, create=True) if self.rank == 0 else None
             dist.barrier(group=self.group)
-            memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            memory = memory if memory is not None else open_shared(path, total, create=False)
             dist.barrier(group=self.group)
         except BaseException:  # a peer failed before the file was shared: remove it here (torchrun has no
-            with contextlib.suppress(FileNotFoundError):  # launcher of ours to do it)
-                os.unlink(path)
+            unlink_own(path)  # launcher of ours to do it); someone else's file under the name stays
             raise
         if self.rank == 0:
             os.unlink(path)  # the mappings keep the memory; nothing is left behind

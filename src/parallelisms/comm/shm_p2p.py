@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import uuid
 
 import torch
 
 from parallelisms.comm.liveness import late_ranks, peer_host
-from parallelisms.comm.shm import FLAG_STRIDE, Backoff, Futex, ShmTimeout, shm_path
+from parallelisms.comm.shm import FLAG_STRIDE, Backoff, Futex, ShmRefused, ShmTimeout, open_shared, shm_path, unlink_own
 
 HEADER = 16                    # bytes framing each message: its size and its sequence number on the pair
 MIN_CAPACITY = 1 << 20         # a ring holds at least 1 MiB, or this many of the pair's first message:
@@ -63,13 +64,7 @@ class _Ring:
 
     def __init__(self, path: str, capacity: int, sending: bool):
         size = 4 * 64 + capacity
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        memory = open_shared(path, size, create=None)  # whichever end comes first makes it
         self.counters = memory[:4 * 64].view(torch.int64).numpy()  # polled: numpy reads allocate nothing
         self.data, self.capacity = memory[4 * 64:], capacity
         self.counters[SENDER_PID if sending else RECEIVER_PID] = os.getpid()
@@ -98,7 +93,9 @@ class SharedMemoryP2P:
         self.name, self.me, self.store, self.timeout_s = name, me, store, timeout_s
         self.spin_s = Backoff.spin_for()
         self.futex = None if self.spin_s else Futex()  # ranks outnumber the cores: sleep until the peer moves
-        self.job = store.compare_set("parallelisms/p2p/job", "", uuid.uuid4().hex).decode()
+        self.job = store.compare_set("parallelisms/p2p/job", "", uuid.uuid4().hex).decode(errors="replace")
+        if not re.fullmatch(r"[0-9a-f]{32}", self.job):  # the store is a network service: its values are checked
+            raise ShmRefused(f"the store's p2p job token {self.job[:40]!r} is not one this project writes: refused")
         self.rings: dict[tuple[int, int], _Ring] = {}  # (src, dst) in global ranks
         self.reachable: dict[int, bool] = {}
 
@@ -143,10 +140,7 @@ class SharedMemoryP2P:
         """Remove the files of rings the peer never mapped (this rank is failing; nothing is left behind)."""
         for ring in self.rings.values():
             if ring.path is not None:
-                try:
-                    os.unlink(ring.path)
-                except FileNotFoundError:
-                    pass
+                unlink_own(ring.path)
 
     # -- moving data -------------------------------------------------------------------------------------
     def progress(self) -> None:

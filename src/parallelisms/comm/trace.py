@@ -67,15 +67,18 @@ def burn(ns: int) -> None:
 
 
 class Timeline:
-    """Spans of one rank. Disabled timelines record nothing and cost one attribute check per span.
+    """Spans of one rank. Disabled timelines record nothing and cost one attribute check per span. With
+    ``keep=False`` the spans are summed step by step (:meth:`step_stats`) and dropped, so a long run's memory and
+    report do not grow with its steps (``--trace`` keeps them all).
 
     ``slow`` above 1 makes this rank's compute that many times slower (``--slow-rank R:F``, a demonstration
     of stragglers): each compute span but the optimizer's is followed, inside the span, by (F - 1) x its
     own time of real work (:func:`burn`), so the rank reaches its next collective late as a slower chip would."""
 
-    def __init__(self, rank: int = 0, enabled: bool = True, slow: float = 1.0):
-        self.rank, self.enabled, self.slow = rank, enabled, slow
+    def __init__(self, rank: int = 0, enabled: bool = True, slow: float = 1.0, keep: bool = True):
+        self.rank, self.enabled, self.slow, self.keep = rank, enabled, slow, keep
         self.spans: list[Span] = []
+        self.recent: list[Span] = []  # spans not yet summed by step_stats
 
     @staticmethod
     def now() -> int:
@@ -83,7 +86,10 @@ class Timeline:
 
     def add(self, name: str, cat: str, start: int, end: int, **args) -> None:
         if self.enabled:
-            self.spans.append(Span(name, cat, start, end, args))
+            span = Span(name, cat, start, end, args)
+            self.recent.append(span)
+            if self.keep:
+                self.spans.append(span)
 
     @contextmanager
     def span(self, name: str, cat: str = "compute", **args):
@@ -99,12 +105,19 @@ class Timeline:
         finally:
             self.add(name, cat, start, self.now(), **args)
 
-    def between(self, start: int, end: int) -> list[Span]:
-        return [s for s in self.spans if s.end > start and s.start < end]
+    def between(self, start: int, end: int, spans: list[Span] | None = None) -> list[Span]:
+        return [s for s in (self.spans if spans is None else spans) if s.end > start and s.start < end]
 
-    def overlap_stats(self, start: int | None = None, end: int | None = None) -> dict:
+    def step_stats(self, start: int, end: int) -> dict:
+        """:meth:`overlap_stats` of a step's window [start, end), from the spans recorded since the previous
+        step's (a step's time, whatever the run's length); those ended by ``end`` are let go."""
+        stats = self.overlap_stats(start, end, self.recent)
+        self.recent = [s for s in self.recent if s.end > end]
+        return stats
+
+    def overlap_stats(self, start: int | None = None, end: int | None = None, spans: list[Span] | None = None) -> dict:
         """Communication, busy and exposed time (ns) in the window [start, end) (default: everything)."""
-        spans = self.spans if start is None else self.between(start, end)
+        spans = (self.spans if spans is None else spans) if start is None else self.between(start, end, spans)
         clip = (lambda s: (max(s.start, start), min(s.end, end))) if start is not None else (lambda s: (s.start, s.end))
         comm = _union([clip(s) for s in spans if s.cat == "comm"])
         busy = _subtract(_union([clip(s) for s in spans if s.cat == "compute"]),

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from parallelisms.errors import ConfigError, require
+from parallelisms.errors import ConfigError, path_kind, require
 
 REQUIRED = ("name", "peak_tflops", "hbm_gb", "hbm_tbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps",
             "intra_latency_us", "inter_latency_us")
@@ -171,10 +171,11 @@ def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
     path = Path(spec)
     require(spec.endswith(".json") or path.is_file(),
             f"unknown {flag} {spec!r}; choose one of {', '.join(PRESETS)} or pass a JSON file")
-    require(path.is_file(), f"{flag} {spec!r} does not exist; pass a JSON file with keys {', '.join(REQUIRED)}")
+    require(path.is_file(), lambda: f"{flag} {spec!r} {path_kind(path)}; pass a JSON file with keys "
+                                    f"{', '.join(REQUIRED)}")
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{flag} {spec!r} is not a readable JSON file ({exc.__class__.__name__}); "
                           f"write an object with keys {', '.join(REQUIRED)}") from None
     require(isinstance(raw, dict), f"{flag} {spec!r} must hold a JSON object, got {type(raw).__name__}")
