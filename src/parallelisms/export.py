@@ -15,6 +15,8 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a complete checkpoint (DIR/step_N)")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="directory for config.json and model.safetensors")
+    p.add_argument("--export-dtype", choices=("float32", "bfloat16", "same"), default="float32",
+                   help="dtype of the weights written; same: the checkpoint's (float64 from a --dtype float64 run)")
     p.set_defaults(func=cmd_export)
 
 
@@ -25,9 +27,10 @@ def cmd_export(args) -> int:
     require(not Path(args.out).is_file(), f"--out {args.out!r} is a file; name a directory")
     from parallelisms.checkpoint import load_full_state
     from parallelisms.config import ModelConfig
-    from parallelisms.hf import export_hf
+    from parallelisms.hf import export_dtype, export_hf
 
     model = ModelConfig(**json.loads((path / META).read_text())["model"])
-    out = export_hf(load_full_state(path), model, args.out)
+    state = load_full_state(path)
+    out = export_hf(state, model, args.out, export_dtype(args.export_dtype, next(iter(state.values())).dtype))
     print(f"exported {path} (step {json.loads((path / META).read_text())['step']}) to {out} (Hugging Face Llama)")
     return 0
