@@ -134,3 +134,11 @@ def test_resume_from_a_save_directory_takes_its_newest_step(tmp_path, capsys):
     assert json.loads(out.splitlines()[-1])["first_step"] == 3
     err = _refused(_small("--resume", str(save), "--steps", "3", "--weight-decay", "0.1"), capsys)
     assert "weight_decay 0.01, this run has 0.1" in err
+
+
+def test_the_api_takes_the_settings():
+    from parallelisms.api import configure
+
+    cfg = configure(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, decay_all=True, tie_embeddings=True)
+    assert (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay, cfg.train.decay_all) == ((0.8, 0.99), 1e-6, 0.1, True)
+    assert cfg.model.tie_embeddings

@@ -116,6 +116,7 @@ VERIFY = {
     "dp2 x tp2 x pp2 +sp": ParallelConfig(dims=ParallelDims(dp_replicate=2, tp=2, pp=2), sequence_parallel=True),
     "pp2 x dp2 zero2 zb-v": ParallelConfig(dims=ParallelDims(dp_shard=2, pp=2), zero=2, schedule="zb-v"),
     "dp4 fsdp reuse": ParallelConfig(dims=ParallelDims(dp_shard=4), fsdp="full_shard", fsdp_style="reuse"),
+    "pp2 x dp2 dualpipe": ParallelConfig(dims=ParallelDims(dp_replicate=2, pp=2), schedule="dualpipe"),
 }
 _verify_reports = launch_reports({name: RunSpec(VERIFY_MODEL, VERIFY_TRAIN, parallel, collect_state=True)
                                   for name, parallel in VERIFY.items()})
