@@ -46,28 +46,29 @@ class AdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _adamw(groups: list[dict], cfg: TrainConfig) -> AdamW:
-    return AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                 weight_decay=cfg.weight_decay)
+def _adamw(cfg: TrainConfig, decay: list, keep: list, mixed: list = (), runs: list = ()) -> AdamW:
+    """Always the same three groups, some possibly empty (decayed, not decayed, decayed by runs), so that every
+    layout's optimizer and learning-rate schedule have the same groups (a checkpoint's schedule loads into any)."""
+    return AdamW([{"params": decay}, {"params": keep, "weight_decay": 0.0},
+                  {"params": list(mixed), "decay_runs": list(runs), "weight_decay": 0.0, "run_decay": cfg.weight_decay}],
+                 lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def make_optimizer(params, cfg: TrainConfig, tied: bool = False) -> AdamW:
     """AdamW (Loshchilov and Hutter 2019) with the run's settings over ``params``: ``(name, parameter)`` pairs of
-    whole parameters, in two groups (decayed or not, :func:`decays`); bare parameters all decay."""
+    whole parameters, decayed or not by :func:`decays`; bare parameters all decay."""
     params = list(params)
     if not params or not isinstance(params[0], tuple):
-        return _adamw([{"params": params}], cfg)
+        return _adamw(cfg, params, [])
     chosen = [decays(name, p.dim(), cfg, tied) for name, p in params]
-    return _adamw([{"params": [p for (_, p), d in zip(params, chosen) if d]},
-                   {"params": [p for (_, p), d in zip(params, chosen) if not d], "weight_decay": 0.0}], cfg)
+    return _adamw(cfg, [p for (_, p), d in zip(params, chosen) if d], [p for (_, p), d in zip(params, chosen) if not d])
 
 
 def sharded_optimizer(placements, cfg: TrainConfig, tied: bool = False) -> AdamW:
     """AdamW over a gradient sync's optimizer parameters, each given with the pieces of the plain model's
     parameters it holds (``GradSync.placements``): a parameter whose pieces all decay or none in the first two
     groups, one holding both kinds (a flat shard) in a third that decays the runs of its decayed pieces."""
-    decay, keep, mixed = [], [], {"params": [], "decay_runs": [], "weight_decay": 0.0,
-                                  "run_decay": cfg.weight_decay}
+    decay, keep, mixed, mixed_runs = [], [], [], []
     for param, pieces in placements:
         runs = [(pc.flat_lo, pc.flat_lo + math.prod(pc.box_shape)) for pc in pieces
                 if decays(pc.name, len(pc.full_shape), cfg, tied)]
@@ -76,9 +77,9 @@ def sharded_optimizer(placements, cfg: TrainConfig, tied: bool = False) -> AdamW
         elif not runs:
             keep.append(param)
         else:
-            mixed["params"].append(param)
-            mixed["decay_runs"].append(_merged(runs))
-    return _adamw([{"params": decay}, {"params": keep, "weight_decay": 0.0}, mixed], cfg)
+            mixed.append(param)
+            mixed_runs.append(_merged(runs))
+    return _adamw(cfg, decay, keep, mixed, mixed_runs)
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
