@@ -122,7 +122,9 @@ RUN_CASES = [
         "--eval-every": ["-1", "5"], "--eval-split": ["1.5", "nan"], "--warmup": ["-1"], "--lr-schedule": ["step"],
         "--min-lr": ["-1", "inf"], "--init-from": ["/nonexistent/hf", "@dir"], "--export-hf": ["@list.json"],
         "--predict": ["tpu"], "--layers": ["0"], "--hidden": ["7"], "--heads": ["0", "3"], "--kv-heads": ["3"],
-        "--mlp": ["relu"], "--experts": ["1"], "--topk": ["0"], "--vocab": ["0"], "--ffn": ["-4"]}.items()
+        "--mlp": ["relu"], "--experts": ["1"], "--topk": ["0"], "--vocab": ["0"], "--ffn": ["-4"],
+        "--betas": ["0.9", "0.9,1"], "--eps": ["0"], "--weight-decay": ["-1", "nan"],
+        "--export-dtype": ["float16", "same"]}.items()
       for value in values),
     (["train", "--async-save"], "--async-save"), (["verify", "--device", "tpu"], "--device"),
     (["verify", "--layers", "0"], "--layers"), (["estimate", "--experts", "8", "--topk", "9"], "--topk"),
@@ -262,7 +264,9 @@ def test_the_terminal_sees_one_line(argv, flag):
 
 
 def test_a_diverged_run_prints_strict_json_and_exits_1_naming_the_step(capsys):
-    argv = ["train", "--dp", "1", "--steps", "3", "--lr", "1e6", "--global-batch", "2", "--seq-len", "16", "--json"]
+    # --decay-all: decay of every weight at lr 1e6 makes the loss NaN by step 3 (decay of the matrices alone does not)
+    argv = ["train", "--dp", "1", "--steps", "3", "--lr", "1e6", "--global-batch", "2", "--seq-len", "16", "--json",
+            "--decay-all"]
     assert main(argv) == 1
     captured = capsys.readouterr()
     report = json.loads(captured.out.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"bare {c}"))

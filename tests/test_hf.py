@@ -21,17 +21,21 @@ from parallelisms.train import RunSpec, train_rank  # noqa: E402
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
+def random_llama(path, **changes):
+    """A random Llama (2 layers, GQA, rope_theta 5e5; ``changes`` to its config) saved in ``path`` as config.json +
+    model.safetensors."""
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+                                      **changes})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A random Llama (GQA, rope_theta 5e5) saved as config.json + model.safetensors."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return random_llama(tmp_path_factory.mktemp("llama"))
 
 
 def _hf_logits(path) -> torch.Tensor:

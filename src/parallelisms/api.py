@@ -34,6 +34,8 @@ def _args(command: str, options: dict, argv: list[str] = ()):
         flag = "--" + name.replace("_", "-")
         if value is True:
             flags.append(flag)
+        elif isinstance(value, (tuple, list)):  # betas=(0.9, 0.95): --betas 0.9,0.95
+            flags += [flag, ",".join(map(str, value))]
         elif value is not None and value is not False:
             flags += [flag, str(value)]
     return build_parser().parse_args([*flags, *argv])

@@ -329,7 +329,9 @@ def _restore_schedulers(trainer, saved: list[dict]) -> None:
     """Every scheduler continues from the first saved one's position (they step together), and its optimizer's
     learning rate is the one that position gives."""
     for scheduler in getattr(trainer, "schedulers", ()) if saved else ():
-        scheduler.load_state_dict(saved[0])
+        groups = len(scheduler.optimizer.param_groups)  # a save with another number of groups: every group's lr
+        scheduler.load_state_dict({k: v[:1] * groups if k in ("base_lrs", "_last_lr") else v  # is the same
+                                   for k, v in saved[0].items()})
         for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
 

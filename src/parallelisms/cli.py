@@ -21,7 +21,7 @@ from parallelisms.config import (ModelConfig, ParallelConfig, TrainConfig, load_
                                  with_positions)
 from parallelisms.errors import ConfigError, LaunchError, StorageError, require
 from parallelisms.data.options import add_data_args, add_output_args, check_data_args, check_output_args, data_settings
-from parallelisms.flags import DEGREE, check_writable, integer, json_line, number, slow_rank
+from parallelisms.flags import DEGREE, check_writable, integer, json_line, number, number_pair, slow_rank
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
@@ -113,6 +113,11 @@ def _add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--grad-accum", type=COUNT, default=1, help="microbatches per rank per step")
     g.add_argument("--lr", type=number(0, above=True), default=d.lr, help="AdamW learning rate")
     g.add_argument("--grad-clip", type=number(0), default=d.grad_clip, help="global-norm clip (0: off)")
+    g.add_argument("--weight-decay", type=number(0), default=d.weight_decay,
+                   help="AdamW's decoupled weight decay, of the weight matrices (not norms, biases, embeddings)")
+    g.add_argument("--betas", type=number_pair(0, 1), default=d.betas, metavar="B1,B2", help="AdamW's betas")
+    g.add_argument("--eps", type=number(0, above=True), default=d.eps, help="AdamW's epsilon")
+    g.add_argument("--decay-all", action="store_true", help="decay every parameter, norms and embeddings included")
     # the data loader seeds step s with seed x 1_000_003 + s, which torch's 64-bit seeds hold for any seed below 2^32
     g.add_argument("--seed", type=integer(0, 2**32 - 1), default=d.seed, help="seed of the weights and the data")
     g.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=d.bucket_mb,
@@ -142,6 +147,8 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     options = _degree_options(args)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                         grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
+                        weight_decay=args.weight_decay, betas=tuple(args.betas), eps=args.eps,
+                        decay_all=args.decay_all,
                         bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype or TrainConfig.dtype,
                         slow_rank=getattr(args, "slow_rank", None),
                         **(data_settings(args) if hasattr(args, "data") else {}))
@@ -264,8 +271,10 @@ def train_report(args, announce: bool = False) -> dict | None:
         report["metrics"] = metrics
     from parallelisms.outputs import attempt, export_or_keep, last_checkpoint
     if args.export_hf:
+        from parallelisms.hf import export_dtype
         last = report["first_step"] - 1 + len(report["losses"])
-        export_or_keep(report, report.pop("state"), model, args.export_hf, last_checkpoint(args.save, last))
+        export_or_keep(report, report.pop("state"), model, args.export_hf, last_checkpoint(args.save, last),
+                       export_dtype(args.export_dtype, train.torch_dtype, parallel.mixed_precision))
     spans = report.pop("spans")
     waits = report.pop("straggler_waits", None) or []
     if args.trace:

@@ -22,7 +22,7 @@ MLPS = ("swiglu", "gelu")  # a model dimension beyond int32 is a typo, and keeps
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama family: RMSNorm, RoPE, GQA, SwiGLU or GELU MLP, untied head)."""
+    """Shape of a decoder-only transformer (Llama family: RMSNorm, RoPE, GQA, SwiGLU or GELU MLP, output head untied or tied)."""
 
     vocab_size: int = 256
     dim: int = 64
@@ -51,6 +51,7 @@ class ModelConfig:
     rope_original_max_len: int = 8192  # llama3: the pre-training context
     sliding_window: int = 0            # 0: none; else attention reaches this many tokens (runs need seq_len <= it)
     hf_model_type: str = "llama"       # the Hugging Face architecture an export writes (llama, mistral, qwen2, ...)
+    tie_embeddings: bool = False       # the output head is the embedding table (tie_word_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +100,8 @@ class ModelConfig:
         extras = ((self.q_dim + 2 * kv) * self.qkv_bias + self.dim * self.out_bias
                   + 2 * self.head_dim * self.qk_norm)
         mlp = self.mlp_matrices * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
-        return 2 * self.vocab_size * self.dim + self.n_layers * (attn + extras + mlp + 2 * self.dim) + self.dim
+        return ((1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
+                + self.n_layers * (attn + extras + mlp + 2 * self.dim) + self.dim)
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
@@ -184,6 +186,7 @@ _HF_FIELDS = {  # our name: (Hugging Face name, required)
     "norm_eps": ("rms_norm_eps", False),
     "n_experts": ("num_local_experts", False),        # Mixtral
     "top_k": ("num_experts_per_tok", False),
+    "tie_embeddings": ("tie_word_embeddings", False),
 }
 
 
@@ -216,7 +219,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         values["rope_theta"] = rope["rope_theta"]
     for name, value in values.items():
         field_name = _HF_FIELDS[name][0]
-        if name in ("rope_theta", "norm_eps"):
+        if name == "tie_embeddings":
+            require(isinstance(value, bool), f"config field {field_name} must be true or false, got {value!r}")
+        elif name in ("rope_theta", "norm_eps"):
             require_finite(f"config field {field_name}", value, above=0)
             values[name] = float(value)
         else:
@@ -262,8 +267,10 @@ class TrainConfig:
     seq_len: int = 64
     grad_accum: int = 1            # microbatches per step on each rank, no communication between them
     lr: float = 3e-3
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01     # AdamW's decoupled decay, of the weight matrices only (parallelisms.optim)
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    decay_all: bool = False        # decay every parameter, norms, biases and embeddings included
     grad_clip: float = 1.0         # global-norm clipping; 0 disables it
     seed: int = 0
     bucket_mb: float = 25.0        # data-parallel gradient bucket cap
@@ -293,6 +300,10 @@ class TrainConfig:
                 f"try --global-batch {per_step * max(1, self.global_batch // per_step)}")
         require_finite("--lr (learning rate)", self.lr, above=0)
         require_finite("--grad-clip", self.grad_clip, at_least=0)
+        require_finite("--weight-decay", self.weight_decay, at_least=0)
+        require_finite("--eps", self.eps, above=0)
+        require(len(self.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas),
+                f"--betas {','.join(map(str, self.betas))} must be two numbers in [0, 1), e.g. 0.9,0.95")
         require_finite("--bucket-mb", self.bucket_mb, above=0)
         require_finite("--timeout (seconds)", self.timeout_s, above=0)
         require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {' or '.join(DTYPES)}")

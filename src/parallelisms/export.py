@@ -14,6 +14,8 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a complete checkpoint (DIR/step_N)")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="directory for config.json and model.safetensors")
+    p.add_argument("--export-dtype", choices=("float32", "bfloat16", "same"), default="float32",
+                   help="dtype of the weights written; same: the checkpoint's (float64 from a --dtype float64 run)")
     p.set_defaults(func=cmd_export)
 
 
@@ -25,13 +27,14 @@ def cmd_export(args) -> int:
     from parallelisms.checkpoint import load_full_state
     from parallelisms.checkpoint_files import verified
     from parallelisms.config import ModelConfig
-    from parallelisms.hf import export_hf
+    from parallelisms.hf import export_dtype, export_hf
 
     meta = verified(path, META, "export")
     try:
         model = ModelConfig(**meta["model"])
     except TypeError as exc:
         raise ConfigError(f"{str(path / META)!r} is damaged: its model does not fit this version ({exc})") from None
-    out = export_hf(load_full_state(path), model, args.out)
-    print(f"exported {path} (step {meta['step']}) to {out} (Hugging Face Llama)")
+    state = load_full_state(path)
+    out = export_hf(state, model, args.out, export_dtype(args.export_dtype, next(iter(state.values())).dtype))
+    print(f"exported {path} (step {meta['step']}) to {out} (Hugging Face {model.hf_model_type})")
     return 0

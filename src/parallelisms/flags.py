@@ -90,6 +90,21 @@ def number(low: float, high: float = math.inf, above: bool = False):
     return parse
 
 
+def number_pair(low: float, high: float):
+    """A flag parser for two comma-separated numbers in [low, high) (AdamW's betas: ``0.9,0.95``)."""
+    def parse(text: str) -> tuple[float, float]:
+        parts = text.split(",")
+        try:
+            values = tuple(float(x) for x in parts)
+        except ValueError:
+            values = ()
+        if len(values) != 2 or not all(low <= v < high for v in values):
+            raise argparse.ArgumentTypeError(f"must be two numbers in [{_num(low)}, {_num(high)}) separated by a "
+                                             f"comma, e.g. 0.9,0.95; got {shown(text, False)}")
+        return values
+    return parse
+
+
 def check_writable(flag: str, path: str) -> None:
     """One line unless a file can be written at ``path`` (checked before the work whose result it holds)."""
     target = Path(path)

@@ -23,18 +23,36 @@ from parallelisms.hf_weights import check_exportable, from_hf, to_hf
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """The config.json for ``cfg``: its architecture (model_type, biases, head_dim, rope, window, experts)."""
+EXPORT_DTYPES = ("float32", "bfloat16", "same")
+
+
+def export_dtype(choice: str | None, trained, mixed_precision: str = "fp32"):
+    """The dtype ``--export-dtype`` names: ``same`` is the trained parameters' dtype ``trained`` (float64 under
+    ``--dtype float64``; the fp32 master weights under bf16 mixed precision); None is the natural export,
+    bfloat16 for a bf16 mixed-precision run and float32 otherwise (a float64 run too, as Hugging Face
+    checkpoints are at most float32)."""
+    if choice == "same":
+        return trained
+    if choice is None:
+        return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    return getattr(torch, choice)
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """The config.json for ``cfg`` whose weights are stored in ``dtype`` (``torch_dtype``, and ``dtype`` as
+    transformers 5 names it): its architecture (model_type, biases, head_dim, rope, window, experts, tying)."""
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads, "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False, "mlp_bias": False,
-            "torch_dtype": "float32", **hf_architecture_config(cfg)}
+            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
+            "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype, **hf_architecture_config(cfg)}
 
 
-def export_hf(model_state_dict: dict[str, torch.Tensor], model_config: ModelConfig, out_dir: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (Hugging Face names, fp32) of the full state dict
-    ``model_state_dict`` (our parameter names) into ``out_dir``; returns the directory."""
+def export_hf(model_state_dict: dict[str, torch.Tensor], model_config: ModelConfig, out_dir: str | Path,
+              dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (Hugging Face names, in ``dtype``) of the full state dict
+    ``model_state_dict`` (our parameter names) into ``out_dir``; returns the directory. A tied model
+    (``tie_embeddings``) is written tied: ``tie_word_embeddings`` true and no ``lm_head.weight``."""
     from safetensors.torch import save_file
 
     check_exportable(model_config)
@@ -44,9 +62,12 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], model_config: ModelConf
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, tensor in model_state_dict.items():
-        tensors.update(to_hf(name, tensor.detach().to("cpu", torch.float32), model_config))
+        if model_config.tie_embeddings and name == "output.weight":  # the embedding's copy
+            continue
+        tensors.update(to_hf(name, tensor.detach().to("cpu", dtype), model_config))
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model_config), indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model_config, str(dtype).removeprefix("torch.")), indent=2)
+                                   + "\n")
     return out
 
 
@@ -62,7 +83,8 @@ def load_hf_model_config(hf_dir: str | Path) -> ModelConfig:
 
 def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and the full state dict, by our parameter names, of a Hugging Face directory.
-    A tied head (``tie_word_embeddings``) starts as a copy of the embedding and trains on its own."""
+    A tied head (``tie_word_embeddings``) is the embedding (a ``lm_head.weight`` in the file is ignored, as
+    ``transformers`` ties it); training keeps it tied (:mod:`parallelisms.parallel.tied`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -74,7 +96,7 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
         weights = load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise ConfigError(f"--init-from {str(path)!r} cannot be read as safetensors ({exc})") from None
-    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+    if (cfg.tie_embeddings or "lm_head.weight" not in weights) and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     from parallelisms.model import build_model
 

@@ -27,13 +27,13 @@ def attempt(report: dict, what: str, write):
         return None
 
 
-def export_or_keep(report: dict, state: dict, model, out: str, checkpoint_dir: str | None) -> None:
-    """``--export-hf OUT`` of the final weights; where it fails, the weights stay in the last checkpoint (when the
+def export_or_keep(report: dict, state: dict, model, out: str, checkpoint_dir: str | None, dtype) -> None:
+    """``--export-hf OUT`` of the final weights in ``dtype``; where it fails, the weights stay in the last checkpoint (when the
     run saved one) or are written into a new temporary directory, and the line names where they are."""
     from parallelisms.hf import export_hf
 
     try:
-        report["exported_hf"] = str(export_hf(state, model, out))
+        report["exported_hf"] = str(export_hf(state, model, out, dtype))
         return
     except Exception as exc:  # noqa: BLE001
         line = failed_write(f"--export-hf {out!r}", exc)
@@ -42,7 +42,7 @@ def export_or_keep(report: dict, state: dict, model, out: str, checkpoint_dir: s
                  f"--out DIR writes them")
     else:
         try:
-            kept = export_hf(state, model, tempfile.mkdtemp(prefix="parallelisms-export-"))
+            kept = export_hf(state, model, tempfile.mkdtemp(prefix="parallelisms-export-"), dtype)
             report["exported_hf"] = str(kept)
             line += f"; the weights are written to {kept} instead"
         except Exception as again:  # noqa: BLE001

@@ -33,8 +33,9 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", metavar="DIR", help="save checkpoints into DIR/step_N")
     g.add_argument("--save-every", type=integer(1, 10**9), metavar="N", help="save every N steps (and at the end)")
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
-    g.add_argument("--resume", metavar="DIR|auto", help="continue from a checkpoint; auto: the newest complete one "
-                                                        "in --save DIR (none: start from step 0)")
+    g.add_argument("--resume", metavar="DIR|auto", help="continue from a checkpoint DIR/step_N, or from the newest "
+                                                        "complete one in a --save DIR; auto: in this run's --save DIR "
+                                                        "(none there: start from step 0)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient is not finite (default: stop, naming step and rank)")
 
@@ -50,7 +51,14 @@ def layout_meta(model, train, parallel) -> dict:
     dims = parallel.dims
     return {"format": FORMAT, "model": dataclasses.asdict(model), "layout": dims.describe(),
             "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule == "pipedream",
-            "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed}
+            "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed,
+            "optimizer": optimizer_settings(train)}
+
+
+def optimizer_settings(train) -> dict:
+    """AdamW's settings a checkpoint records and a resume must match (``parallelisms.optim``)."""
+    return {"weight_decay": train.weight_decay, "betas": list(train.betas), "eps": train.eps,
+            "decay_all": train.decay_all}
 
 
 def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None:
@@ -81,24 +89,43 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
         path = Path(resume)
         require(path.is_dir(), f"--resume {resume!r} does not exist; give a checkpoint directory (DIR/step_N) "
                                f"or --resume auto")
+        if not (path / META).is_file() and latest(path) is not None:  # a --save directory: its newest step
+            path = latest(path)
+    if path is not None and path != Path(resume or ""):
+        _announce(f"resuming from {path} (the newest complete checkpoint in {resume if resume != 'auto' else save})")
+    if resume not in (None, "auto"):
         require((path / META).is_file() and (path / ".metadata").is_file(),
                 f"--resume {resume!r} is not a complete checkpoint (no {META}"
                 f"{'' if (path / '.metadata').is_file() else ' nor .metadata'}: a save that did not finish, or not a "
-                f"checkpoint); choose a step_N directory")
+                f"checkpoint); choose a step_N directory, or a --save directory holding a complete one")
     if path is not None:
         from parallelisms.checkpoint_files import verified
         saved = verified(path, META, "--resume")
-        diff = [k for k, v in meta["model"].items() if saved["model"].get(k) != v]
-        require(not diff, lambda: f"--resume {str(path)!r} holds a model with {diff[0]} {saved['model'].get(diff[0])}, "
+        fields = {**dataclasses.asdict(type(model)()), **saved["model"]}  # a field newer than the save: its default
+        diff = [k for k, v in meta["model"].items() if fields.get(k) != v]
+        require(not diff, lambda: f"--resume {str(path)!r} holds a model with {diff[0]} {fields.get(diff[0])}, "
                                   f"this run's has {meta['model'][diff[0]]} ({len(diff)} field(s) differ); use the "
                                   f"same --preset/--config")
         require(saved["step"] < train.steps, f"--resume {str(path)!r} is at step {saved['step']}, not before --steps "
                                              f"{train.steps}; --steps counts the run's total steps: raise it")
+        diff = [k for k, v in meta["optimizer"].items() if k in saved.get("optimizer", {}) and
+                saved["optimizer"][k] != v]
+        require(not diff, lambda: f"--resume {str(path)!r} was trained with {diff[0]} {saved['optimizer'][diff[0]]}, "
+                                  f"this run has {meta['optimizer'][diff[0]]}; resume with the same optimizer flags "
+                                  f"(--weight-decay, --betas, --eps, --decay-all)")
         require(saved["pipedream"] == meta["pipedream"],
                 f"--resume {str(path)!r} was saved {'with' if saved['pipedream'] else 'without'} --schedule pipedream "
                 f"and this run is {'with' if meta['pipedream'] else 'without'}: its per-microbatch Adam steps do not "
                 f"carry over; resume with{'' if saved['pipedream'] else 'out'} pipedream")
     return CheckpointOptions(save, args.save_every or 0, args.async_save, str(path) if path else None, meta)
+
+
+def _announce(line: str) -> None:
+    """Print ``line`` once (rank 0 under torchrun)."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 # -- verify-resume -----------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ def layout_flags(args, defaults: dict) -> str:
         if name in _NOT_LAYOUT or name not in defaults or value == defaults[name]:
             continue
         flag = "--" + name.replace("_", "-")
+        if isinstance(value, tuple):  # --betas B1,B2
+            value = ",".join(f"{v:g}" for v in value)
         flags.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     return " ".join(flags)
 

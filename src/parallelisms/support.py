@@ -164,6 +164,9 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     require(train.global_batch % (dims.dp * m) == 0,
             f"global batch {train.global_batch} must split into dp x microbatches = {dims.dp} x {m}; "
             f"try --global-batch {dims.dp * m * max(1, train.global_batch // (dims.dp * m))}")
+    require(not (model.tie_embeddings and name == "pipedream"),
+            "tied embeddings with --schedule pipedream: its per-stage updates would step the embedding and the "
+            "head apart; use another schedule (1f1b) or an untied model")
 
 
 def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:

@@ -28,7 +28,7 @@ from parallelisms.model import build_model
 from parallelisms.model.numerics import upcast
 from parallelisms.lr_schedule import make_scheduler
 from parallelisms.metrics import MetricsWriter
-from parallelisms.optim import make_optimizer
+from parallelisms.optim import sharded_optimizer
 from parallelisms.parallel.common import clip_grad_norm_
 from parallelisms.parallel.context import apply_context_parallel
 from parallelisms.parallel.data import DataParallel
@@ -43,6 +43,7 @@ from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradien
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+from parallelisms.parallel.tied import TiedEmbeddings
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
@@ -211,10 +212,12 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         for stage in stages.values():
             split_linears(stage, store)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    if model.cfg.tie_embeddings:
+        grad_sync = TiedEmbeddings(grad_sync, comms)
     compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
     if schedule is None:
         return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
-                       make_optimizer(grad_sync.parameters(), train))
+                       _optimizer(grad_sync, model.cfg, train))
     if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
         stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
                                   compute_dtype=compute_dtype)
@@ -224,7 +227,16 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
     pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
                                 on_stage_done=grad_sync.stage_done, dtype=compute_dtype)
-    return Trainer(grad_sync, pipeline, comms, train, make_optimizer(grad_sync.parameters(), train))
+    return Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
+
+
+def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the gradient sync's parameters, weight decay on the elements of weight matrices
+    (:mod:`parallelisms.optim`); tied embeddings copy the embedding into the head after each step."""
+    optimizer = sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
+    if isinstance(grad_sync, TiedEmbeddings):
+        grad_sync.attach(optimizer)
+    return optimizer
 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,

@@ -27,6 +27,7 @@ from parallelisms.errors import ConfigError
 from parallelisms.data.sources import training_loader
 from parallelisms.lr_schedule import make_scheduler
 from parallelisms.model import build_model
+from parallelisms.optim import decays
 
 TOLERANCE = 1e-5
 # bf16 training against the plain bf16 reference (one bf16 gradient of the whole batch rather than per-rank
@@ -124,11 +125,32 @@ def clip_grad_norm_float64(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def _train_reference(cfg: TrainConfig, params: list, accumulate, after_step=lambda: None):
-    """The loop both references share: ``accumulate(loader, step)`` leaves the step's gradient in
-    ``params[i].grad`` and returns the loss; then the global norm (clipping when asked), AdamW over
-    ``params`` and the learning-rate schedule. Returns the per-step losses and gradient norms."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8)
+def _plain_model(model_cfg: ModelConfig, cfg: TrainConfig) -> nn.Module:
+    """The seeded plain model; with ``tie_embeddings`` truly tied, one parameter for the embedding and the
+    head (as ``transformers`` ties them), where the layouts keep two copies (``parallelisms.parallel.tied``)."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, cfg.seed, dtype=cfg.torch_dtype)
+    if model_cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _full_state(model_cfg: ModelConfig, state: dict) -> dict:
+    """``state`` by every name a layout reports: a tied head under its own name too."""
+    return {**state, "output.weight": state["tok_embeddings.weight"]} if model_cfg.tie_embeddings else state
+
+
+def _train_reference(cfg: TrainConfig, named: list, accumulate, after_step=lambda: None):
+    """The loop both references share: ``accumulate(loader, step)`` leaves the step's gradient in each of the
+    ``named`` parameters' ``.grad`` and returns the loss; then the global norm (clipping when asked), AdamW over
+    them in two groups (weight decay on the matrices only, unless ``decay_all``: ``parallelisms.optim.decays``)
+    and the learning-rate schedule. Returns the per-step losses and gradient norms."""
+    params = [p for _, p in named]
+    chosen = [decays(name, p.dim(), cfg) for name, p in named]
+    groups = [{"params": [p for p, d in zip(params, chosen) if d]},
+              {"params": [p for p, d in zip(params, chosen) if not d], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas,
+                                  weight_decay=cfg.weight_decay, eps=cfg.eps)
     scheduler = make_scheduler(optimizer, cfg)
     loader = training_loader(cfg)
     losses, norms = [], []
@@ -150,8 +172,7 @@ def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig, splits: int 
     per-sample gradients are summed already moves a tensor by up to ~1.5e-5 (``small`` preset, lr 3e-3, 4
     slices against 1), which is rounding, not a layout's error, and scales with lr.
     """
-    torch.manual_seed(train_cfg.seed)
-    model = build_model(model_cfg, train_cfg.seed, dtype=train_cfg.torch_dtype)
+    model = _plain_model(model_cfg, train_cfg)
 
     def accumulate(loader, step):
         model.zero_grad(set_to_none=True)
@@ -161,8 +182,9 @@ def reference_train(model_cfg: ModelConfig, train_cfg: TrainConfig, splits: int 
             part.backward()
             loss += part.item()
         return loss
-    losses, norms = _train_reference(train_cfg, list(model.parameters()), accumulate)
-    return Run(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms)
+    losses, norms = _train_reference(train_cfg, list(model.named_parameters()), accumulate)
+    return Run(losses, _full_state(model_cfg, {name: p.detach().clone() for name, p in model.named_parameters()}),
+               norms)
 
 
 def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int = 1) -> Run:
@@ -170,8 +192,7 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
 
     ``splits`` > 1 takes the bf16 gradient of each data-parallel rank's rows separately and sums them in
     fp32 divided by ``splits``: the arithmetic of an N-rank run, done in one process."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, cfg.seed)
+    model = _plain_model(model_cfg, cfg.replace(dtype="float32"))
     names = [n for n, _ in model.named_parameters()]
     compute = list(model.parameters())
     master = [nn.Parameter(p.detach().clone()) for p in compute]
@@ -195,8 +216,8 @@ def reference_train_bf16(model_cfg: ModelConfig, cfg: TrainConfig, splits: int =
     def copy_to_compute():
         for m, p in zip(master, compute):
             p.copy_(m)
-    losses, norms = _train_reference(cfg, master, accumulate, copy_to_compute)
-    return Run(losses, {n: m.detach().clone() for n, m in zip(names, master)}, norms)
+    losses, norms = _train_reference(cfg, list(zip(names, master)), accumulate, copy_to_compute)
+    return Run(losses, _full_state(model_cfg, {n: m.detach().clone() for n, m in zip(names, master)}), norms)
 
 
 def batch_slices(parallel, train: TrainConfig) -> int:

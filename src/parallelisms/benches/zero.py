@@ -115,7 +115,7 @@ def _torch_zero1(model_cfg, train_cfg, batch):
 
     model = DistributedDataParallel(build_model(model_cfg, train_cfg.seed), bucket_cap_mb=train_cfg.bucket_mb)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=train_cfg.lr,
-                                        betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8)
+                                        betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=train_cfg.eps)
     return _plain_step(model, optimizer, batch)
 
 

@@ -44,6 +44,9 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-from", metavar="HF_DIR", help="start from a Hugging Face Llama checkpoint (config.json + "
                                                          "model.safetensors); sets the model")
     g.add_argument("--export-hf", metavar="HF_DIR", help="write the trained model as a Hugging Face Llama checkpoint")
+    g.add_argument("--export-dtype", choices=("float32", "bfloat16", "same"),
+                   help="dtype of --export-hf's weights; same: the trained parameters' (float64 under --dtype "
+                        "float64); default: bfloat16 under --mixed-precision bf16, else float32")
 
 
 def data_settings(args) -> dict:
@@ -90,6 +93,8 @@ def check_output_args(args) -> None:
     if args.export_hf:
         check_installed("--export-hf", "safetensors")
         _check_dir("--export-hf", args.export_hf)
+    require(args.export_dtype is None or args.export_hf, f"--export-dtype {args.export_dtype} applies to "
+                                                         f"--export-hf; add --export-hf HF_DIR or drop it")
 
 
 def _check_dir(flag: str, path: str) -> None:

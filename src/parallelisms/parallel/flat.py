@@ -80,20 +80,22 @@ class ShardingPlan:
 
 def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
     """The wrapping units of the transformer (or pipeline stage) in forward order: embedding, each block,
-    head (norm + output).
+    head (norm + output; with tied embeddings the norm, then the output alone).
 
     With ``cap_bytes``, consecutive units are merged while their parameters fit under it: gradient
     buckets in the sense of DDP (ZeRO-1/2 communicate a unit's gradient as one bucket)."""
     units = [("tok_embeddings", [model.tok_embeddings])] if model.tok_embeddings is not None else []
     units += [(f"layers.{i}", [block]) for i, block in model.layers.items()]
+    tied = model.cfg.tie_embeddings  # the head's copy of the embedding is sharded as the embedding is
     if model.output is not None:  # a pipeline stage holds the embedding or the head only where it lives
-        units.append(("head", [model.norm, model.output]))
+        units += [("head", [model.norm]), ("output", [model.output])] if tied else [("head", [model.norm, model.output])]
     if cap_bytes is None:
         return units
+    alone = {"tok_embeddings", "output"} if tied else set()  # never merged (parallelisms.parallel.tied)
     merged, sizes = [], []
     for name, modules in units:
         size = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-        if merged and sizes[-1] + size <= cap_bytes:
+        if merged and sizes[-1] + size <= cap_bytes and not {name, merged[-1][0]} & alone:
             merged[-1] = (f"{merged[-1][0]}+{name}", merged[-1][1] + modules)
             sizes[-1] += size
         else:

@@ -5,6 +5,7 @@ the hardware flags of the verbs that predict."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 from parallelisms.config import MAX_MODEL_INT, MLPS, ModelConfig, with_shape
@@ -29,6 +30,8 @@ def add_shape_args(group: argparse._ArgumentGroup) -> None:
         low = 0 if flag == "--experts" else 1
         group.add_argument(flag, type=integer(low, MAX_MODEL_INT), help=f"{text}; overrides the preset/config")
     group.add_argument("--mlp", choices=MLPS, help="MLP: swiglu (Llama) or gelu (GPT, two matrices)")
+    group.add_argument("--tie-embeddings", action="store_true",
+                       help="the output head is the embedding table (Hugging Face's tie_word_embeddings)")
 
 
 # the model's field names, as a message about them says them, and the flag that sets each
@@ -44,9 +47,10 @@ def shape_from_args(base: ModelConfig, args) -> ModelConfig:
     flags that would fix it)."""
     given = {key: getattr(args, key) for key, _ in SHAPE_FLAGS.values()}
     try:
-        return with_shape(base, getattr(args, "seq_len", 0), mlp=args.mlp, **given)
+        shaped = with_shape(base, getattr(args, "seq_len", 0), mlp=args.mlp, **given)
     except ConfigError as exc:
         raise ConfigError(_FIELDS.sub(lambda m: _FIELD_FLAGS[m[1]], str(exc))) from None
+    return dataclasses.replace(shaped, tie_embeddings=True) if getattr(args, "tie_embeddings", False) else shaped
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:

@@ -60,7 +60,7 @@ class WeightStashing:
                  compute_dtype: torch.dtype | None = None):
         self.cfg, self.comms, self.compute_dtype = cfg, comms, compute_dtype
         self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
-        self.optimizers = {s: make_optimizer(list(named.values()), cfg) for s, named in self.named.items()}
+        self.optimizers = {s: make_optimizer(named.items(), cfg) for s, named in self.named.items()}
         self.data = comms[data_dim]  # the stage's replicas: each update averages over them
         self.averaged = {s: [(names, comm) for names, comm in (
             ([n for n, p in named.items() if "ep" not in sharded_over(p)], self.data),
@@ -141,7 +141,7 @@ def pipedream_reference(model_cfg: ModelConfig, train_cfg: TrainConfig, pp: int,
     groups: dict[int, dict[str, torch.nn.Parameter]] = {s: {} for s in range(pp)}
     for name, p in model.named_parameters():
         groups[stage_of_parameter(name, bounds)][name] = p
-    optimizers = {s: make_optimizer(list(g.values()), train_cfg) for s, g in groups.items()}
+    optimizers = {s: make_optimizer(g.items(), train_cfg) for s, g in groups.items()}
     one_rank = Comms({}, CommLedger(), Timeline(0))
     history = {s: [{n: p.detach().clone() for n, p in g.items()}] for s, g in groups.items()}  # by version
     schedulers = [make_scheduler(o, train_cfg) for o in optimizers.values()]  # stepped once per step, as the Trainer

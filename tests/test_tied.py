@@ -1,0 +1,137 @@
+"""Tied embeddings (``tie_word_embeddings``: Llama 3.2 1B/3B, small Qwen2.5) trained as ``transformers`` trains
+them: a random tied ``LlamaForCausalLM`` trained in one process with torch AdamW (the same batches, clipping and
+optimizer groups) gives the losses and gradient norms that ``--init-from`` gives in dp 2, tp 2 with SP, pp 2 and dp 2
+ZeRO-3, and the export is tied and loads in transformers. In float64, tied layouts (tensor x pipeline x data, ZeRO
+under a V-shaped schedule where one rank holds both ends, buffer reuse) reproduce a truly tied single-process
+model within 1e-10."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from _launching import launch_reports, settled  # noqa: E402
+from test_hf import random_llama  # noqa: E402
+from parallelisms.cli import main  # noqa: E402
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from parallelisms.data.sources import training_loader  # noqa: E402
+from parallelisms.hf import export_hf, load_hf  # noqa: E402
+from parallelisms.launch import launch  # noqa: E402
+from parallelisms.mesh import ParallelDims  # noqa: E402
+from parallelisms.optim import decays  # noqa: E402
+from parallelisms.train import RunSpec, train_rank  # noqa: E402
+from parallelisms.verify import TOLERANCE_FLOAT64, batch_slices, clip_grad_norm_float64  # noqa: E402
+
+STEPS = 10
+TRAIN = TrainConfig(steps=STEPS, global_batch=4, seq_len=32, lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A random tied Llama saved with no lm_head tensor."""
+    return random_llama(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
+
+
+def _transformers_training(path) -> tuple[list[float], list[float]]:
+    """Ten steps of the tied transformers model with torch AdamW, one process: per-step losses and gradient norms
+    (before clipping; summed in float64, as torch's fp32 norm is itself ~5e-6 off here). The groups follow the defaults: no decay on 1-D weights nor on the (tied) embedding."""
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    named = list(model.named_parameters())  # the tied weight once
+    ours = {"model.embed_tokens.weight": "tok_embeddings.weight"}
+    chosen = [decays(ours.get(n, n), p.dim(), TRAIN) for n, p in named]
+    optimizer = torch.optim.AdamW([{"params": [p for (_, p), d in zip(named, chosen) if d]},
+                                   {"params": [p for (_, p), d in zip(named, chosen) if not d], "weight_decay": 0.0}],
+                                  lr=TRAIN.lr, betas=TRAIN.betas, eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    loader = training_loader(TRAIN)
+    losses, norms = [], []
+    for step in range(STEPS):
+        inputs, targets = loader.batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        norms.append(clip_grad_norm_float64(list(model.parameters()), TRAIN.grad_clip).item())  # summed in float64
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _train(info, world, spec):
+    return train_rank(info, spec)
+
+
+LAYOUTS = {
+    "dp2": ParallelConfig(dims=ParallelDims(dp_replicate=2)),
+    "tp2 +sp": ParallelConfig(dims=ParallelDims(tp=2), sequence_parallel=True),
+    "pp2": ParallelConfig(dims=ParallelDims(pp=2)),
+    "dp2 zero3": ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tied_dir):
+    return _transformers_training(tied_dir)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_tied_checkpoint_trains_as_transformers_trains_it(tied_dir, reference, tmp_path, name):
+    cfg, start = load_hf(tied_dir)
+    assert cfg.tie_embeddings and torch.equal(start["output.weight"], start["tok_embeddings.weight"])
+    spec = RunSpec(cfg, TRAIN, LAYOUTS[name], collect_state=True, init_from=str(tied_dir))
+    report = launch(_train, 2, 2, spec)[0]
+    ref_losses, ref_norms = reference
+    loss_diff = max(abs(a - b) / b for a, b in zip(report["losses"], ref_losses))
+    norm_diff = max(abs(a - b) / b for a, b in zip(report["grad_norms"], ref_norms))
+    assert loss_diff < 2e-6 and norm_diff < 1e-5, (name, loss_diff, norm_diff)
+    assert max(ref_norms) > TRAIN.grad_clip  # the clip bit
+    print(f"{name}: losses within {loss_diff:.1e}, gradient norms within {norm_diff:.1e} of transformers")
+    state = report["state"]
+    assert torch.allclose(state["output.weight"], state["tok_embeddings.weight"], rtol=0, atol=1e-7)
+    out = export_hf(state, cfg, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    from safetensors.torch import load_file
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    inputs, targets = training_loader(TRAIN).batch(0)
+    with torch.no_grad():
+        theirs = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
+    again_cfg, again = load_hf(out)
+    assert again_cfg == cfg
+    from parallelisms.model import build_model
+    ours = build_model(cfg)
+    ours.load_state_dict(again)
+    with torch.no_grad():
+        assert abs(ours(inputs, targets).item() - theirs) < 1e-5 * theirs
+
+
+VERIFY_MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64,
+                           tie_embeddings=True)
+VERIFY_TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=32, dtype="float64")
+VERIFY = {
+    "dp2 x tp2 x pp2 +sp": ParallelConfig(dims=ParallelDims(dp_replicate=2, tp=2, pp=2), sequence_parallel=True),
+    "pp2 x dp2 zero2 zb-v": ParallelConfig(dims=ParallelDims(dp_shard=2, pp=2), zero=2, schedule="zb-v"),
+    "dp4 fsdp reuse": ParallelConfig(dims=ParallelDims(dp_shard=4), fsdp="full_shard", fsdp_style="reuse"),
+    "pp2 x dp2 dualpipe": ParallelConfig(dims=ParallelDims(dp_replicate=2, pp=2), schedule="dualpipe"),
+}
+_verify_reports = launch_reports({name: RunSpec(VERIFY_MODEL, VERIFY_TRAIN, parallel, collect_state=True)
+                                  for name, parallel in VERIFY.items()})
+
+
+@pytest.mark.parametrize("name", VERIFY)
+def test_tied_layouts_reproduce_a_truly_tied_model_in_float64(name):
+    result = settled(_verify_reports(name), VERIFY_MODEL, VERIFY_TRAIN, splits=batch_slices(VERIFY[name], VERIFY_TRAIN),
+                     tolerance=TOLERANCE_FLOAT64)
+    assert result["ok"], result
+
+
+def test_the_tied_flag_and_pipedream(capsys):
+    assert main(["train", "--tie-embeddings", "--pp", "2", "--schedule", "pipedream", "--steps", "1"]) == 2
+    assert "tied embeddings with --schedule pipedream" in capsys.readouterr().err
+    from parallelisms.cli import build_configs, build_parser
+    model, _, _ = build_configs(build_parser().parse_args(["train", "--tie-embeddings"]))
+    assert model.tie_embeddings and model.num_params() == ModelConfig().num_params() - 256 * 64
