@@ -187,7 +187,7 @@ def page(report: dict, command: str) -> str:
         "implementation reaches here (pipelines: the schedule simulated with our measured action times);",
         "**meet**: the floor step with the ranks meeting once after backward. **peak**: allocator-measured peak",
         "memory, ours / peer, and in brackets the least peak the sharding can have. What each bench measures:",
-        "`parallelisms bench NAME --help` and the docstrings in `src/parallelisms/benches/`. Earlier runs and what",
+        "`parallelisms bench --help` and the docstrings in `src/parallelisms/benches/`. Earlier runs and what",
         "changed each figure: [measurements-history.md](measurements-history.md).", "",
         f"- Generated: {report['date']}, {report['mode']} mode, {report['total_s'] / 60:.1f} min in all",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['os']}; torch {m['torch']}, Python {m['python']}",
