@@ -7,8 +7,9 @@ A command's trailing comment can carry a marker for this test:
     parallelisms train --steps 300        # ...  # docs-test: --steps 2       (run with these flags instead)
     torchrun --nproc-per-node 2 x.py      # docs-test: not run: REASON        (parsed only, never run)
 
-docs/measurements-history.md records past runs with the flags and files of their time: its links are checked,
-its commands and flags are not.
+``verify`` commands are validated as before launch, not run; ``verify-resume`` and ``bench`` are parsed (the
+reasons are in VALIDATED_ONLY and PARSED_ONLY). docs/measurements-history.md records past runs with the flags
+and files of their time: its links are checked, its commands and flags are not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from parallelisms.cli import build_parser, main
+from parallelisms.cli import build_configs, build_parser, main
+from parallelisms.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "parallelisms"
@@ -39,6 +41,11 @@ CELL_LIMIT = 100  # characters in a cell of the README's tables
 # Commands that cannot carry a marker (the set-up lines are quoted exactly), with the reason they are not run
 NOT_RUN = {"bash scripts/install.sh && parallelisms train": "installs packages; the suite runs in what it installs",
            "bash scripts/install.sh test && python3 -m pytest -q": "installs packages and runs this very suite"}
+# Verbs whose commands are checked without running them, and why (the suite stays fast)
+VALIDATED_ONLY = {"verify": "trains the layout and its single-process references; here its layout is validated as "
+                            "before launch, the equivalence itself runs in the parallelism tests"}
+PARSED_ONLY = {"verify-resume": "two launches a layout; tests/test_checkpoint.py resumes across layouts",
+               "bench": "benchmarks time for minutes and are not tests; scripts/bench_report.py runs every one"}
 # Flags of other programs a doc may name
 FOREIGN_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--standalone"}
 # Files a docstring names that live in another project
@@ -147,13 +154,22 @@ def _check_command(line: str, marker: str | None) -> tuple[str | None, list[str]
 
 @pytest.mark.parametrize("page", CURRENT, ids=lambda p: str(p.relative_to(ROOT)))
 def test_commands_in_code_blocks_run(page, tmp_path, monkeypatch):
-    """Each page's commands in order, in one directory (a later command reads what an earlier one wrote)."""
+    """Each page's commands in order, in one directory (a later command reads what an earlier one wrote);
+    ``verify`` validated, ``verify-resume`` and ``bench`` parsed (VALIDATED_ONLY, PARSED_ONLY)."""
     monkeypatch.chdir(tmp_path)
     problems = []
     for line, marker in commands(page):
         problem, argv = _check_command(line, marker)
         if problem or argv is None:
             problems += [problem] if problem else []
+            continue
+        if argv[0] in PARSED_ONLY:
+            continue
+        if argv[0] in VALIDATED_ONLY:
+            try:
+                build_configs(build_parser().parse_args(argv))
+            except ConfigError as exc:
+                problems.append(f"{' '.join(argv)}: {exc}")
             continue
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
