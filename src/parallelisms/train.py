@@ -187,10 +187,11 @@ class Trainer:
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
                 bounds: list[int] | None = None) -> Trainer:
-    """Apply the layout to the full seeded model, in this order and with no early exit: tensor/sequence
-    parallelism, context parallelism, expert parallelism, recomputation (each a module swap every stage
-    shares), then the pipeline cut (this rank's stages), then the gradient sync over data parallelism, and
-    the step's forward/backward strategy. Each parallelism's transform lives in its own module. ``bounds``
+    """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
+    parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
+    cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
+    step's forward/backward strategy (a microbatch loop, PipeDream's stashing schedule, or another schedule).
+    Each parallelism's transform lives in its own module. ``bounds``
     fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
     dims = parallel.dims
     if dims.tp > 1:

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data (DESIGN.md principle 4).
+"""Pipeline schedules as data: per-rank lists of actions, as the Zero Bubble paper (Qi et al., ICLR 2024)
+writes them and ``torch.distributed.pipelining`` runs them.
 
 A schedule is a pure value: for every pipeline rank an ordered list of :class:`Action` s over
 ``(stage, microbatch)``, where ``stage`` is the *global* (virtual) stage index.  The same lists are
