@@ -17,7 +17,8 @@ from parallelisms.flags import json_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(global_batch=4, seq_len=32)  # a few milliseconds a step
-TIMING = {"step_time_s", "tokens_per_s", "exposed_comm_fraction", "overlap_per_rank", "memory", "memory_per_rank"}
+TIMING = {"step_time_s", "tokens_per_s", "exposed_comm_fraction", "overlap_per_rank", "memory", "memory_per_rank",
+          "stragglers"}
 
 
 def _cli_json(capsys, verb: str, options: dict) -> dict:

@@ -42,7 +42,7 @@ LAYOUT_CASES = [
     (["--zero", "1", "--fsdp", "full_shard", "--dp", "2"], "--zero"), (["--fsdp", "nope"], "--fsdp"),
     (["--fsdp-style", "nope"], "--fsdp-style"), (["--mixed-precision", "fp16"], "--mixed-precision"),
     (["--recompute", "some"], "--recompute"), (["--dtype", "float16"], "--dtype"), (["--cp", "3"], "--cp"),
-    (["--seq-len", "4096"], "--seq-len"), (["--dp", "2", "--global-batch", "3"], "--global-batch"),
+    (["--seq-len", "1"], "--seq-len"), (["--dp", "2", "--global-batch", "3"], "--global-batch"),
 ]
 
 # Hugging Face config.json files given to --config: a field over a valid config (JSON's last key wins), or a whole
@@ -57,7 +57,7 @@ CONFIGS = {
     "eps": ('"rms_norm_eps": 0', "rms_norm_eps"),
     "string": ('"vocab_size": "256"', "vocab_size"),
     "bool": ('"num_hidden_layers": true', "num_hidden_layers"),
-    "experts": ('"num_local_experts": 1', "n_experts"),
+    "experts": ('"model_type": "mixtral", "num_local_experts": 1, "num_experts_per_tok": 1', "n_experts"),
     "list": ("[1, 2]", "--config"),
     "broken": ("{oops", "--config"),
 }

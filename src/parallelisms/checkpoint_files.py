@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from parallelisms.errors import ConfigError, StorageError, require
-from parallelisms.resume import FORMAT
 
 METADATA = ".metadata"
+FORMAT = 2  # a checkpoint's "format": 2 stores only tensors (1 pickled the training and RNG states)
 _ALLOWED = {  # module -> the names DCP's metadata pickle may construct
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",

@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_precheck_arg(p)
     p.set_defaults(func=cmd_verify)
 
-    add_dryrun_parser(sub, _add_model_args, _add_layout_args, _add_train_args)
+    add_dryrun_parser(sub, _add_model_args, _add_layout_args, _add_train_args, build_configs)
 
     p = sub.add_parser("estimate", help="predict memory, communication and step time of a layout")
     _add_model_args(p)

@@ -111,7 +111,7 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
         with Heartbeat(rank) as heartbeat:
             result = entry(RankInfo(rank, world, local, device, heartbeat), *args)
     except CommError as exc:
-        if not LATE.search(str(exc)):  # broken by a peer that went: let the launcher see the peer's failure first
+        if not LATE.search(str(exc)) or " is dead" in str(exc):  # a peer went: the launcher sees its failure first
             time.sleep(PEER_GONE_GRACE_S)
         raise
     except (KeyboardInterrupt, SystemExit, Exception):
@@ -244,14 +244,14 @@ def _continue_after_a_failure(stop: threading.Event, world_size: int) -> None:
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
-    """The failure to report: a rank killed by a signal or naming late peers first, then a rank whose own code
-    failed before one that only saw a collective break because a peer had gone (a ``CommError``), then the
-    earliest, then the lowest rank."""
+    """The failure to report: a rank killed by a signal or naming live late peers first, then a rank whose own
+    code failed before one that only saw a collective break because a peer had gone (a ``CommError``, or a peer
+    named dead: its process exited, so its own failure says why), then the earliest, then the lowest rank."""
     def key(item):
         rank, failure = item
         line = _last_line(failure)
-        named = bool(LATE.search(line))
-        return (not (failure.exitcode < 0 or named), "CommError" in line, failure.timestamp, rank)
+        named, dead = bool(LATE.search(line)), " is dead" in line
+        return (not (failure.exitcode < 0 or named and not dead), "CommError" in line or dead, failure.timestamp, rank)
     return min(failures.items(), key=key)
 
 

@@ -14,7 +14,6 @@ from parallelisms.errors import require
 from parallelisms.flags import integer, number
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
-FORMAT = 2  # its "format": 2 stores only tensors (1 pickled the training and RNG states)
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,8 @@ def latest(root: str | Path) -> Path | None:
 def layout_meta(model, train, parallel) -> dict:
     """What a checkpoint records of its run: the model's shape and the layout that saved it."""
     dims = parallel.dims
+    from parallelisms.checkpoint_files import FORMAT
+
     return {"format": FORMAT, "model": dataclasses.asdict(model), "layout": dims.describe(),
             "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule == "pipedream",
             "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed,

@@ -7,7 +7,9 @@ import argparse
 from parallelisms.errors import require
 
 
-def add_dryrun_parser(sub, add_model_args, add_layout_args, add_train_args) -> None:
+def add_dryrun_parser(sub, add_model_args, add_layout_args, add_train_args, build_configs) -> None:
+    """The ``dryrun`` verb, with the model, layout and training flags of ``train`` (the CLI's own adders and
+    ``build_configs``, handed down so that this module imports nothing above it)."""
     from parallelisms.perf.shapes import add_hardware_args
 
     p = sub.add_parser("dryrun", help="run the real code of every rank class of a layout without data: collectives, "
@@ -19,16 +21,15 @@ def add_dryrun_parser(sub, add_model_args, add_layout_args, add_train_args) -> N
     p.add_argument("--gpus", type=int, help="the number of GPUs the layout must use (its product)")
     p.add_argument("--every-rank", action="store_true", help="run every rank, not one per rank class")
     p.add_argument("--no-memory", action="store_true", help="leave out the memory accounting (faster)")
-    p.set_defaults(func=cmd_dryrun)
+    p.set_defaults(func=cmd_dryrun, build_configs=build_configs)
 
 
 def dryrun_result(args) -> dict:
-    from parallelisms.cli import build_configs
     from parallelisms.dryrun import dry_run
     from parallelisms.dryrun.report import dryrun_result as result_of
     from parallelisms.perf.hardware import load_hardware
 
-    model, train, parallel = build_configs(args, runtime=True)
+    model, train, parallel = args.build_configs(args, runtime=True)
     world = parallel.dims.world_size
     require(args.gpus is None or args.gpus == world,
             f"layout {parallel.dims.describe()} has pp x dp x cp x tp = {world} ranks, but --gpus is {args.gpus}; "
