@@ -113,6 +113,16 @@ def _planted(rank: int, method: str, plant):
     return run_rank
 
 
+def _first_violation(kind: str, rank: int, method: str, plant, train_changes=None) -> str:
+    """The precheck's first violation of layout ``kind`` with ``plant`` wrapping ``method`` on ``rank`` (every
+    rank run); fails if the precheck passes."""
+    model, train, parallel = layout_with([kind])
+    result = dry_run(model, train.replace(**(train_changes or {})), parallel, memory=False, every_rank=True,
+                     run_rank=_planted(rank, method, plant))
+    assert not result["precheck"]["ok"]
+    return result["precheck"]["violations"][0]
+
+
 def test_a_rank_that_skips_a_bucket_is_caught():
     def skip_second(original):
         calls = []
@@ -124,11 +134,7 @@ def test_a_rank_that_skips_a_bucket_is_caught():
             return original(self, tensor, *args, **kwargs)
         return all_reduce
 
-    model, train, parallel = layout_with(["ddp"])
-    train = train.replace(bucket_mb=0.01)  # several buckets
-    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(1, "all_reduce", skip_second))
-    assert not result["precheck"]["ok"]
-    message = result["precheck"]["violations"][0]
+    message = _first_violation("ddp", 1, "all_reduce", skip_second, {"bucket_mb": 0.01})  # several buckets
     assert "group 'dp_cp' [0, 1]" in message and "collective #" in message and "rank 1" in message, message
 
 
@@ -142,10 +148,8 @@ def test_a_stage_that_sends_one_microbatch_too_many_is_caught():
             return pending
         return send_recv
 
-    model, train, parallel = layout_with(["1f1b"])
-    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(0, "send_recv", one_more))
-    message = result["precheck"]["violations"][0]
-    assert not result["precheck"]["ok"] and "from rank 0 to rank 1" in message and "receives nothing" in message, message
+    message = _first_violation("1f1b", 0, "send_recv", one_more)
+    assert "from rank 0 to rank 1" in message and "receives nothing" in message, message
 
 
 def test_an_expert_all_to_all_with_a_wrong_split_is_caught():
@@ -156,10 +160,8 @@ def test_an_expert_all_to_all_with_a_wrong_split_is_caught():
             return original(self, tensor, output_splits, input_splits, async_op)
         return all_to_all
 
-    model, train, parallel = layout_with(["ep"])
-    result = dry_run(model, train, parallel, memory=False, every_rank=True, run_rank=_planted(1, "all_to_all", wrong_split))
-    message = result["precheck"]["violations"][0]
-    assert not result["precheck"]["ok"] and "all_to_all" in message and "expects" in message, message
+    message = _first_violation("ep", 1, "all_to_all", wrong_split)
+    assert "all_to_all" in message and "expects" in message, message
 
 
 def test_a_correct_layout_passes_with_its_counts():
