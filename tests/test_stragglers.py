@@ -28,18 +28,27 @@ SPECS = {  # data parallelism: more rows a rank, so compute (which --slow-rank s
     "ep": _spec(model=PRESETS["tiny-moe"], dp_replicate=2, ep=2),
     "none": _spec(slow=None, dp_replicate=2), "none_tp": _spec(slow=None, tp=2),
 }
-report_of = launch_reports(SPECS)
+launched = launch_reports(SPECS)
+
+
+@pytest.fixture(scope="module")
+def report_of(alone):
+    """name -> rank 0's report; the runs happen alone (conftest's ``alone``): on a machine shared with another
+    test's ranks, whichever rank shares a core with them is a real straggler, and the report would rightly name it."""
+    with alone():
+        reports = {name: launched(name) for name in SPECS}
+    return reports.__getitem__
 
 
 @pytest.mark.parametrize("dim", ["dp", "tp", "cp", "ep", "pp"])
-def test_the_slowed_rank_is_named_in_its_dimension(dim):
+def test_the_slowed_rank_is_named_in_its_dimension(dim, report_of):
     stragglers = report_of(dim)["stragglers"]
     assert stragglers["dims"][dim]["rank"] == 1, stragglers
     assert stragglers["clock"] == "same-host monotonic clock"
 
 
 @pytest.mark.parametrize("name", ["none", "none_tp"])
-def test_nobody_is_named_without_a_slowed_rank(name):
+def test_nobody_is_named_without_a_slowed_rank(name, report_of):
     stragglers = report_of(name)["stragglers"]
     assert stragglers["dims"], stragglers  # the collectives were seen
     assert all(d["rank"] is None for d in stragglers["dims"].values()), stragglers
@@ -82,7 +91,7 @@ def test_clock_offsets_move_other_hosts_onto_rank_0():
     assert report.result()["dims"]["dp"]["per_rank"][0]["waited_s_per_step"] == pytest.approx(30e-9)
 
 
-def test_expert_load_counts_every_routed_token():
+def test_expert_load_counts_every_routed_token(report_of):
     """tiny-moe routes each of 8 x 64 tokens to 2 experts in each of 2 layers: 2048 assignments a step, split over
     the 2 expert-parallel ranks, none dropped (no capacity limit)."""
     load = report_of("ep")["expert_load"]
