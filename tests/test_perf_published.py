@@ -63,7 +63,7 @@ def test_narayanan_table1_tflops_within_10_percent(h, a, l, tp, gpus, published)
     dp = gpus // tp
     parallel = _megatron(ParallelDims(dp_replicate=dp, tp=tp), recompute="full")
     step = predict_step(_gpt(h, a, l), parallel, TrainConfig(global_batch=512, seq_len=2048, grad_accum=512 // dp),
-                        A100, attention="fused-softmax")["step_s"]
+                        A100, attention="fused-softmax", kernels="fused")["step_s"]
     tflops = gpt_flops_per_iteration(512, 2048, l, h, 51200) / step / gpus / 1e12  # Eq. 3, as the paper counts
     assert tflops == pytest.approx(published, rel=0.10)
 
@@ -74,7 +74,7 @@ def test_narayanan_table1_tflops_within_10_percent(h, a, l, tp, gpus, published)
 def test_korthikanti_22b_layer_within_10_percent(sp, recompute, forward, backward):
     parallel = _megatron(ParallelDims(tp=8), sequence_parallel=sp, recompute=recompute)
     layer = predict_step(PRESETS["megatron-22b"], parallel, TrainConfig(global_batch=4, seq_len=2048), A100,
-                         attention="fused-softmax")["layer_s"]
+                         attention="fused-softmax", kernels="fused")["layer_s"]
     f = layer["forward"] + layer["tp_comm_forward"]
     b = layer["backward"] + layer["tp_comm_backward"] + (layer["tp_comm_forward"] if recompute == "full" else 0)
     assert f * 1e3 == pytest.approx(forward, rel=0.10)
@@ -86,7 +86,7 @@ def test_gpt3_175b_as_korthikanti_ran_it():
     parallel = _megatron(ParallelDims(dp_replicate=8, tp=8, pp=8), sequence_parallel=True, recompute="selective",
                          schedule="interleaved", chunks=2, microbatches=64)
     result = predict_step(PRESETS["gpt3-175b"], parallel, TrainConfig(global_batch=512, seq_len=2048), A100,
-                          attention="fused-softmax")
+                          attention="fused-softmax", kernels="fused")
     assert result["step_s"] == pytest.approx(13.75, rel=0.10)
     assert result["fits"]
 

@@ -462,7 +462,7 @@ def estimate_result(args) -> dict:
 
     hw = load_hardware(args.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return estimate(model, parallel, train, hw, args.attention, fp8=args.fp8)
+    return estimate(model, parallel, train, hw, args.attention, fp8=args.fp8, kernels=args.kernels)
 
 
 def plan_result(args) -> dict:

@@ -28,6 +28,20 @@ from parallelisms.config import ModelConfig
 from parallelisms.perf.hardware import Hardware
 
 ATTENTION_KERNELS = ("flash", "fused-softmax")
+# How a GPU runs the non-GEMM work: ``eager``, one kernel per operator as this runtime (and torchtitan without
+# torch.compile) dispatches it; ``fused``, the fused kernels of Megatron-LM and Transformer Engine. A CPU runs
+# this runtime's eager operators either way.
+KERNELS = ("eager", "fused")
+# Bytes per parameter torch.optim.AdamW's multi-tensor (foreach) step moves, its default on a GPU: decay
+# (read, write the fp32 weight), the first moment's lerp (read two, write one), the second's scale and addcmul,
+# the denominator's sqrt, division and epsilon, and addcdiv into the weight; counted with TorchDispatchMode
+# (tests/test_perf_eager.py). A fused Adam reads and writes each of its four fp32 tensors once: 36.
+FOREACH_ADAMW_BYTES = 80
+FUSED_ADAMW_BYTES = 36
+# Bytes per logit element of the eager fp32 cross-entropy on 16-bit logits (model/transformer.py's
+# CrossEntropy): forward the upcast (read 2, write 4) and log-softmax (read, write 4); backward the loss
+# gradient written (4), log-softmax's backward (read two, write one: 12) and the cast back (read 4, write 2).
+EAGER_LOSS_BYTES = (14, 22)
 # Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
 # Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``: on a CPU
 # in addition to its work, on a GPU hidden behind the kernels unless they are shorter (launch-bound models).
@@ -116,6 +130,7 @@ class LayerShape:
     ep: int = 1
     attention: str = "flash"
     fp8: bool = False   # the linear layers' GEMMs in FP8 (Transformer Engine's recipe)
+    kernels: str = "eager"  # the non-GEMM work on a GPU: KERNELS
 
     @property
     def tokens(self) -> float:
@@ -178,20 +193,25 @@ def _elementwise_bytes(shape: LayerShape) -> float:
     return 2 * 2 * residual * e + 2 * (3 * e + 1) * residual + activation
 
 
-def eager_elementwise_bytes(shape: LayerShape, e: int) -> float:
-    """Bytes the forward's eager operators (model/transformer.py's Block) read and write, per rank: with D the
-    residual width (over tp rows under SP), Q and K the rank's query and key/value widths and F its MLP width,
-    per token two RMSNorms (pow, mean, scale, weight: 7D each), two residual adds (3D each), rotary on q and
-    k (four products, a difference, a sum and the stack: 9 widths each), grouped key/value heads repeated to
-    the query heads (2(K + Q)), the attention output laid back (2Q) and the activation (SwiGLU's silu and
-    product 5F, GELU 2F). Within 3% of what TorchDispatchMode counts on the Block."""
+def eager_elementwise_bytes(shape: LayerShape, e: int, wide: int = 4) -> float:
+    """Bytes the forward's eager operators (model/transformer.py's Block) read and write, per rank, in elements
+    of ``e`` bytes with the norms and rotary computed in ``wide`` (fp32) ones: with D the residual width (over tp
+    rows under SP), Q and K the rank's query and key/value widths and F its MLP width, per token two RMSNorms
+    (pow, mean, scale, weight: 7D wide elements each, and below fp32 the upcast and the cast back), two residual
+    adds (3D each), rotary on q and k (four products, a difference, a sum and the stack: 9 wide widths each,
+    and the casts), grouped key/value heads repeated to the query heads (2(K + Q)), the attention output laid
+    back (2Q) and the activation (SwiGLU's silu and product 5F, GELU 2F). Within 3% of what TorchDispatchMode
+    counts on the Block in fp32 and in bf16 (tests/test_perf_eager.py)."""
     cfg, t = shape.cfg, shape.tp
     residual = cfg.dim / (t if shape.sp else 1)
     q, kv = cfg.n_heads * cfg.head_dim / t, cfg.n_kv_heads * cfg.head_dim / t
     width = cfg.ffn_dim * cfg.top_k if cfg.n_experts else cfg.ffn_dim / t
     repeated = 2 * (q + kv) if kv < q else 0
-    per_token = 20 * residual + 11 * q + 9 * kv + repeated + (5 if cfg.mlp == "swiglu" else 2) * width
-    return shape.tokens * per_token * e
+    casts = 2 * (e + wide) if e < wide else 0  # up to fp32 and back, per element
+    norms = 2 * (residual * (5 * wide + 2 * e + casts))
+    rotary = (q + kv) * (9 * wide + casts)
+    narrow = 6 * residual + 2 * q + repeated + (5 if cfg.mlp == "swiglu" else 2) * width
+    return shape.tokens * (norms + rotary + narrow * e)
 
 
 def sequence_parallel_copies(shape: LayerShape, e: int) -> tuple[float, float]:
@@ -237,10 +257,10 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     dgrads, wgrads = [gemm_time(linear_hw, *g) for g in input_grads], [gemm_time(linear_hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
-    if hw.cores:  # this runtime's eager operators
+    if hw.cores or shape.kernels == "eager":  # this runtime's eager operators
         copies = sequence_parallel_copies(shape, hw.bytes_per_element)
         moved = eager_elementwise_bytes(shape, hw.bytes_per_element)
-    else:  # the fused kernels of the published runs
+    else:  # the fused kernels of Megatron-LM's runs
         copies, moved = (0.0, 0.0), _elementwise_bytes(shape) * hw.bytes_per_element / 2
     casts = fp8_cast_bytes(shape) if shape.fp8 else (0.0, 0.0)
     elementwise = [(passes * moved + copied + cast) / hw.memory_bytes_per_s
@@ -272,11 +292,15 @@ def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, 
     return (tokens, v, cfg.dim, 1, v * cfg.dim), (tokens, cfg.dim, v, 1, v * cfg.dim), (cfg.dim, v, tokens, 1, tokens * cfg.dim)
 
 
-def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool = False) -> PassTimes:
-    """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits."""
+def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool = False,
+               kernels: str = "fused") -> PassTimes:
+    """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits: a fused kernel
+    (and the CPU's, as calibrated) reads and writes the fp32 logits about three times each pass; a GPU's eager
+    operators move :data:`EAGER_LOSS_BYTES` per logit."""
     v = cfg.vocab_size / tp
     forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
-    loss = 3 * tokens * v * 4 / hw.memory_bytes_per_s
+    per_logit = EAGER_LOSS_BYTES if kernels == "eager" and not hw.cores else (3 * 4, 3 * 4)
+    loss_f, loss_b = (tokens * v * b / hw.memory_bytes_per_s for b in per_logit)
     ops_f, ops_b = head_ops(tp, sp, device=not hw.cores)
-    return PassTimes(with_dispatch(hw, forward + loss, ops_f), with_dispatch(hw, input_grad + loss, ops_b),
+    return PassTimes(with_dispatch(hw, forward + loss_f, ops_f), with_dispatch(hw, input_grad + loss_b, ops_b),
                      weight_grad, 0.0, 2 * tokens * v * cfg.dim)

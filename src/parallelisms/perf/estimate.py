@@ -15,10 +15,12 @@ FIELDS = ("step_s", "tokens_per_s", "mfu", "hfu", "model_tflops_per_gpu", "hardw
 
 
 def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
-             attention: str = "flash", simulate_schedule: bool = True, fp8: bool = False) -> dict:
+             attention: str = "flash", simulate_schedule: bool = True, fp8: bool = False,
+             kernels: str = "eager") -> dict:
     """The estimate's fields (FIELDS first), then the hardware, layout, parameters and bytes per collective;
-    ``fp8``: the blocks' linear layers priced in FP8, marked as not runnable by this runtime."""
-    result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule, fp8=fp8)
+    ``fp8``: the blocks' linear layers priced in FP8, marked as not runnable by this runtime; ``kernels``: the
+    non-GEMM work as this runtime runs it (eager) or fused as Megatron-LM's."""
+    result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule, fp8=fp8, kernels=kernels)
     volumes = comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4)
     return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label() + (" fp8" if fp8 else ""),
             "runnable": not fp8,

@@ -140,6 +140,10 @@ PRESETS = {
     # (1,979 dense FP8); at 700 W the SXM part holds about 1,755 of its 1,980 MHz boost clock under GEMM load
     "h100": Hardware("H100 SXM 80GB", 989, 80, 3.35, 8, 450, 50, 8, 15, sustained_tflops=989 * 1755 / 1980,
                      fp8_tflops=1979, sms=132),
+    # torchtitan's Grand Teton H100s: 96 GB of HBM2e at 2.4 TB/s, run at the default 500 W power limit; at 500 W
+    # the GEMMs are priced at the H100 SXM's 1,590 MHz base clock (an assumption: no public clock under that cap)
+    "h100-500w": Hardware("H100 SXM 96GB HBM2e, 500 W", 989, 96, 2.4, 8, 450, 50, 8, 15,
+                          sustained_tflops=989 * 1590 / 1980, fp8_tflops=1979, sms=132),
     "h200": Hardware("H200 141GB", 989, 141, 4.8, 8, 450, 50, 8, 15, sustained_tflops=989 * 1755 / 1980,
                      fp8_tflops=1979, sms=132),
     # this 2-core machine (a KVM Xeon with AVX-512, as re-measured on 2026-12-02), fp32 over gloo/shared memory:

@@ -110,7 +110,7 @@ def check_degrees(gpus: int, fixed: Fixed) -> None:
 
 
 def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
-         attention: str = "flash", top: int = 5, fp8: bool = False) -> list[dict]:
+         attention: str = "flash", top: int = 5, fp8: bool = False, kernels: str = "eager") -> list[dict]:
     """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first, each
     with its ``reason``: the step's bound and largest cost (:func:`bottleneck`)."""
     from parallelisms.support import validate_layout
@@ -122,7 +122,8 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
             parallel = _config(dims, v, base)
             run = train.replace(grad_accum=v["grad_accum"])
             try:
-                result = predict_step(cfg, parallel, run, hw, attention, simulate_schedule=False, cache=cache, fp8=fp8)
+                result = predict_step(cfg, parallel, run, hw, attention, simulate_schedule=False, cache=cache, fp8=fp8,
+                                      kernels=kernels)
             except (ConfigError, ValueError, ZeroDivisionError):  # a shape this layout cannot split
                 continue
             if result["fits"]:
@@ -146,7 +147,7 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
             parallel = validate_layout(cfg, run, parallel)
         except ConfigError:
             continue
-        result = estimate(cfg, parallel, run, hw, attention, fp8=fp8)
+        result = estimate(cfg, parallel, run, hw, attention, fp8=fp8, kernels=kernels)
         if result["fits"]:
             dp, tp, pp, cp, ep = dims
             plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v),
@@ -194,7 +195,8 @@ def plan_result(args, model: ModelConfig) -> dict:
     check_degrees(args.gpus, fixed)
     base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
-    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False))}
+    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False),
+                          getattr(args, "kernels", "eager"))}
 
 
 def run_plan(args, model: ModelConfig) -> int:

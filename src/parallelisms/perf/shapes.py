@@ -54,14 +54,18 @@ def shape_from_args(base: ModelConfig, args) -> ModelConfig:
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
-    """--hardware, --attention and --fp8, for estimate and plan."""
-    from parallelisms.perf.compute import ATTENTION_KERNELS
+    """--hardware, --attention, --kernels and --fp8, for estimate and plan."""
+    from parallelisms.perf.compute import ATTENTION_KERNELS, KERNELS
     from parallelisms.perf.hardware import PRESETS
 
     p.add_argument("--hardware", default="h100", help=f"{', '.join(PRESETS)} (this machine, calibrated) or a JSON "
                                                       f"file with the keys of `parallelisms calibrate`'s output")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                    help="attention kernel: flash, or fused-softmax (scores materialised: Megatron-LM 2021-22)")
+    p.add_argument("--kernels", choices=KERNELS, default="eager",
+                   help="how a GPU runs the non-GEMM work (norms, rotary, activation, loss, optimizer): eager, one "
+                        "kernel per operator as this runtime runs it, or fused as Megatron-LM and Transformer "
+                        "Engine run it (default: eager)")
     p.add_argument("--fp8", action="store_true",
                    help="price the blocks' linear layers in FP8 (Transformer Engine's recipe; Hopper or later): "
                         "predicted only, this runtime does not train in FP8")

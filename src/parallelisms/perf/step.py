@@ -42,8 +42,8 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.compute import (LayerShape, PassTimes, accumulation_time, gemm_time, head_times, layer_gemms,
-                                       layer_times)
+from parallelisms.perf.compute import (FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes,
+                                       accumulation_time, gemm_time, head_times, layer_gemms, layer_times)
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
@@ -209,18 +209,20 @@ def _cached(cache: dict | None, key, compute):
 
 def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
                  attention: str = "flash", simulate_schedule: bool = True, cache: dict | None = None,
-                 fp8: bool = False) -> dict:
+                 fp8: bool = False, kernels: str = "eager") -> dict:
     """The estimate's fields (see the module docstring) for one layout on ``hw``; ``cache`` (a dict kept
     across calls with the same model and hardware) reuses per-layer and data-parallel times; ``fp8`` prices
-    the blocks' linear layers in FP8 (compute.py)."""
+    the blocks' linear layers in FP8; ``kernels`` how a GPU runs the non-GEMM work, ``eager`` (this runtime's
+    operators) or ``fused`` (Megatron-LM's kernels; compute.KERNELS)."""
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention,
-                       fp8)
+                       fp8, kernels)
 
     def per_layer():
         layer = layer_times(hw, shape)
-        return layer, head_times(hw, cfg, shape.tokens, dims.tp, parallel.sequence_parallel), _layer_comm(cfg, parallel, hw, shape, layer)
+        head = head_times(hw, cfg, shape.tokens, dims.tp, parallel.sequence_parallel, kernels)
+        return layer, head, _layer_comm(cfg, parallel, hw, shape, layer)
     layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.tp_overlap_chunks,
                                         parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
@@ -247,7 +249,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                               parallel.overlap_param_gather, train.bucket_mb, train.dtype),
                       lambda: _data_parallel_traffic(cfg, parallel, train, hw))
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
-    optimizer_s = _optimizer_time(cfg, parallel, train, hw)
+    optimizer_s = _optimizer_time(cfg, parallel, train, hw, kernels)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
 
@@ -459,14 +461,18 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
     return count
 
 
-def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware) -> float:
-    """Adam over this rank's optimizer shard: fp32 master, gradient, two moments read and written (~36 bytes
-    per parameter), memory-bound at the optimizer's measured rate (``hw.optimizer_bytes_per_s``), plus the host
-    time per parameter tensor of a per-tensor step (``hw.optimizer_tensor_us``; 0 for fused ones)."""
+def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
+                    kernels: str = "fused") -> float:
+    """Adam over this rank's optimizer shard, memory-bound: a fused step reads and writes the fp32 master,
+    gradient and two moments once (36 bytes per parameter), the eager multi-tensor step on a GPU moves
+    FOREACH_ADAMW_BYTES; at the optimizer's rate (``hw.optimizer_bytes_per_s``: a CPU's measured against the
+    nominal 36 bytes), plus the host time per parameter tensor of a per-tensor step (``hw.optimizer_tensor_us``;
+    0 for fused ones)."""
     states = _states(cfg, parallel)
     if not states["optimizer"]:
         return 0.0
-    return (states["optimizer"] / 8 * 36 / hw.optimizer_bytes_per_s
+    per_param = FOREACH_ADAMW_BYTES if kernels == "eager" and not hw.cores else FUSED_ADAMW_BYTES
+    return (states["optimizer"] / 8 * per_param / hw.optimizer_bytes_per_s
             + _optimizer_tensors(cfg, parallel, train) * hw.optimizer_tensor_us * 1e-6)
 
 

@@ -76,7 +76,7 @@ def configs(run: Run) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
 
 def predict_ms(run: Run, hw: Hardware) -> float:
     cfg, parallel, train = configs(run)
-    return predict_step(cfg, parallel, train, hw, attention="fused-softmax")["step_s"] * 1e3
+    return predict_step(cfg, parallel, train, hw, attention="fused-softmax", kernels="fused")["step_s"] * 1e3
 
 
 def errors(runs: list[Run], hw: Hardware) -> list[tuple[Run, float, float]]:
