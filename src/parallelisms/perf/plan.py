@@ -1,8 +1,11 @@
 """``parallelisms plan --gpus N``: search the layouts of N GPUs for the fastest that fits, with the step model.
 
 Every layout flag given is fixed; the rest are searched: tp (within a node), pp, cp, dp, ep (MoE), sequence
-parallelism, ZeRO stage, recompute mode, pipeline schedule and chunks, microbatches (or gradient accumulation
-without a pipeline). Two passes keep the search fast: every candidate is priced with the pipeline's closed forms
+parallelism, ZeRO stage (and ZeRO-3 as HSDP: sharded within a node, replicated across nodes), recompute mode,
+pipeline schedule and chunks, microbatches (or gradient accumulation without a pipeline). Context parallelism is
+searched only where no layout without it fits (long sequences, as the Llama 3 runs used it): the ring's
+per-block merges and grouped-query repeats, eager operators on a GPU, are not priced, so a cp layout is not
+proposed on compute grounds. Two passes keep the search fast: every candidate is priced with the pipeline's closed forms
 (bubble (p-1)(F+B+W)/v, zero-bubble's (p-1)(F+B-W) and (p-1)(F+B-2W), in-flight microbatches p, 2p-1, m), the
 fitting ones are sorted, and the best are re-priced with the schedule simulator and checked against the
 support table (support.validate_layout) until enough pass. Only layouts that fit and run are proposed; when
@@ -24,7 +27,7 @@ from parallelisms.perf.step import predict_step
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1))
 RECOMPUTE = ("none", "selective", "full")
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule", "chunks", "microbatches",
-               "grad_accum")
+               "grad_accum")  # and "hsdp": the shard degree of a hybrid-sharded (HSDP) layout, 0 otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,34 +65,46 @@ def _degrees(gpus: int, cfg: ModelConfig, train: TrainConfig, hw: Hardware, fixe
                     yield dp, tp, pp, cp, ep
 
 
-def _variants(cfg: ModelConfig, train: TrainConfig, dims, fixed: Fixed):
+def _shardings(dp: int, tp: int, cp: int, hw: Hardware, fixed: Fixed):
+    """(zero stage, HSDP shard degree) of each data-parallel sharding: ZeRO 0-3 over all of dp, and ZeRO-3 as
+    HSDP (PyTorch FSDP's hybrid_shard) over the data-parallel ranks of one node where dp spans more."""
+    for zero in _pick(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
+        yield zero, 0
+        node = hw.gpus_per_node // (tp * cp)
+        if zero == 3 and 1 < node < dp and dp % node == 0:
+            yield zero, node
+
+
+def _variants(cfg: ModelConfig, train: TrainConfig, dims, fixed: Fixed, hw: Hardware):
     dp, tp, pp, cp, ep = dims
     per_rank = train.global_batch // dp
     splits = [m for m in divisors(per_rank) if m & (m - 1) == 0 or m == per_rank]
     for sp in _pick(fixed.sp, (True, False) if tp > 1 else (False,)):
-        for zero in _pick(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
+        for zero, hsdp in _shardings(dp, tp, cp, hw, fixed):
             for recompute in _pick(fixed.recompute, RECOMPUTE):
                 if pp == 1:
                     for accum in _pick(fixed.grad_accum, splits):
-                        yield dict(sp=sp, zero=zero, recompute=recompute, schedule=None, chunks=1, microbatches=0,
-                                   grad_accum=accum)
+                        yield dict(sp=sp, zero=zero, hsdp=hsdp, recompute=recompute, schedule=None, chunks=1,
+                                   microbatches=0, grad_accum=accum)
                     continue
                 for schedule, chunks in SCHEDULES:
                     if (fixed.schedule not in (None, schedule) or fixed.chunks not in (None, chunks)
                             or cfg.n_layers % (pp * chunks)):
                         continue
                     for m in _pick(fixed.microbatches, [m for m in splits if m % pp == 0]):
-                        yield dict(sp=sp, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
-                                   microbatches=m, grad_accum=1)
+                        yield dict(sp=sp, zero=zero, hsdp=hsdp, recompute=recompute, schedule=schedule,
+                                   chunks=chunks, microbatches=m, grad_accum=1)
 
 
 def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
     dp, tp, pp, cp, ep = dims
-    sharded = v["zero"] > 0
-    mesh = ParallelDims(dp_shard=dp if sharded else 1, dp_replicate=1 if sharded else dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    shard = v["hsdp"] or (dp if v["zero"] > 0 else 1)
+    mesh = ParallelDims(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp, cp=cp, ep=ep)
     options = dict(schedule=v["schedule"], chunks=v["chunks"], microbatches=v["microbatches"]) if pp > 1 else {}
-    return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=v["zero"], recompute=v["recompute"],
-                               fsdp=None, overlap_param_gather=_overlaps_param_gather(pp, v), **options)
+    return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=0 if v["hsdp"] else v["zero"],
+                               recompute=v["recompute"], fsdp="hybrid_shard" if v["hsdp"] else None,
+                               tp_overlap=base.tp_overlap and tp > 1,  # --tp-overlap: where there is tp
+                               overlap_param_gather=_overlaps_param_gather(pp, v), **options)
 
 
 def _overlaps_param_gather(pp: int, v: dict) -> bool:
@@ -109,16 +124,13 @@ def check_degrees(gpus: int, fixed: Fixed) -> None:
                                  f"--gpus {gpus}; choose degrees that divide it")
 
 
-def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
-         attention: str = "flash", top: int = 5, fp8: bool = False, kernels: str = "eager") -> list[dict]:
-    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first, each
-    with its ``reason``: the step's bound and largest cost (:func:`bottleneck`)."""
-    from parallelisms.support import validate_layout
-
-    check_degrees(gpus, fixed)
-    fits, leanest, cache = [], None, {}
+def _search(cfg, train, base, hw, gpus: int, fixed: Fixed, attention: str, fp8: bool, kernels: str,
+            cache: dict) -> tuple[list, tuple | None]:
+    """(step, dims, variant) of every layout that fits, priced with the closed forms, and the leanest that does
+    not (memory, dims, variant)."""
+    fits, leanest = [], None
     for dims in _degrees(gpus, cfg, train, hw, fixed):
-        for v in _variants(cfg, train, dims, fixed):
+        for v in _variants(cfg, train, dims, fixed, hw):
             parallel = _config(dims, v, base)
             run = train.replace(grad_accum=v["grad_accum"])
             try:
@@ -130,6 +142,22 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
                 fits.append((result["step_s"], dims, v))
             elif leanest is None or result["memory_per_rank"]["total"] < leanest[0]:
                 leanest = (result["memory_per_rank"]["total"], dims, v)
+    return fits, leanest
+
+
+def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardware, gpus: int, fixed: Fixed,
+         attention: str = "flash", top: int = 5, fp8: bool = False, kernels: str = "eager") -> list[dict]:
+    """The ``top`` fastest layouts of ``gpus`` GPUs that fit and that the support table accepts, best first, each
+    with its ``reason``: the step's bound and largest cost (:func:`bottleneck`)."""
+    from parallelisms.support import validate_layout
+
+    check_degrees(gpus, fixed)
+    fits, leanest, cache = [], None, {}
+    without_cp = [dataclasses.replace(fixed, cp=1)] if fixed.cp is None else []
+    for search in without_cp + [fixed]:  # context parallelism only where nothing fits without it
+        if fits:
+            break
+        fits, leanest = _search(cfg, train, base, hw, gpus, search, attention, fp8, kernels, cache)
     if not fits:
         need = "no layout could be formed" if leanest is None else (
             f"the leanest ({_flags(leanest[1], leanest[2])}) needs {leanest[0] / 2**30:,.1f} GiB per GPU, "
@@ -158,9 +186,11 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
 
 def _flags(dims, v: dict) -> str:
     dp, tp, pp, cp, ep = dims
-    out = [f"--dp {dp}", f"--tp {tp}", f"--pp {pp}", f"--cp {cp}"] + ([f"--ep {ep}"] if ep > 1 else [])
+    hsdp = v.get("hsdp", 0)
+    data = [f"--dp-replicate {dp // hsdp}", f"--dp-shard {hsdp}"] if hsdp else [f"--dp {dp}"]
+    out = data + [f"--tp {tp}", f"--pp {pp}", f"--cp {cp}"] + ([f"--ep {ep}"] if ep > 1 else [])
     out += ["--sp"] if v["sp"] else []
-    out += [f"--zero {v['zero']}"] if v["zero"] else []
+    out += ["--fsdp hybrid_shard"] if hsdp else [f"--zero {v['zero']}"] if v["zero"] else []
     out += ["--overlap-param-gather"] if _overlaps_param_gather(pp, v) else []
     out += [f"--recompute {v['recompute']}"] if v["recompute"] != "none" else []
     if pp > 1:
