@@ -86,3 +86,24 @@ def test_the_step_model_imports_only_configs_and_plan_objects():
         beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)}
         assert not beyond, (name, beyond)
         assert not {t for t in graph[name] if t.startswith(("parallelisms.perf.calibrate", "parallelisms.perf.predict"))}
+
+
+# Every perf/ module, new ones included: the step model and the planner read configs and plan objects only (the
+# planner also the support table, so it proposes only layouts the runtime runs, and the flag helpers its verb
+# shares); the CPU adapter (calibrate, calibrate_comm, predict: they measure this machine by running the runtime)
+# is the one part that imports the runtime, and nothing else in perf/ imports it.
+CPU_ADAPTER = ("parallelisms.perf.calibrate", "parallelisms.perf.calibrate_comm", "parallelisms.perf.predict")
+PERF_EXTRAS = {"parallelisms.perf.plan": {"parallelisms.support", "parallelisms.flags"},
+               "parallelisms.perf.shapes": {"parallelisms.flags"}}
+
+
+def test_perf_imports_the_runtime_only_in_its_cpu_adapter():
+    graph = _imports()
+    perf = [name for name in graph if name.startswith("parallelisms.perf.")]
+    assert set(STEP_MODEL) <= set(perf)
+    for name in perf:
+        if name in CPU_ADAPTER:
+            continue
+        beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)} - PERF_EXTRAS.get(name, set())
+        assert not beyond, (name, beyond)
+        assert not graph[name] & set(CPU_ADAPTER), name

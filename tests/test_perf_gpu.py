@@ -127,3 +127,17 @@ def test_data_parallel_all_reduce_bandwidth_holds_at_a_thousand_nodes():
     inside = 2 * 7 * a_in + 2 * 7 / 8 * 1e9 / b_in
     across = min(2 * 1023 * a_out + 2 * 1023 / 1024 * 1e9 / 8 / b_out, 2 * 10 * a_out + 2 * 1e9 / 8 / b_out)
     assert at[1024] == pytest.approx(inside + across)
+
+
+def test_ring_attention_backward_hops_carry_fp32_key_value_gradients():
+    """Each backward hop sends the K/V block (16-bit) and its dK/dV accumulators, which the ring keeps in fp32
+    (parallel/context.py): 6 K-sized units of 16-bit bytes against the forward hop's 2. With nothing to hide
+    behind, cp - 1 forward hops and cp backward hops are exposed."""
+    from parallelisms.perf.compute import PassTimes
+    from parallelisms.perf.step import _layer_comm
+
+    hw = dataclasses.replace(H100, intra_latency_us=0)
+    parallel = ParallelConfig(ParallelDims(cp=2), mixed_precision="bf16")
+    shape = LayerShape(PRESETS["llama3-8b"], 1, 8192, cp=2)
+    forward, backward = _layer_comm(shape.cfg, parallel, hw, shape, PassTimes(0, 0, 0, 0, 0))["send/cp"]
+    assert backward / forward == pytest.approx(2 * 6 / 2)

@@ -135,7 +135,7 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         kv = shape.tokens * cfg.n_kv_heads * cfg.head_dim / dims.tp * e
         if parallel.cp_attention == "ring":  # hop h overlaps the attention of block h
             hop_f = _comm(hw, parallel, "send", "cp", 2 * kv)
-            hop_b = _comm(hw, parallel, "send", "cp", 4 * kv)
+            hop_b = _comm(hw, parallel, "send", "cp", 2 * kv + 2 * kv * 4 / e)  # K, V and their fp32 dK, dV
             forward = hop_f + (dims.cp - 2) * _behind(hw, hop_f, times.attention_core / dims.cp)
             backward = hop_b + (dims.cp - 1) * _behind(hw, hop_b, 2.5 * times.attention_core / dims.cp)
         else:
