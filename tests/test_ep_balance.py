@@ -33,8 +33,8 @@ ROOT = Path(tempfile.mkdtemp(prefix="test-ep-balance-"))
 atexit.register(shutil.rmtree, ROOT, True)
 
 
-def _layout(dp: int, ep: int, redundant: int = 0, balance: str = "measured") -> ParallelConfig:
-    return ParallelConfig(ParallelDims(dp_replicate=dp, ep=ep), ep_balance=balance, ep_redundant=redundant,
+def _layout(dp: int, ep: int, redundant: int = 0, balance: str = "measured", **degrees) -> ParallelConfig:
+    return ParallelConfig(ParallelDims(dp_replicate=dp, ep=ep, **degrees), ep_balance=balance, ep_redundant=redundant,
                           ep_rebalance_every=1 if balance == "measured" else 0)
 
 
@@ -52,16 +52,28 @@ SPECS = {
     "ep4": _spec(_layout(4, 4)),
     "ep4_redundant2": _spec(_layout(4, 4, 2)),
     "dp4_ep2_redundant1": _spec(_layout(4, 2, 1)),  # two replicas of each ep group (ep_replicate 2)
+    "tp2_ep2_redundant1": _spec(_layout(2, 2, 1, tp=2)),  # experts replicated over tp
+    "cp2_ep2_redundant1": _spec(_layout(1, 2, 1, cp=2)),  # ep carved out of cp: ranks route their own tokens
 }
 report_of = launch_reports(SPECS)
 BALANCED = [name for name in SPECS if "/" not in name]
 
 
-@pytest.mark.parametrize("name", BALANCED + ["ep2_redundant1/resumed", "ep2_redundant1/resumed_even"])
+@pytest.mark.parametrize("name", BALANCED)
 def test_balanced_training_equals_single_process_training(name):
-    report = report_of(name)
-    result = settled(report, MOE, TRAIN, tolerance=TOLERANCE_FLOAT64)
+    result = settled(report_of(name), MOE, TRAIN, tolerance=TOLERANCE_FLOAT64)
     assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
+
+
+@pytest.mark.parametrize("name", ["ep2_redundant1/resumed", "ep2_redundant1/resumed_even"])
+def test_a_resumed_run_ends_where_single_process_training_does(name):
+    """Resumed after step 3 (balanced, or in plain ep from the balanced save): the last steps' losses are the
+    uninterrupted run's, the final parameters single-process training's."""
+    full, report = report_of("ep2_redundant1"), report_of(name)
+    assert report["first_step"] == SAVE_AT + 1
+    assert max(abs(a - b) / abs(b) for a, b in zip(report["losses"], full["losses"][SAVE_AT:])) < TOLERANCE_FLOAT64
+    result = settled(report, MOE, TRAIN, tolerance=TOLERANCE_FLOAT64)
+    assert result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
 
 
 @pytest.mark.parametrize("name", BALANCED)
