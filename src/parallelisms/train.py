@@ -434,7 +434,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             began = Timeline.now()
             data_state = getattr(loader, "state_dict", lambda: None)()
             for part in (balance, trainer.ep_balance):
-                data_state = data_state if part is None else {**data_state, **part.state_dict()}
+                data_state = data_state if part is None else {**(data_state or {}), **part.state_dict()}
             saver.save(trainer, step + 1, data_state)
             save_times.append((Timeline.now() - began) / 1e9)
             saved.append(step + 1)

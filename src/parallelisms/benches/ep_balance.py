@@ -1,10 +1,11 @@
 """``bench ep-balance``: a skewed router (a fixed logit bias toward the first quarter of the experts, which plain
-expert parallelism puts all on rank 0), at ep 2 and ep 4: experts split evenly (``--ep-balance even``) against
+expert parallelism puts all on rank 0) and experts 8 x dim wide (so that their compute leads the step), at ep 2
+and ep 4: experts split evenly (``--ep-balance even``) against
 ``--ep-balance measured`` without and with redundant experts (``--ep-redundant 1``).
 
 Each case is a training run (``train.run_layout``: real processes, timeline on); the step time is the run's
 median (the first measured placement applies after step 2). The exposed all-to-all is, per rank, the time in
-the expert all-to-alls (dispatch, combine and their backward) not hidden under compute, a step's mean over the
+the expert all-to-alls (dispatch, combine and their backward) not hidden under compute, the median over the
 measured steps, the slowest rank's; the all-to-all wait is the straggler report's ``ep`` figure: how long the
 other ranks waited a step for the most waited-for rank at the ep collectives. ``ours`` is the balanced run with
 redundant experts, ``peer`` the even split.
@@ -20,22 +21,25 @@ from parallelisms.errors import require
 from parallelisms.mesh import ParallelDims
 
 SKEW = 3.0  # logit bias toward the hot experts: most tokens pick them (top-2 of 8: experts 0 and 1)
+FFN_PER_DIM = 8  # the experts' hidden width over the model's: expert compute, which balance moves, leads the step
 CASES = {"even": ("even", 0), "measured": ("measured", 0), "measured_redundant1": ("measured", 1)}
 
 
-def exposed_all_to_all_s(spans: list, after: int, steps: int) -> float:
-    """Seconds a step one rank spent in expert all-to-alls (over ``ep`` and ``ep_bwd``) with no compute running,
-    from its spans that start at ``after`` or later, over ``steps`` steps."""
+def exposed_all_to_all_s(spans: list) -> float:
+    """The median over the measured steps (all but the first) of one rank's time in expert all-to-alls (over
+    ``ep`` and ``ep_bwd``) with no compute running; a step runs from its forward's start to its optimizer's end
+    (the placement's moves, between steps, are left out)."""
+    import statistics
+
     from parallelisms.comm.trace import Timeline
 
-    kept = [s for s in spans if s.start >= after and (s.cat != "comm" or (
-        s.name.startswith("all_to_all") and s.args.get("dim") in ("ep", "ep_bwd")))]
-    return Timeline(0).overlap_stats(spans=kept)["exposed_ns"] / 1e9 / max(1, steps)
-
-
-def _first_step_end(report: dict) -> int:
-    """The end of the first step on every rank: the latest end of the ranks' first optimizer spans."""
-    return max(min(s.end for s in spans if s.name == "optimizer") for spans in report["spans"])
+    starts = sorted(s.start for s in spans if s.name == "forward")
+    ends = sorted(s.end for s in spans if s.name == "optimizer")
+    kept = [s for s in spans if s.cat != "comm" or (s.name.startswith("all_to_all") and
+                                                    s.args.get("dim") in ("ep", "ep_bwd"))]
+    timeline = Timeline(0)
+    return statistics.median(timeline.overlap_stats(start, end, kept)["exposed_ns"] / 1e9
+                             for start, end in list(zip(starts, ends))[1:])
 
 
 def _run(model, train: TrainConfig, ep: int, balance: str, redundant: int) -> dict:
@@ -44,8 +48,7 @@ def _run(model, train: TrainConfig, ep: int, balance: str, redundant: int) -> di
 
     parallel = ParallelConfig(dims=ParallelDims(dp_replicate=ep, ep=ep), ep_balance=balance, ep_redundant=redundant)
     report = run_layout(RunSpec(model, train, parallel), choose("cpu", ep), trace=True)
-    after = _first_step_end(report)
-    exposed = [exposed_all_to_all_s(spans, after, train.steps - 1) for spans in report["spans"]]
+    exposed = [exposed_all_to_all_s(spans) for spans in report["spans"]]
     wait = report["stragglers"]["dims"].get("ep", {})
     load = report.get("expert_load", {})
     balanced = report.get("ep_balance", {})
@@ -58,7 +61,8 @@ def _run(model, train: TrainConfig, ep: int, balance: str, redundant: int) -> di
 
 @bench("ep-balance")
 def bench_ep_balance(args) -> dict:
-    model = dataclasses.replace(preset(args.preset), router_skew=SKEW).validate()
+    base = preset(args.preset)
+    model = dataclasses.replace(base, router_skew=SKEW, ffn_dim=max(base.ffn_dim, FFN_PER_DIM * base.dim)).validate()
     require(model.n_experts >= 4, f"bench ep-balance needs a mixture-of-experts model with 4 experts or more, "
                                   f"but --preset {args.preset} has {model.n_experts}; use --preset tiny-moe")
     rows = {}
