@@ -39,7 +39,7 @@ ONLY_FOR = {"schedule": (PIPELINES, "1f1b"), "microbatches": (PIPELINES, 0), "sp
 # Defaults that differ by benchmark (long sequences take a small batch; experts need an MoE model)
 # (predict: twelve steps, so the median is the steady state the model predicts: steps two and three still warm up,
 # forwards of 43-56 ms where later ones take 35-37, and of five steps they were half the median's four)
-DEFAULTS = {"preset": {"ep": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {"predict": 5}, "steps": {"predict": 12}}
+DEFAULTS = {"preset": {"ep": "tiny-moe", "ep-balance": "tiny-moe"}, "global_batch": {"cp": 2}, "rounds": {"predict": 5}, "steps": {"predict": 12}}
 GENERAL = {"preset": "small", "global_batch": 8, "rounds": 3, "steps": 5}
 
 

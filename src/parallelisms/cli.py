@@ -91,6 +91,13 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
                                                         "to each data-parallel rank's measured speed (measured)")
     g.add_argument("--rebalance-every", type=integer(0, 10**9), default=0,
                    help="with --dp-balance measured: re-measure and re-split every N steps (0: once)")
+    g = p.add_argument_group("expert-parallel balance")
+    g.add_argument("--ep-balance", default="even", help="experts split evenly over --ep (even) or placed by the "
+                                                        "tokens measured per expert, EPLB-style (measured)")
+    g.add_argument("--ep-redundant", type=integer(0, 10**6), default=0,
+                   help="with --ep-balance measured: extra expert slots per ep rank, for copies of the hottest experts")
+    g.add_argument("--ep-rebalance-every", type=integer(0, 10**9), default=0,
+                   help="with --ep-balance measured: re-measure and re-place every N steps (0: once)")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
@@ -159,7 +166,8 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
                               tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
                               fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
                               recompute=args.recompute, dp_balance=args.dp_balance,
-                              rebalance_every=args.rebalance_every, **options)
+                              rebalance_every=args.rebalance_every, ep_balance=args.ep_balance,
+                              ep_redundant=args.ep_redundant, ep_rebalance_every=args.ep_rebalance_every, **options)
     parallel = validate_layout(model, train, parallel, runtime)
     require(train.slow_rank is None or train.slow_rank[0] < dims.world_size,
             lambda: f"--slow-rank {train.slow_rank[0]}:{train.slow_rank[1]:g} names rank {train.slow_rank[0]}, but the "

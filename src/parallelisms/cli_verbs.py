@@ -24,7 +24,7 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="compare an implementation with the best runnable peer")
     p.add_argument("name", help="what to benchmark: ddp, all-reduce, tp, zero, pipeline, pipeline-balance, cp, ep, "
                                 "predict, ... (an unknown name lists them all)")
-    p.add_argument("--preset", help="model preset (default small; ep: tiny-moe)")
+    p.add_argument("--preset", help="model preset (default small; ep, ep-balance: tiny-moe)")
     p.add_argument("--world", type=DEGREE, default=2, help="ranks")
     p.add_argument("--global-batch", type=count, help="sequences per step (default 8; cp: 2)")
     p.add_argument("--seq-len", type=integer(2, 10**9), default=128, help="tokens per sequence")

@@ -38,6 +38,7 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float = 0.0       # 0: no capacity limit
     aux_loss_coef: float = 0.01
+    router_skew: float = 0.0           # a fixed logit bias toward the first quarter of the experts (bench ep-balance)
     mlp: str = "swiglu"                # swiglu (three matrices, Llama) or gelu (two matrices, GPT-2/3)
     # Hugging Face architecture features (parallelisms.hf_arch reads them from a config.json)
     head_dim_override: int = 0         # 0: dim // n_heads; else the head size (Qwen3, Mistral: q width n_heads x it)
@@ -91,6 +92,7 @@ class ModelConfig:
                     f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
             require_finite("capacity_factor", self.capacity_factor, at_least=0)
             require_finite("aux_loss_coef", self.aux_loss_coef, at_least=0)
+            require_finite("router_skew", self.router_skew, at_least=0)
         return self
 
     def num_params(self) -> int:
@@ -348,6 +350,10 @@ class ParallelConfig:
     # data-parallel balance (parallelisms.parallel.dp_balance): split each batch by measured speed
     dp_balance: str = "even"           # even, or measured
     rebalance_every: int = 0           # steps between re-measured splits (0: the first measured split stays)
+    # expert-parallel balance (parallelisms.parallel.ep_balance): experts placed by measured load, EPLB
+    ep_balance: str = "even"           # even, or measured
+    ep_redundant: int = 0              # extra expert slots per ep rank (copies of the hottest experts)
+    ep_rebalance_every: int = 0        # steps between re-measured placements (0: the first measured one stays)
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
@@ -369,6 +375,8 @@ class ParallelConfig:
             "balance measured" if d.pp > 1 and self.pp_balance == "measured" else "",
             f"recompute {self.recompute}" if self.recompute != "none" else "",
             "dp-balance measured" if self.dp_balance == "measured" else "",
+            "ep-balance measured" if self.ep_balance == "measured" else "",
+            f"+{self.ep_redundant} redundant" if self.ep_redundant else "",
             "bf16" if self.mixed_precision == "bf16" else "",
         ]
         return " ".join([d.describe(" x "), *filter(None, options)])

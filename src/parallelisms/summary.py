@@ -90,6 +90,12 @@ def print_train_summary(report: dict, args, defaults: dict, out=None) -> None:
                      f"{load['ep_rank_imbalance']:.2f} (per expert {load['expert_imbalance']:.2f}); dropped by capacity "
                      f"{load['dropped_fraction']:.1%}" + (f"; all-to-all wait for the most loaded "
                                                          f"{ep['wait_s_per_step'] * 1e3:.1f} ms a step" if ep else ""))
+    if "ep_balance" in report:
+        placed = report["ep_balance"]
+        lines.append(f"expert placement: measured after steps {placed['measured_after_steps']}, "
+                     f"{placed['redundant']} redundant slot(s) per ep rank; last measured ep-rank load max/mean "
+                     f"{placed.get('rank_imbalance_before', 1.0):.2f} before, {placed.get('rank_imbalance_after', 1.0):.2f} "
+                     f"after; layer 0 slots {placed['placements'][0]}")
     if report.get("stragglers"):
         from parallelisms.stragglers import describe
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
 from parallelisms.parallel.checks import HYBRID, STRATEGIES, check_context_parallel
+from parallelisms.parallel.ep_placement import check_ep_balance
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
 
 # -- the support table ---------------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
     _check_context_parallel(parallel, model, train)
     _check_sharded_data_parallel(parallel)
     _check_dp_balance(parallel, model)
+    check_ep_balance(parallel, model)
     train.validate(model, dp=dims.dp)
     return parallel
 

@@ -33,6 +33,7 @@ from parallelisms.parallel.common import clip_grad_norm_
 from parallelisms.parallel.context import apply_context_parallel
 from parallelisms.parallel.data import DataParallel
 from parallelisms.parallel.dp_balance import DataBalance
+from parallelisms.parallel.ep_balance import ExpertBalance, apply_balanced_experts
 from parallelisms.parallel.expert_load import ExpertLoad
 from parallelisms.parallel.expert import apply_expert_parallel
 from parallelisms.parallel.fsdp2 import PerParamSharding
@@ -127,6 +128,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
         self.skipped = False  # the last step's update was left out: its gradient norm was not finite
         self.lr = cfg.lr  # the learning rate of the last step
+        self.ep_balance: ExpertBalance | None = None  # --ep-balance measured: the placement (set by parallelize)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.grad_sync.zero_grad()
@@ -200,7 +202,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     positions = None
     if dims.cp > 1:
         positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
-    if dims.ep > 1:
+    if dims.ep > 1 and parallel.ep_balance == "measured":
+        apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
+    elif dims.ep > 1:
         apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
@@ -213,12 +217,17 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         for stage in stages.values():
             split_linears(stage, store)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    balance = None
+    if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
+        grad_sync = balance = ExpertBalance(grad_sync, model, comms, parallel.ep_redundant, parallel.ep_rebalance_every)
     if model.cfg.tie_embeddings:
         grad_sync = TiedEmbeddings(grad_sync, comms)
     compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
     if schedule is None:
-        return Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
-                       _optimizer(grad_sync, model.cfg, train))
+        trainer = Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
+                          _optimizer(grad_sync, model.cfg, train))
+        trainer.ep_balance = balance
+        return trainer
     if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
         stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
                                   compute_dtype=compute_dtype)
@@ -354,6 +363,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
                 loader.load_state_dict(resumed.data_state)
                 if balance is not None:
                     balance.load_state_dict(resumed.data_state)
+                if trainer.ep_balance is not None:  # the saved placement: weights and moments move to it
+                    trainer.ep_balance.load_state_dict(resumed.data_state, trainer.optimizers)
         if spec.checkpoint.save_dir:
             saver = Saver(spec.checkpoint.save_dir, spec.checkpoint.save_every, spec.checkpoint.async_save, comms,
                           info.rank, spec.checkpoint.meta, info.device)
@@ -391,6 +402,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             balance.after_step(step, trainer.forward_backward.compute_ns)
         if experts is not None:
             experts.after_step()
+        if trainer.ep_balance is not None:
+            trainer.ep_balance.rebalance_if_due(step, trainer.optimizers)
         losses.append(loss)
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
@@ -420,7 +433,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         if saver is not None and (saver.due(step + 1) or step + 1 == spec.train.steps):
             began = Timeline.now()
             data_state = getattr(loader, "state_dict", lambda: None)()
-            saver.save(trainer, step + 1, data_state if balance is None else {**data_state, **balance.state_dict()})
+            for part in (balance, trainer.ep_balance):
+                data_state = data_state if part is None else {**(data_state or {}), **part.state_dict()}
+            saver.save(trainer, step + 1, data_state)
             save_times.append((Timeline.now() - began) / 1e9)
             saved.append(step + 1)
         _test_kill(info, step + 1)
@@ -463,6 +478,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         report["dp_balance"] = balance.report()
     if expert_load is not None:
         report["expert_load"] = expert_load
+    if trainer.ep_balance is not None:
+        report["ep_balance"] = trainer.ep_balance.report()
     if spec.train.nonfinite != "continue":
         report.update(nonfinite=nonfinite, skipped_steps=skipped)
     if save_times:

@@ -2,7 +2,7 @@
 
 import importlib
 
-for _name in ("tp", "zero", "pipeline", "cp", "ep", "predict", "straggler"):
+for _name in ("tp", "zero", "pipeline", "cp", "ep", "predict", "straggler", "ep_balance"):
     try:
         importlib.import_module(f"parallelisms.benches.{_name}")
     except ModuleNotFoundError as exc:  # an entry not written yet

@@ -80,9 +80,11 @@ class WholeSequences:
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float):
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float,
+                 router_skew: float = 0.0):
         super().__init__()
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.router_skew = router_skew  # added to the first quarter of the experts' logits (a skewed router)
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim)
         self.aux_loss: torch.Tensor | None = None   # the last forward's load-balancing loss
@@ -94,6 +96,9 @@ class MoE(nn.Module):
         """Top-k experts, their weights, which assignments fit the per-sequence capacity (for the tokens of
         ``x``), and the aux loss (of whole sequences)."""
         logits = self.sequence.whole(upcast(self.router(x)))             # [B, S, E] of whole sequences
+        if self.router_skew:
+            hot = torch.arange(self.n_experts, device=logits.device) < max(1, self.n_experts // 4)
+            logits = logits + self.router_skew * hot.to(logits.dtype)
         batch, seq, _ = logits.shape
         top_logits, top_experts = logits.topk(self.top_k, dim=-1)         # [B, S, k]
         weights = torch.softmax(top_logits, dim=-1)

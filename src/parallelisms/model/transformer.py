@@ -145,7 +145,8 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.n_experts:
-            self.feed_forward = MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+            self.feed_forward = MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
+                                    cfg.router_skew)
         else:
             self.feed_forward = FeedForward(cfg)
 

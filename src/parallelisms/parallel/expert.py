@@ -52,10 +52,12 @@ class ExpertParallelExperts(nn.Module):
         return all_to_all(restored, self.comm, input_splits, output_splits, backward_comm=self.backward_comm)  # combine
 
 
-def apply_expert_parallel(model: nn.Module, comm: Comm, backward: Comm | None = None) -> None:
+def apply_expert_parallel(model: nn.Module, comm: Comm, backward: Comm | None = None,
+                          make=ExpertParallelExperts) -> None:
     """Give every MoE layer's experts to their owners over ``comm`` (the ``ep`` mesh dimension); the backward
-    all-to-alls run over ``backward``'s group (the same ranks; recorded as ``ep``) when given."""
+    all-to-alls run over ``backward``'s group (the same ranks; recorded as ``ep``) when given. ``make`` builds
+    each layer's module (``--ep-balance measured``: placed experts, :mod:`parallelisms.parallel.ep_balance`)."""
     backward = type(comm)(comm.name, backward.group, comm.ledger, comm.timeline) if backward is not None else None
     for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
-            layer.feed_forward.experts = ExpertParallelExperts(layer.feed_forward.experts, comm, backward)
+            layer.feed_forward.experts = make(layer.feed_forward.experts, comm, backward)
