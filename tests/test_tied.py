@@ -129,6 +129,60 @@ def test_tied_layouts_reproduce_a_truly_tied_model_in_float64(name):
     assert result["ok"], result
 
 
+ENTRY_LAYOUTS = {  # layout: (parallel config, whether the model's head is the embedding's own parameter)
+    "dp2": (ParallelConfig(dims=ParallelDims(dp_replicate=2)), True),
+    "tp2 +sp": (ParallelConfig(dims=ParallelDims(tp=2), sequence_parallel=True), True),
+    "dp2 zero1": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=1), False),
+    "dp2 zero3": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3), False),
+    "dp2 fsdp per_param": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="per_param"),
+                           False),
+    "dp2 fsdp reuse": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="reuse"), False),
+    "pp2": (ParallelConfig(dims=ParallelDims(pp=2)), False),
+}
+
+
+def _optimizer_entries(info, world):
+    """Per layout, on this rank: the optimizer parameters holding boxes of the tied weight, whether a box is held
+    twice, whether any is named as the head, AdamW's state entries after a step, and whether the head is the
+    embedding's own parameter."""
+    from parallelisms.comm import Comms
+    from parallelisms.model import build_model
+    from parallelisms.train import parallelize
+    out = {}
+    for name, (parallel, _) in ENTRY_LAYOUTS.items():
+        model = build_model(VERIFY_MODEL, 0)
+        trainer = parallelize(model, parallel, TrainConfig(steps=1, global_batch=4, seq_len=32),
+                              Comms(parallel.dims.build_meshes()))
+        inputs = torch.randint(0, VERIFY_MODEL.vocab_size, (4 // parallel.dims.dp, 32), generator=torch.Generator())
+        trainer.train_step(inputs, inputs.roll(1, 1))
+        holders, boxes = 0, []
+        for param, pieces in trainer.grad_sync.placements():
+            tied = [(pc.name, pc.offsets) for pc in pieces if pc.name in ("tok_embeddings.weight", "output.weight")]
+            holders += bool(tied)
+            boxes += tied
+        steppable = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        out[name] = {"holders": holders, "repeated": len(boxes) != len(set(boxes)),
+                     "head_named": any(n == "output.weight" for n, _ in boxes),
+                     "state": len(trainer.optimizer.state), "params": len(steppable),
+                     "one_parameter": model.output is not None and model.tok_embeddings is not None
+                     and model.output.weight is model.tok_embeddings.weight}
+        trainer.close()
+    return out
+
+
+def test_the_optimizer_holds_the_tied_weight_once():
+    """Every rank that holds the tied weight steps it in one optimizer parameter (the first and last pipeline
+    stages each their copy, as Megatron-LM's embedding group): no second entry, no head name in the checkpoint;
+    one stage without a sharding engine holds it as one model parameter."""
+    ranks = launch(_optimizer_entries, 2, 2, threads=1)
+    for name, (_, literal) in ENTRY_LAYOUTS.items():
+        for rank in ranks:
+            seen = rank[name]
+            assert seen["holders"] == 1 and not seen["repeated"] and not seen["head_named"], (name, seen)
+            assert seen["state"] == seen["params"], (name, seen)
+            assert seen["one_parameter"] == literal, (name, seen)
+
+
 def test_the_tied_flag_and_pipedream(capsys):
     assert main(["train", "--tie-embeddings", "--pp", "2", "--schedule", "pipedream", "--steps", "1"]) == 2
     assert "tied embeddings with --schedule pipedream" in capsys.readouterr().err

@@ -43,7 +43,7 @@ from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradien
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
-from parallelisms.parallel.tied import TiedEmbeddings
+from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
@@ -205,6 +205,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()
+    if dims.pp > 1 or _sharded(parallel):  # the last stage, a sharding engine's head unit: a copy of the tied weight
+        untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)
         stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
@@ -233,11 +235,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
 def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the gradient sync's parameters, weight decay on the elements of weight matrices
-    (:mod:`parallelisms.optim`); tied embeddings copy the embedding into the head after each step."""
-    optimizer = sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
-    if isinstance(grad_sync, TiedEmbeddings):
-        grad_sync.attach(optimizer)
-    return optimizer
+    (:mod:`parallelisms.optim`); a tied weight is one entry (:mod:`parallelisms.parallel.tied`)."""
+    return sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
@@ -251,7 +250,7 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
         return StageGradients(stages, copies, comms, None)
     # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
     # fp32 master weights and gradients, all-reduced
-    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
+    sharded = _sharded(parallel)
     if dims.pp > 1 and sharded:
         return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
                               for s, stage in stages.items()}, copies, comms)
@@ -264,6 +263,11 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
         return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
                             find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
     return LocalGradients(model, comms)
+
+
+def _sharded(parallel: ParallelConfig) -> bool:
+    """Whether a sharding engine holds the weights (--zero, --fsdp, or bf16 mixed precision)."""
+    return bool(parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16")
 
 
 def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
