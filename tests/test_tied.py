@@ -189,3 +189,22 @@ def test_the_tied_flag_and_pipedream(capsys):
     from parallelisms.cli import build_configs, build_parser
     model, _, _ = build_configs(build_parser().parse_args(["train", "--tie-embeddings"]))
     assert model.tie_embeddings and model.num_params() == ModelConfig().num_params() - 256 * 64
+
+
+def test_the_performance_model_counts_the_tied_weight_once():
+    """A block holds the same parameters tied or not, and one stage's data-parallel traffic is one table."""
+    from parallelisms.perf.model import block_params, rank0_params
+    import dataclasses
+    untied = dataclasses.replace(VERIFY_MODEL, tie_embeddings=False)
+    assert block_params(VERIFY_MODEL, 2) == block_params(untied, 2)
+    dp2 = ParallelConfig(dims=ParallelDims(dp_replicate=2))
+    assert rank0_params(VERIFY_MODEL, dp2) == VERIFY_MODEL.num_params() == untied.num_params() - 256 * 64
+
+
+def test_a_tied_checkpoint_resumes_in_another_layout(capsys):
+    """Saved by a pipeline (a copy per end, both under the embedding's name), resumed under ZeRO-3."""
+    run = "--tie-embeddings --steps 4 --global-batch 4 --seq-len 16 --dtype float64"
+    assert main(["verify-resume", "--save-layout", "--pp 2", "--resume-layout", "--dp 2 --zero 3", "--run", run,
+                 "--json"]) == 0
+    result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+    assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result

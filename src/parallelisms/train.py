@@ -205,7 +205,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()
-    if dims.pp > 1 or _sharded(parallel):  # the last stage, a sharding engine's head unit: a copy of the tied weight
+    if not parallel.one_tied_parameter():  # the last stage, a sharding engine's head unit: a copy of the tied weight
         untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)
@@ -250,7 +250,7 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
         return StageGradients(stages, copies, comms, None)
     # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
     # fp32 master weights and gradients, all-reduced
-    sharded = _sharded(parallel)
+    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
     if dims.pp > 1 and sharded:
         return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
                               for s, stage in stages.items()}, copies, comms)
@@ -263,11 +263,6 @@ def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelCo
         return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
                             find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
     return LocalGradients(model, comms)
-
-
-def _sharded(parallel: ParallelConfig) -> bool:
-    """Whether a sharding engine holds the weights (--zero, --fsdp, or bf16 mixed precision)."""
-    return bool(parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16")
 
 
 def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
