@@ -1,7 +1,8 @@
 """Tied embeddings (``tie_word_embeddings``: Llama 3.2 1B/3B, small Qwen2.5) trained as ``transformers`` trains
 them: a random tied ``LlamaForCausalLM`` trained in one process with torch AdamW (the same batches, clipping and
 optimizer groups) gives the losses and gradient norms that ``--init-from`` gives in dp 2, tp 2 with SP, pp 2 and dp 2
-ZeRO-3, and the export is tied and loads in transformers. In float64, tied layouts (tensor x pipeline x data, ZeRO
+ZeRO-3, and the export is tied and loads in transformers; every rank's optimizer holds the weight once, and a tied
+checkpoint resumes in another layout. In float64, tied layouts (tensor x pipeline x data, ZeRO
 under a V-shaped schedule where one rank holds both ends, buffer reuse) reproduce a truly tied single-process
 model within 1e-10."""
 
