@@ -322,3 +322,28 @@ def test_head_dim_flag_sets_the_query_width_in_the_model_and_the_estimate(capsys
     model = build_model(dataclasses.replace(EVERY_FEATURE, qk_norm=False), device="meta")
     assert tuple(model.layers["0"].attention.wq.weight.shape) == (4 * 12, 32)
     assert tuple(model.layers["0"].attention.wo.weight.shape) == (32, 4 * 12)
+
+
+def test_mixtral_experts_stored_fused_are_read(root, tmp_path):
+    """transformers 5's Mixtral module holds each layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2F, H],
+    ``mlp.experts.down_proj`` [E, H, F], router ``mlp.gate.weight``); a file of that state dict, which transformers
+    loads too, reads as the per-expert file ``save_pretrained`` writes; a fused tensor of another shape is one line.
+    The export is the per-expert format, which transformers loads (the ZeRO-3 export test above)."""
+    from safetensors.torch import save_file
+
+    source = hf_dir("mixtral", root)
+    model = _model_class("mixtral").from_pretrained(source, dtype=torch.float32)
+    fused = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and fused["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    save_file(fused, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(open(f"{source}/config.json").read())
+    cfg, state = load_hf(folder)
+    _, expected = load_hf(source)
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert _rel(_our_logits(cfg, state), _hf_logits(folder, "mixtral")) < 1e-5
+    fused["model.layers.1.mlp.experts.down_proj"] = fused["model.layers.1.mlp.experts.down_proj"][:, :, :3].contiguous()
+    save_file(fused, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.experts\.down_proj has shape"):
+        load_hf(folder)

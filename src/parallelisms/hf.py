@@ -19,7 +19,7 @@ import torch
 from parallelisms.config import ModelConfig, load_hf_config
 from parallelisms.errors import ConfigError, require
 from parallelisms.hf_arch import hf_architecture_config
-from parallelisms.hf_weights import check_exportable, from_hf, to_hf
+from parallelisms.hf_weights import check_exportable, from_hf, to_hf, unfuse_experts
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -97,6 +97,7 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
         weights = load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise ConfigError(f"--init-from {str(path)!r} cannot be read as safetensors ({exc})") from None
+    weights = unfuse_experts(weights, cfg, f"--init-from {str(path)!r}")
     if (cfg.tie_embeddings or "lm_head.weight" not in weights) and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     from parallelisms.model import build_model
