@@ -207,6 +207,7 @@ EVERY_FEATURE = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_
                             rope_factor=8.0, rope_original_max_len=16, hf_model_type="qwen3")
 EXPERTS = dataclasses.replace(EVERY_FEATURE, n_experts=4, top_k=2, aux_loss_coef=0.0, qk_norm=False,
                               out_bias=False, rope_scaling="linear", rope_factor=2.0, hf_model_type="mixtral")
+QWEN2 = dataclasses.replace(EVERY_FEATURE, n_layers=4, out_bias=False, qk_norm=False, hf_model_type="qwen2")
 FLOAT64 = TrainConfig(steps=3, global_batch=8, seq_len=16, lr=3e-3, dtype="float64")
 FLOAT64_LAYOUTS = {
     "every_feature/tp2_sp_pp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, tp=2),
@@ -215,6 +216,11 @@ FLOAT64_LAYOUTS = {
     "every_feature/ring_cp2_tp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(cp=2, tp=2), cp_attention="ring")),
     "every_feature/ulysses_cp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(dp_replicate=2, cp=2),
                                                                     cp_attention="ulysses")),
+    # Zero Bubble's split linear layers (weight gradients deferred) carry the q/k/v and output biases
+    "qwen2/zb-v_pp2_tp2_sp": (QWEN2, ParallelConfig(ParallelDims(pp=2, tp=2), sequence_parallel=True,
+                                                    schedule="zb-v")),
+    "every_feature/zb-h1_pp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(pp=2, dp_replicate=2),
+                                                                  schedule="zb-h1")),
 }
 FLOAT64_SPECS = {name: RunSpec(model, FLOAT64, validate_layout(model, FLOAT64, parallel), collect_state=True)
                  for name, (model, parallel) in FLOAT64_LAYOUTS.items()}
