@@ -207,6 +207,7 @@ EVERY_FEATURE = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_
                             rope_factor=8.0, rope_original_max_len=16, hf_model_type="qwen3")
 EXPERTS = dataclasses.replace(EVERY_FEATURE, n_experts=4, top_k=2, aux_loss_coef=0.0, qk_norm=False,
                               out_bias=False, rope_scaling="linear", rope_factor=2.0, hf_model_type="mixtral")
+QWEN2 = dataclasses.replace(EVERY_FEATURE, n_layers=4, out_bias=False, qk_norm=False, hf_model_type="qwen2")
 FLOAT64 = TrainConfig(steps=3, global_batch=8, seq_len=16, lr=3e-3, dtype="float64")
 FLOAT64_LAYOUTS = {
     "every_feature/tp2_sp_pp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(pp=2, dp_replicate=2, tp=2),
@@ -215,6 +216,11 @@ FLOAT64_LAYOUTS = {
     "every_feature/ring_cp2_tp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(cp=2, tp=2), cp_attention="ring")),
     "every_feature/ulysses_cp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(dp_replicate=2, cp=2),
                                                                     cp_attention="ulysses")),
+    # Zero Bubble's split linear layers (weight gradients deferred) carry the q/k/v and output biases
+    "qwen2/zb-v_pp2_tp2_sp": (QWEN2, ParallelConfig(ParallelDims(pp=2, tp=2), sequence_parallel=True,
+                                                    schedule="zb-v")),
+    "every_feature/zb-h1_pp2_dp2": (EVERY_FEATURE, ParallelConfig(ParallelDims(pp=2, dp_replicate=2),
+                                                                  schedule="zb-h1")),
 }
 FLOAT64_SPECS = {name: RunSpec(model, FLOAT64, validate_layout(model, FLOAT64, parallel), collect_state=True)
                  for name, (model, parallel) in FLOAT64_LAYOUTS.items()}
@@ -322,3 +328,28 @@ def test_head_dim_flag_sets_the_query_width_in_the_model_and_the_estimate(capsys
     model = build_model(dataclasses.replace(EVERY_FEATURE, qk_norm=False), device="meta")
     assert tuple(model.layers["0"].attention.wq.weight.shape) == (4 * 12, 32)
     assert tuple(model.layers["0"].attention.wo.weight.shape) == (32, 4 * 12)
+
+
+def test_mixtral_experts_stored_fused_are_read(root, tmp_path):
+    """transformers 5's Mixtral module holds each layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2F, H],
+    ``mlp.experts.down_proj`` [E, H, F], router ``mlp.gate.weight``); a file of that state dict, which transformers
+    loads too, reads as the per-expert file ``save_pretrained`` writes; a fused tensor of another shape is one line.
+    The export is the per-expert format, which transformers loads (the ZeRO-3 export test above)."""
+    from safetensors.torch import save_file
+
+    source = hf_dir("mixtral", root)
+    model = _model_class("mixtral").from_pretrained(source, dtype=torch.float32)
+    fused = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and fused["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    save_file(fused, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(open(f"{source}/config.json").read())
+    cfg, state = load_hf(folder)
+    _, expected = load_hf(source)
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert _rel(_our_logits(cfg, state), _hf_logits(folder, "mixtral")) < 1e-5
+    fused["model.layers.1.mlp.experts.down_proj"] = fused["model.layers.1.mlp.experts.down_proj"][:, :, :3].contiguous()
+    save_file(fused, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.experts\.down_proj has shape"):
+        load_hf(folder)

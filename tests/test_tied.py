@@ -1,7 +1,8 @@
 """Tied embeddings (``tie_word_embeddings``: Llama 3.2 1B/3B, small Qwen2.5) trained as ``transformers`` trains
 them: a random tied ``LlamaForCausalLM`` trained in one process with torch AdamW (the same batches, clipping and
 optimizer groups) gives the losses and gradient norms that ``--init-from`` gives in dp 2, tp 2 with SP, pp 2 and dp 2
-ZeRO-3, and the export is tied and loads in transformers. In float64, tied layouts (tensor x pipeline x data, ZeRO
+ZeRO-3, and the export is tied and loads in transformers; every rank's optimizer holds the weight once, and a tied
+checkpoint resumes in another layout. In float64, tied layouts (tensor x pipeline x data, ZeRO
 under a V-shaped schedule where one rank holds both ends, buffer reuse) reproduce a truly tied single-process
 model within 1e-10."""
 
@@ -129,9 +130,82 @@ def test_tied_layouts_reproduce_a_truly_tied_model_in_float64(name):
     assert result["ok"], result
 
 
+ENTRY_LAYOUTS = {  # layout: (parallel config, whether the model's head is the embedding's own parameter)
+    "dp2": (ParallelConfig(dims=ParallelDims(dp_replicate=2)), True),
+    "tp2 +sp": (ParallelConfig(dims=ParallelDims(tp=2), sequence_parallel=True), True),
+    "dp2 zero1": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=1), False),
+    "dp2 zero3": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3), False),
+    "dp2 fsdp per_param": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="per_param"),
+                           False),
+    "dp2 fsdp reuse": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="reuse"), False),
+    "pp2": (ParallelConfig(dims=ParallelDims(pp=2)), False),
+}
+
+
+def _optimizer_entries(info, world):
+    """Per layout, on this rank: the optimizer parameters holding boxes of the tied weight, whether a box is held
+    twice, whether any is named as the head, AdamW's state entries after a step, and whether the head is the
+    embedding's own parameter."""
+    from parallelisms.comm import Comms
+    from parallelisms.model import build_model
+    from parallelisms.train import parallelize
+    out = {}
+    for name, (parallel, _) in ENTRY_LAYOUTS.items():
+        model = build_model(VERIFY_MODEL, 0)
+        trainer = parallelize(model, parallel, TrainConfig(steps=1, global_batch=4, seq_len=32),
+                              Comms(parallel.dims.build_meshes()))
+        inputs = torch.randint(0, VERIFY_MODEL.vocab_size, (4 // parallel.dims.dp, 32), generator=torch.Generator())
+        trainer.train_step(inputs, inputs.roll(1, 1))
+        holders, boxes = 0, []
+        for param, pieces in trainer.grad_sync.placements():
+            tied = [(pc.name, pc.offsets) for pc in pieces if pc.name in ("tok_embeddings.weight", "output.weight")]
+            holders += bool(tied)
+            boxes += tied
+        steppable = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        out[name] = {"holders": holders, "repeated": len(boxes) != len(set(boxes)),
+                     "head_named": any(n == "output.weight" for n, _ in boxes),
+                     "state": len(trainer.optimizer.state), "params": len(steppable),
+                     "one_parameter": model.output is not None and model.tok_embeddings is not None
+                     and model.output.weight is model.tok_embeddings.weight}
+        trainer.close()
+    return out
+
+
+def test_the_optimizer_holds_the_tied_weight_once():
+    """Every rank that holds the tied weight steps it in one optimizer parameter (the first and last pipeline
+    stages each their copy, as Megatron-LM's embedding group): no second entry, no head name in the checkpoint;
+    one stage without a sharding engine holds it as one model parameter."""
+    ranks = launch(_optimizer_entries, 2, 2, threads=1)
+    for name, (_, literal) in ENTRY_LAYOUTS.items():
+        for rank in ranks:
+            seen = rank[name]
+            assert seen["holders"] == 1 and not seen["repeated"] and not seen["head_named"], (name, seen)
+            assert seen["state"] == seen["params"], (name, seen)
+            assert seen["one_parameter"] == literal, (name, seen)
+
+
 def test_the_tied_flag_and_pipedream(capsys):
     assert main(["train", "--tie-embeddings", "--pp", "2", "--schedule", "pipedream", "--steps", "1"]) == 2
     assert "tied embeddings with --schedule pipedream" in capsys.readouterr().err
     from parallelisms.cli import build_configs, build_parser
     model, _, _ = build_configs(build_parser().parse_args(["train", "--tie-embeddings"]))
     assert model.tie_embeddings and model.num_params() == ModelConfig().num_params() - 256 * 64
+
+
+def test_the_performance_model_counts_the_tied_weight_once():
+    """A block holds the same parameters tied or not, and one stage's data-parallel traffic is one table."""
+    from parallelisms.perf.model import block_params, rank0_params
+    import dataclasses
+    untied = dataclasses.replace(VERIFY_MODEL, tie_embeddings=False)
+    assert block_params(VERIFY_MODEL, 2) == block_params(untied, 2)
+    dp2 = ParallelConfig(dims=ParallelDims(dp_replicate=2))
+    assert rank0_params(VERIFY_MODEL, dp2) == VERIFY_MODEL.num_params() == untied.num_params() - 256 * 64
+
+
+def test_a_tied_checkpoint_resumes_in_another_layout(capsys):
+    """Saved by a pipeline (a copy per end, both under the embedding's name), resumed under ZeRO-3."""
+    run = "--tie-embeddings --steps 4 --global-batch 4 --seq-len 16 --dtype float64"
+    assert main(["verify-resume", "--save-layout", "--pp 2", "--resume-layout", "--dp 2 --zero 3", "--run", run,
+                 "--json"]) == 0
+    result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+    assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result

@@ -19,7 +19,7 @@ import torch
 from parallelisms.config import ModelConfig, load_hf_config
 from parallelisms.errors import ConfigError, require
 from parallelisms.hf_arch import hf_architecture_config
-from parallelisms.hf_weights import check_exportable, from_hf, to_hf
+from parallelisms.hf_weights import check_exportable, from_hf, to_hf, unfuse_experts
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -84,7 +84,8 @@ def load_hf_model_config(hf_dir: str | Path) -> ModelConfig:
 def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and the full state dict, by our parameter names, of a Hugging Face directory.
     A tied head (``tie_word_embeddings``) is the embedding (a ``lm_head.weight`` in the file is ignored, as
-    ``transformers`` ties it); training keeps it tied (:mod:`parallelisms.parallel.tied`)."""
+    ``transformers`` ties it), returned under both names; training keeps it one weight
+    (:mod:`parallelisms.parallel.tied`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -96,12 +97,13 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
         weights = load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise ConfigError(f"--init-from {str(path)!r} cannot be read as safetensors ({exc})") from None
+    weights = unfuse_experts(weights, cfg, f"--init-from {str(path)!r}")
     if (cfg.tie_embeddings or "lm_head.weight" not in weights) and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     from parallelisms.model import build_model
 
     expected = {}  # Hugging Face name -> the shape config.json implies
-    for name, param in build_model(cfg, device="meta").named_parameters():
+    for name, param in build_model(cfg, device="meta").named_parameters(remove_duplicate=False):
         expected.update({n: tuple(t.shape) for n, t in to_hf(name, param, cfg).items()})
     missing = [n for n in expected if n not in weights]
     require(not missing, f"--init-from {str(path)!r} lacks {', '.join(missing[:3])}"
@@ -109,5 +111,5 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     wrong = next((n for n, shape in expected.items() if tuple(weights[n].shape) != shape), None)
     require(wrong is None, lambda: f"--init-from {str(path)!r}: {wrong} has shape {tuple(weights[wrong].shape)}, "
                                    f"its config.json implies {expected[wrong]}")
-    names = [n for n, _ in build_model(cfg, device="meta").named_parameters()]
+    names = [n for n, _ in build_model(cfg, device="meta").named_parameters(remove_duplicate=False)]
     return cfg, {name: from_hf(name, weights, cfg).to(dtype) for name in names}

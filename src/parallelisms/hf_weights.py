@@ -2,7 +2,8 @@
 
 Names follow ``transformers``' Llama / Mistral / Qwen2 / Qwen3 / Mixtral checkpoints (Mixtral's experts as the
 Hub and ``save_pretrained`` store them: ``block_sparse_moe.experts.{e}.w1/w2/w3``, one [out, in] matrix each,
-where this model stacks them as [experts, in, out]). :func:`to_hf` and :func:`from_hf` convert one parameter.
+where this model stacks them as [experts, in, out]; the fused 3-D tensors of ``transformers`` 5's module are read
+too, :func:`unfuse_experts`). :func:`to_hf` and :func:`from_hf` convert one parameter.
 """
 
 from __future__ import annotations
@@ -88,6 +89,35 @@ def from_hf(name: str, weights: dict[str, torch.Tensor], cfg) -> torch.Tensor:
         return torch.stack([weights[n].t() for n in names])
     heads = _rotary_heads(name, cfg)
     return weights[names[0]] if heads is None else _from_hf_rotary(weights[names[0]], heads)
+
+
+def unfuse_experts(weights: dict[str, torch.Tensor], cfg, where: str) -> dict[str, torch.Tensor]:
+    """``weights`` with Mixtral's experts in the per-expert names :func:`hf_names` reads: ``transformers`` 5's
+    module holds each layer's experts fused, ``mlp.experts.gate_up_proj`` [experts, 2 x ffn, hidden] (the gate's
+    rows, then the up projection's) and ``mlp.experts.down_proj`` [experts, hidden, ffn], with the router as
+    ``mlp.gate.weight``; a file saved from that state dict holds them so (``save_pretrained`` writes the per-expert
+    names, which this reads as they are). A fused tensor of another shape is one line naming it."""
+    if not cfg.n_experts:
+        return weights
+    out = dict(weights)
+    experts, ffn, dim = cfg.n_experts, cfg.ffn_dim, cfg.dim
+    for i in range(cfg.n_layers):
+        fused, legacy = f"model.layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"
+        shapes = {"experts.gate_up_proj": (experts, 2 * ffn, dim), "experts.down_proj": (experts, dim, ffn)}
+        for key, shape in shapes.items():
+            name = f"{fused}.{key}"
+            require(name not in out or tuple(out[name].shape) == shape,
+                    lambda: f"{where}: {name} has shape {tuple(out[name].shape)}, its config.json implies {shape}")
+        if f"{fused}.experts.gate_up_proj" in out:
+            gate, up = out.pop(f"{fused}.experts.gate_up_proj").split(ffn, dim=1)
+            for e in range(experts):
+                out[f"{legacy}.experts.{e}.w1.weight"], out[f"{legacy}.experts.{e}.w3.weight"] = gate[e], up[e]
+        if f"{fused}.experts.down_proj" in out:
+            for e, down in enumerate(out.pop(f"{fused}.experts.down_proj")):
+                out[f"{legacy}.experts.{e}.w2.weight"] = down
+        if f"{fused}.gate.weight" in out:
+            out[f"{legacy}.gate.weight"] = out.pop(f"{fused}.gate.weight")
+    return out
 
 
 def check_exportable(cfg) -> None:

@@ -44,7 +44,7 @@ from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradien
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
-from parallelisms.parallel.tied import TiedEmbeddings
+from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
@@ -209,6 +209,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()
+    if not parallel.one_tied_parameter():  # the last stage, a sharding engine's head unit: a copy of the tied weight
+        untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)
         stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
@@ -242,11 +244,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
 
 def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the gradient sync's parameters, weight decay on the elements of weight matrices
-    (:mod:`parallelisms.optim`); tied embeddings copy the embedding into the head after each step."""
-    optimizer = sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
-    if isinstance(grad_sync, TiedEmbeddings):
-        grad_sync.attach(optimizer)
-    return optimizer
+    (:mod:`parallelisms.optim`); a tied weight is one entry (:mod:`parallelisms.parallel.tied`)."""
+    return sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,

@@ -126,13 +126,10 @@ def clip_grad_norm_float64(params, max_norm: float) -> torch.Tensor:
 
 
 def _plain_model(model_cfg: ModelConfig, cfg: TrainConfig) -> nn.Module:
-    """The seeded plain model; with ``tie_embeddings`` truly tied, one parameter for the embedding and the
-    head (as ``transformers`` ties them), where the layouts keep two copies (``parallelisms.parallel.tied``)."""
+    """The seeded plain model (with ``tie_embeddings`` one parameter for the embedding and the head, as
+    ``transformers`` ties them)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, cfg.seed, dtype=cfg.torch_dtype)
-    if model_cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    return model
+    return build_model(model_cfg, cfg.seed, dtype=cfg.torch_dtype)
 
 
 def _full_state(model_cfg: ModelConfig, state: dict) -> dict:

@@ -3,7 +3,8 @@
 Token embedding, pre-norm blocks of RMSNorm, causal self-attention with rotary positions
 (Su et al. 2021) and optional grouped key/value heads (Ainslie et al. 2023), a SwiGLU MLP
 (Shazeer 2020), a GELU MLP (GPT-2/3) or a mixture of SwiGLU experts (model/moe.py), a final RMSNorm and an output head
-(with ``tie_embeddings`` a copy of the embedding, kept equal by :mod:`parallelisms.parallel.tied`).
+(with ``tie_embeddings`` the embedding's own parameter, as ``transformers`` ties them; see
+:mod:`parallelisms.parallel.tied` for the layouts).
 The Hugging Face variants (Qwen2's q/k/v biases, Qwen3's per-head q/k norm and explicit head size, Llama 3.1's
 scaled rotary frequencies) are switched on by the config. Parallelisms swap its modules
 (`wq`, `w_up`, `output`, `loss`, `core`, ...) for parallel ones; every shape the forward needs is read
@@ -181,6 +182,8 @@ class Transformer(nn.Module):
         self.seq_shards = 1
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one parameter, listed once by named_parameters (as the embedding)
+            self.output.weight = self.tok_embeddings.weight
         self.loss = CrossEntropy()
         self.set_rotary_dtype(torch.float32)
 
@@ -245,8 +248,6 @@ def init_weights(model: Transformer, seed: int) -> Transformer:
         else:
             std = residual_std if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")) else 0.02
             param.copy_(torch.randn(param.shape, generator=gen) * std)
-    if model.cfg.tie_embeddings:  # the head is a copy of the embedding (parallelisms.parallel.tied)
-        model.output.weight.copy_(model.tok_embeddings.weight)
     return model
 
 

@@ -12,6 +12,7 @@ from parallelisms.model.moe import MoE
 from parallelisms.parallel.moe_sequence import shard_moe_sequences
 from parallelisms.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelFeedForward, Region,
                                           SequenceParallelRMSNorm)
+from parallelisms.parallel.tied import tie
 from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 
@@ -50,4 +51,5 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
             model.norm = SequenceParallelRMSNorm(model.norm, comm)
         model.output = ColumnParallelLinear(model.output, region, rows=padded_vocab)
         model.loss = VocabParallelCrossEntropy(comm, cfg.vocab_size)
+    tie(model)  # a tied head and the embedding split the vocabulary alike: one shard
     return model

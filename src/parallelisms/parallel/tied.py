@@ -1,34 +1,63 @@
 """Tied input embedding and output head (``tie_embeddings``, Press and Wolf 2017; Hugging Face's
-``tie_word_embeddings``) under every layout, kept as Megatron-LM keeps them under pipeline parallelism: the
-embedding and the head are two copies of one weight, started equal, whose gradients are summed (Megatron's
-embedding group all-reduces the word-embedding gradient between the first and the last stage), counted once
-in the gradient norm and stepped alike, so both stay the one weight a tied model trains.
+``tie_word_embeddings``) under every layout: one weight, one optimizer entry, counted once in the gradient norm.
 
-:class:`TiedEmbeddings` wraps the layout's gradient sync (any ``GradSync``). It finds the two copies through
+* One stage without a sharding engine (local, DDP, tensor/sequence, context and expert parallelism): the model's
+  head *is* the embedding's parameter (:class:`parallelisms.model.Transformer`), so autograd sums both uses'
+  gradients into it and every engine sees it once. Under tensor parallelism the vocabulary-parallel embedding
+  and the column-parallel head split the (padded) vocabulary alike, so they share one shard (:func:`tie`).
+* Pipeline parallelism (Megatron-LM's embedding group): the first stage holds the embedding and the last the
+  head, each its own copy of the weight (:func:`untie`, before the cut). After the layout's reductions the two
+  ranks (pipeline ranks ``r`` and ``pp - 1 - r``) exchange their gradient boxes and both add, so each copy's
+  optimizer entry gets the same gradient and AdamW makes the same update on both; the head's copy is left out of
+  the gradient norm, so the weight counts once. A rank holding both ends (a V-shaped schedule) holds both
+  copies and adds them in place, as does a sharding engine (ZeRO, FSDP, buffer reuse), which wraps the head in a
+  unit of its own (:func:`parallelisms.parallel.flat.module_units`).
+* Wherever one rank holds both copies, only the embedding's is an optimizer parameter: the head's boxes are
+  left out of :meth:`TiedEmbeddings.placements` (so of the optimizer and the checkpoint) and set to the
+  embedding's in :meth:`TiedEmbeddings.after_step`. A head copy on a rank without the embedding is placed under
+  the embedding's name, so checkpoints hold the weight once (``tok_embeddings.weight``) whatever the layout.
+
+:class:`TiedEmbeddings` wraps the layout's gradient sync (any ``GradSync``). It finds the copies through
 ``placements()``: the boxes of ``tok_embeddings.weight`` and of ``output.weight`` that each optimizer parameter
-holds. Every engine shards the two alike (tensor parallelism splits both by vocabulary rows; the sharding
-engines give the head a unit of its own, :func:`parallelisms.parallel.flat.module_units`), so a rank holding
-both copies holds the same boxes of each and adds them in place; under pipeline parallelism the first stage's
-rank and the last stage's (pipeline ranks ``r`` and ``pp - 1 - r``) exchange their boxes over ``comms["pp"]``
-and both add. The gradient norm is taken with the head's boxes zeroed, so the weight counts once, and after
-the optimizer step the head's boxes are set to the embedding's wherever one rank holds both (they are equal
-already: the same gradient and the same AdamW arithmetic; this keeps them bit-equal).
+holds (every engine shards the two alike).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+from torch import nn
 
 from parallelisms.comm import Comms
+from parallelisms.parallel.common import SHARD_ATTR
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 
+def tie(model: nn.Module) -> None:
+    """Make ``model``'s head (when it also holds the embedding) the embedding's own parameter."""
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        assert model.output.weight.shape == model.tok_embeddings.weight.shape
+        model.output.weight = model.tok_embeddings.weight
+
+
+def untie(model: nn.Module) -> None:
+    """Give ``model``'s head a copy of the tied weight of its own (its tensor-parallel marks kept): the
+    pipeline's last stage and the sharding engines' head unit hold the head apart from the embedding."""
+    if model.cfg.tie_embeddings and model.output.weight is model.tok_embeddings.weight:
+        weight = model.tok_embeddings.weight
+        copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        if hasattr(weight, SHARD_ATTR):
+            setattr(copy, SHARD_ATTR, getattr(weight, SHARD_ATTR))
+        model.output.weight = copy
+
+
 class TiedEmbeddings:
-    """``inner`` (a ``GradSync``) with the embedding and head copies' gradients summed in :meth:`finish` and the
-    head left out of :meth:`grad_norm`; every other call goes to ``inner``."""
+    """``inner`` (a ``GradSync``) with the embedding's and head's copies' gradients summed in :meth:`finish`, the
+    head left out of :meth:`grad_norm`, and a local head copy out of :meth:`placements` and refreshed in
+    :meth:`after_step`; every other call goes to ``inner``."""
 
     def __init__(self, inner, comms: Comms):
         self.inner, self.comms = inner, comms
@@ -39,12 +68,18 @@ class TiedEmbeddings:
                     span = (param, piece.flat_lo, piece.flat_lo + math.prod(piece.box_shape))
                     ends[piece.name].setdefault((piece.offsets, piece.sizes), span)
         embedding, head = ends[EMBEDDING], ends[HEAD]
-        self.local = [(embedding[box], head[box]) for box in sorted(embedding.keys() & head.keys())]
-        self.remote = [spans[box] for spans in (embedding, head) for box in sorted(spans.keys() - (embedding.keys()
-                                                                                                    & head.keys()))]
-        self.heads = list(head.values())
+        both = embedding.keys() & head.keys()
+        self.local = [(embedding[box], head[box]) for box in sorted(both)]
         pp = comms["pp"]
-        assert not self.remote or pp.size > 1, "a tied copy without its peer outside pipeline parallelism"
+        # one stage: a head without a copy of its own is the embedding's parameter (nothing to exchange)
+        self.remote = [spans[box] for spans in (embedding, head) for box in sorted(spans.keys() - both)
+                       if pp.size > 1]
+        assert pp.size > 1 or head.keys() <= both, "a tied head copy without its embedding outside pipelines"
+        self.heads = list(head.values())
+        self.copies = {id(param) for _, (param, _, _) in self.local}  # head copies the optimizer leaves out
+        for param, pieces in inner.placements():
+            assert id(param) not in self.copies or all(piece.name == HEAD for piece in pieces), \
+                "a head copy shares an optimizer parameter with other weights"
         self.peer = pp.size - 1 - pp.rank  # the first and last stages' ranks mirror each other
 
     def __getattr__(self, name):
@@ -54,6 +89,11 @@ class TiedEmbeddings:
     def _grad(span) -> torch.Tensor | None:
         param, lo, hi = span
         return None if param.grad is None else param.grad.view(-1)[lo:hi]
+
+    def placements(self) -> list:
+        """The inner placements without the local head copies, other head boxes named as the embedding's."""
+        return [(param, [dataclasses.replace(pc, name=EMBEDDING) if pc.name == HEAD else pc for pc in pieces])
+                for param, pieces in self.inner.placements() if id(param) not in self.copies]
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -82,11 +122,16 @@ class TiedEmbeddings:
             g.copy_(copy)
         return norm
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """After each step of ``optimizer``, set the head's boxes to the embedding's on this rank."""
-        optimizer.register_step_post_hook(lambda *_: self._copy_weights())
-
     @torch.no_grad()
-    def _copy_weights(self) -> None:
+    def after_step(self) -> None:
+        """The local head copies take the embedding's updated (or loaded) values, then the inner after-step."""
         for (e, e_lo, e_hi), (h, h_lo, h_hi) in self.local:
             h.detach().view(-1)[h_lo:h_hi].copy_(e.detach().view(-1)[e_lo:e_hi])
+        self.inner.after_step()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inner full state, the head under its own name too where it is the embedding's parameter."""
+        state = self.inner.full_state_dict()
+        if EMBEDDING in state and HEAD not in state and self.comms["pp"].size == 1:
+            state[HEAD] = state[EMBEDDING]
+        return state

@@ -177,16 +177,19 @@ def rank0_holds_head(parallel: ParallelConfig) -> bool:
 def block_params(cfg: ModelConfig, tp: int) -> float:
     """Parameters one block holds on a rank: its matrices split over ``tp``, its two norm weights whole."""
     d = cfg.dim
-    return ((cfg.num_params() - 2 * cfg.vocab_size * d - d) / cfg.n_layers - 2 * d) / tp + 2 * d
+    tables = 1 if cfg.tie_embeddings else 2  # the embedding and the head (one weight when tied)
+    return ((cfg.num_params() - tables * cfg.vocab_size * d - d) / cfg.n_layers - 2 * d) / tp + 2 * d
 
 
 def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks (:func:`block_params`), the
     vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers too (one
-    stage, or a V-shaped schedule)."""
+    stage, or a V-shaped schedule; a tied head is no table of its own where it is the embedding's parameter:
+    :meth:`ParallelConfig.one_tied_parameter`)."""
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
     head = rank0_holds_head(parallel)
-    return cfg.n_layers // dims.pp * block_params(cfg, dims.tp) + vocab * d / dims.tp * (1 + head) + head * d
+    tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
+    return cfg.n_layers // dims.pp * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,

@@ -439,7 +439,8 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
         not parallel.fsdp and parallel.mixed_precision == "bf16")
     if not flat:
         per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
-        return per_block * layers + 2 + rank0_holds_head(parallel)
+        head = rank0_holds_head(parallel)  # a tied head on the embedding's rank is stepped as the embedding
+        return per_block * layers + 2 + (head and not cfg.tie_embeddings)
     table = cfg.vocab_size * cfg.dim / dims.tp  # (fp32 bytes, holds a block) of each unit
     block, embedding, head = (4 * block_params(cfg, dims.tp), True), (4 * table, False), (4 * (table + cfg.dim), False)
     if dims.pp == 1:
