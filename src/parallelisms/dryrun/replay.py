@@ -30,8 +30,6 @@ import torch
 
 from parallelisms.parallel.pipeline.schedules import Action, Kind
 
-REPLAYED = (Kind.FORWARD, Kind.BACKWARD)
-
 
 @dataclass
 class Recording:
