@@ -201,3 +201,18 @@ def test_dryrun_bad_input_is_one_line(capsys, tmp_path):
     (tmp_path / "tiny.json").write_text(__import__("json").dumps(tiny))
     code, _, err = _main(["dryrun", "--dp", "2", "--hardware", str(tmp_path / "tiny.json")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit: rank 0" in err and "GiB over" in err, err
+
+
+def test_dry_run_peak_is_within_ten_percent_of_the_measured_heap_peak():
+    """2 ranks of DDP: the dry run's peak against the real run's peak heap bytes over the same setup and two
+    steps (dryrun/measured.py: after a warm-up run, above the heap before the model is built)."""
+    from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+    from parallelisms.dryrun.measured import measured_peaks
+    from parallelisms.mesh import ParallelDims
+
+    model = ModelConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=512, max_seq_len=256)
+    train, parallel = TrainConfig(global_batch=8, seq_len=256), ParallelConfig(ParallelDims(dp_replicate=2))
+    measured = measured_peaks(model, train, parallel)
+    dry = [dry_run_rank(model, train, parallel, r).memory["peak_bytes"] for r in range(2)]
+    for d, m in zip(dry, measured):
+        assert abs(d / m - 1) < 0.10, (dry, measured)

@@ -8,6 +8,7 @@ memory per class and the collectives per group per step (:mod:`.report`).
 
 from __future__ import annotations
 
+import functools
 import time
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -28,15 +29,16 @@ def __getattr__(name: str):
 
 
 def dry_run(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, every_rank: bool = False,
-            memory: bool = True, run_rank=None) -> dict:
+            memory: bool = True, run_rank=None, replay: bool = True) -> dict:
     """Dry-run the layout: one rank per class (``every_rank``: all of them), the precheck, the figures. Returns
     ``{"runs": {rank: RankRun}, "classes": {key: ranks}, "precheck": ..., "seconds": ...}``; ``run_rank`` is
-    :func:`dry_run_rank` (tests plant faults through it)."""
+    :func:`dry_run_rank` (tests plant faults through it); ``replay``: :mod:`.replay`'s shortcut (identical
+    microbatches run once)."""
     from parallelisms.dryrun.groups import class_key, rank_classes
     from parallelisms.dryrun.precheck import precheck
     from parallelisms.dryrun.run import dry_run_rank
 
-    run_rank = run_rank or dry_run_rank
+    run_rank = run_rank or functools.partial(dry_run_rank, replay=replay)
     began = time.perf_counter()
     dims = parallel.dims
     classes = rank_classes(dims)

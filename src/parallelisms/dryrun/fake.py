@@ -32,17 +32,30 @@ class RealIndexTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        any_tensor, any_fake = _scan(args, kwargs)
+        if any_tensor and not any_fake:
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if not tensors:  # a factory: integer results (arange, zeros of indices) are decisions, so real
+        if not any_tensor:  # a factory: integer results (arange, zeros of indices) are decisions, so real
             made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             if made and not any(t.is_floating_point() or t.is_complex() for t in made):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
         return out
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[bool, bool]:
+    """Whether an operator's arguments hold a tensor, and a fake one (operator arguments nest one level: a list
+    of tensors at most; this runs on every operator, so without pytree's generality)."""
+    any_tensor = any_fake = False
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                any_tensor = True
+                if isinstance(t, FakeTensor):
+                    return True, True
+    return any_tensor, any_fake
 
 
 @contextmanager

@@ -37,8 +37,9 @@ class MemoryAccount(TorchDispatchMode):
         self.moment = ("setup", "")
         self.step_start = 0          # live bytes as the step began (the persistent state)
         self._trainer = None
-        self._module = ""
+        self.module = ""             # the layer whose forward last began
         self._hook = self._resize = None
+        self.window_peak, self.window_module = 0, ""  # the highest live bytes since :meth:`open_window`, and where
 
     # -- tracking ----------------------------------------------------------------------------------
     def _track(self, t: torch.Tensor) -> None:
@@ -59,10 +60,25 @@ class MemoryAccount(TorchDispatchMode):
             del self._serial[key]
 
     def _maybe_peak(self) -> None:
+        if self.current > self.window_peak:
+            self.window_peak, self.window_module = self.current, self.module
         if self.current > self.peak:
             self.peak = self.current
             self.at_peak = dict(self.live)
-            self.moment = (self._phase(), self._module)
+            self.moment = (self._phase(), self.module)
+
+    def open_window(self) -> int:
+        """Start watching the highest live bytes from now (:attr:`window_peak`); returns the live bytes now."""
+        self.window_peak, self.window_module = self.current, self.module
+        return self.current
+
+    def offer_peak(self, delta: int, module: str) -> None:
+        """A replayed action (:mod:`.replay`) reached ``delta`` bytes over the live bytes now, at ``module``: a
+        peak if that is the highest yet (what it held over the live storages counts as activations)."""
+        if self.current + delta > self.peak:
+            self.peak = self.current + delta
+            self.at_peak = {**self.live, -1: delta}
+            self.moment = (self._phase(), module)
 
     def _phase(self) -> str:
         if self._trainer is None:
@@ -104,7 +120,7 @@ class MemoryAccount(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _enter_module(self, module, _inputs) -> None:
-        self._module = getattr(module, "_dry_run_name", self._module)
+        self.module = getattr(module, "_dry_run_name", self.module)
 
     def start_step(self, trainer) -> None:
         """Called between ``parallelize`` and the step: names the modules (for the moment of the peak) and takes

@@ -16,6 +16,7 @@ from parallelisms.comm.recording import Event, RecordingComms, RecordingLedger
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.dryrun.fake import balance_routing, fake_rank
 from parallelisms.dryrun.memory import MemoryAccount
+from parallelisms.dryrun.replay import MicrobatchReplay
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RankRun:
     records: list                # the same calls as the ledger's CommRecords (compared with a real run's ledger)
     memory: dict = field(default_factory=dict)  # :meth:`MemoryAccount.report`
     seconds: float = 0.0
+    replayed: int = 0            # compute actions replayed (:mod:`.replay`), not run
 
 
 def local_batch(train: TrainConfig, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +52,9 @@ def build_fake_model(model_cfg: ModelConfig, train: TrainConfig):
 
 
 def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelConfig, rank: int,
-                 memory: bool = True) -> RankRun:
-    """Rank ``rank``'s setup and first training step through the real code (see the module docstring)."""
+                 memory: bool = True, replay: bool = True) -> RankRun:
+    """Rank ``rank``'s setup and first training step through the real code (see the module docstring);
+    ``replay``: a pipeline stage's middle microbatches are replayed from the first one (:mod:`.replay`)."""
     from parallelisms.train import parallelize
 
     began = time.perf_counter()
@@ -66,10 +69,20 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
             comms = RecordingComms(meshes, ledger, Timeline(rank, enabled=False))
             trainer = parallelize(model, parallel, train, comms)
             inputs, targets = local_batch(train, parallel)
+            replaying = (MicrobatchReplay(trainer.forward_backward.executor, ledger, account)
+                         if replay and _replayable(trainer, model_cfg, parallel) else None)
             account.start_step(trainer)
             trainer.train_step(inputs, targets)
             events, records = list(ledger.events), list(ledger.records)
             if memory:  # the second step is the steady state (the optimizer's state exists from the first on)
                 trainer.train_step(inputs, targets)
         trainer.grad_sync.remove()
-    return RankRun(rank, events, records, account.report(), time.perf_counter() - began)
+    return RankRun(rank, events, records, account.report(), time.perf_counter() - began,
+                   replaying.replayed if replaying else 0)
+
+
+def _replayable(trainer, model_cfg: ModelConfig, parallel: ParallelConfig) -> bool:
+    """A pipelined step of a dense model other than PipeDream's (whose forward swaps weight versions per
+    microbatch); an MoE layer keeps each forward's routing statistics on itself, which a replay would not."""
+    return (hasattr(trainer.forward_backward, "executor") and not parallel.schedule.startswith("pipedream")
+            and not model_cfg.n_experts)
