@@ -172,6 +172,19 @@ def test_a_correct_layout_passes_with_its_counts():
     assert dataclasses.asdict(parallel.dims)["pp"] == 2
 
 
+def test_float64_and_tied_embeddings_run_dry():
+    """A float64 run (its precheck too) with the head tied to the embedding: the fake parameters are cast as
+    ``build_model`` casts them, the tied weight once, so the parameters weigh twice the fp32 run's."""
+    model, train, parallel = layout_with(["tp", "sp"])
+    model = dataclasses.replace(model, tie_embeddings=True)
+    params = {}
+    for dtype in ("float32", "float64"):
+        result = dry_run(model, train.replace(dtype=dtype), parallel)
+        assert result["precheck"]["ok"], result["precheck"]
+        params[dtype] = result["runs"][0].memory["split"]["params"]
+    assert params["float64"] == 2 * params["float32"] > 0, params
+
+
 def _main(argv, capsys):
     from parallelisms.cli import main
 

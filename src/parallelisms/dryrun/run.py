@@ -46,9 +46,26 @@ def build_fake_model(model_cfg: ModelConfig, train: TrainConfig):
     model_cfg.validate()
     model = Transformer(model_cfg)
     if train.torch_dtype != torch.float32:
-        model = model.to(train.torch_dtype)
+        _cast_floating(model, train.torch_dtype)
+        model.set_rotary_dtype(train.torch_dtype)
     balance_routing(model)
     return model
+
+
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake parameters (``Module.to`` swaps fake tensors, which their weak references
+    refuse): every floating parameter and buffer replaced by its cast, a parameter held by two modules (tied
+    embeddings) by one cast."""
+    cast = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in cast:
+                    new = t.detach().to(dtype)
+                    cast[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                store[name] = cast[id(t)]
 
 
 def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelConfig, rank: int,
