@@ -25,6 +25,7 @@ from parallelisms.flags import DEGREE, check_writable, integer, json_line, numbe
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.cp_modes import MODES
 from parallelisms.export import add_export_parser
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
@@ -94,7 +95,7 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
-    g.add_argument("--cp-attention", help="ring (default: ring attention) or ulysses (all-to-all over heads)")
+    g.add_argument("--cp-attention", help="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()))
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, zb-h2, zb-v, dualpipe, dualpipev "
                                       "or pipedream")
