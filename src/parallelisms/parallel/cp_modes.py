@@ -103,12 +103,24 @@ def _check_ulysses(s: Shape) -> None:
     _heads_fit(s, s.cp, "--cp")
 
 
+def _check_all_gather(s: Shape) -> None:
+    _zigzag_chunks(s, "all-gather attention")
+
+
+def _all_gather_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
+    """K and V (stacked) all-gathered forward; dK and dV reduce-scattered backward."""
+    return [Traffic("all_gather", "cp", 2 * s.cp * kv, 0.0, (1, 0)),
+            Traffic("reduce_scatter", "cp", 0.0, 2 * s.cp * kv, (0, 1))]
+
+
 _CORES = "parallelisms.parallel.context"
 MODES: dict[str, ContextMode] = {m.name: m for m in (
     ContextMode("ring", "ring attention, zigzag shards (default)", f"{_CORES}:ring_core", zigzag, _check_ring,
                 lambda s, q, kv: [_ring_hops("cp", s.cp, kv)]),
     ContextMode("ulysses", "all-to-all over heads", f"{_CORES}:ulysses_core", contiguous, _check_ulysses,
                 lambda s, q, kv: [_all_to_alls("cp", s.cp, q, kv)]),
+    ContextMode("allgather", "K/V all-gathered, queries local (Llama 3)",
+                "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic),
 )}
 
 
