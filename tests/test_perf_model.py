@@ -80,6 +80,7 @@ def test_comm_volumes_follow_the_spec():
 
 
 @pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"],
+                                  ["--dp", "1", "--cp", "2", "--cp-attention", "allgather"],
                                   ["--dp", "2", "--zero", "3", "--mixed-precision", "bf16", "--grad-clip", "0"],
                                   ["--dp", "2", "--zero", "3", "--grad-accum", "2"],  # every microbatch: gathers,
                                   ["--dp", "2", "--fsdp", "shard_grad_op", "--grad-accum", "2"],  # reductions
