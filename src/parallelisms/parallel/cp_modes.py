@@ -113,6 +113,34 @@ def _all_gather_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
             Traffic("reduce_scatter", "cp", 0.0, 2 * s.cp * kv, (0, 1))]
 
 
+def _check_hierarchical(s: Shape) -> None:
+    u = s.ulysses
+    require(1 < u < s.cp and s.cp % u == 0, f"hierarchical context parallelism splits --cp {s.cp} into Ulysses "
+                                            f"inside x ring across; --cp-ulysses-size {u} must divide it, between "
+                                            f"2 and {s.cp // 2}: one of {[d for d in divisors(s.cp) if 1 < d < s.cp]}")
+    _zigzag_chunks(s, "hierarchical context parallelism")
+    _heads_fit(s, u, "--cp-ulysses-size")
+
+
+def _hierarchical_positions(s: Shape, rank: int) -> list[int]:
+    """Outer ring rank o holds zigzag chunks o and 2r-1-o of 2r; its u inner ranks hold a u-th of each, so that
+    Ulysses' all-to-all hands each inner rank the group's whole zigzag pair (for heads/u)."""
+    u, (outer, inner) = s.ulysses, divmod(rank, s.ulysses)
+    pair = zigzag(Shape(s.cp // u, 0, s.n_heads, s.n_kv_heads, s.seq_len), outer)
+    half, piece = len(pair) // 2, len(pair) // (2 * u)
+    return [*pair[inner * piece:(inner + 1) * piece], *pair[half + inner * piece:half + (inner + 1) * piece]]
+
+
+def _hierarchical_groups(s: Shape) -> dict[str, tuple[int, int]]:
+    return {"cp_inner": (s.ulysses, 1), "cp_outer": (s.cp // s.ulysses, s.ulysses)}
+
+
+def _hierarchical_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
+    """Ulysses' all-to-alls inside; the ring across carries K/V blocks of heads/u over u x the tokens: the
+    same bytes as the rank's own K/V."""
+    return [_all_to_alls("cp_inner", s.ulysses, q, kv), _ring_hops("cp_outer", s.cp // s.ulysses, kv)]
+
+
 _CORES = "parallelisms.parallel.context"
 MODES: dict[str, ContextMode] = {m.name: m for m in (
     ContextMode("ring", "ring attention, zigzag shards (default)", f"{_CORES}:ring_core", zigzag, _check_ring,
@@ -121,6 +149,9 @@ MODES: dict[str, ContextMode] = {m.name: m for m in (
                 lambda s, q, kv: [_all_to_alls("cp", s.cp, q, kv)]),
     ContextMode("allgather", "K/V all-gathered, queries local (Llama 3)",
                 "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic),
+    ContextMode("hierarchical", "Ulysses inside --cp-ulysses-size ranks, ring across (USP)",
+                "parallelisms.parallel.cp_hierarchical:hierarchical_core", _hierarchical_positions,
+                _check_hierarchical, _hierarchical_traffic, _hierarchical_groups),
 )}
 
 
