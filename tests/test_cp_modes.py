@@ -1,6 +1,7 @@
 """The context-parallel modes added through the registry (:mod:`parallelisms.parallel.cp_modes`): all-gather
-attention reproduces full causal attention and float64 single-process training (within 1e-10) alone and
-with tensor, data (ZeRO-3) and pipeline parallelism; its rules, sharding and traffic are the registry's."""
+attention and hierarchical (Ulysses inside x ring across) reproduce full causal attention and float64
+single-process training (within 1e-10) alone and with tensor, data (ZeRO-3, ZeRO-1) and pipeline
+parallelism; their collectives are the ones the registry prices; their rules are one line before launch."""
 
 import pytest
 import torch
@@ -19,10 +20,10 @@ from parallelisms.train import RunSpec
 from _launching import launch_reports, one_thread
 
 B, HQ, HKV, S, D = 2, 8, 4, 16, 4
-NEW_MODES = ("allgather",)
+NEW_MODES = {2: ("allgather",), 4: ("allgather", "hierarchical")}  # hierarchical: Ulysses 2 x ring 2
 
 
-def _attention_rank(info, styles):
+def _attention_rank(info):
     n = info.world_size
     comms = Comms(ParallelDims(cp=n).build_meshes(), CommLedger())
     gen = torch.Generator().manual_seed(1)
@@ -31,13 +32,13 @@ def _attention_rank(info, styles):
     ref = CausalAttentionCore()(q, k, v)
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
     results = {}
-    for style in styles:
-        mode = MODES[style]
+    for style in NEW_MODES[n]:
+        mode, parallel = MODES[style], ParallelConfig(ParallelDims(cp=n), cp_attention=style, cp_ulysses_size=2)
         shape = Shape(n, 2, HQ, HKV, S)
         held = [torch.tensor(mode.positions(shape, r)) for r in range(n)]
         pos = held[info.rank]
         module, name = mode.core.split(":")
-        core = getattr(__import__(module, fromlist=[name]), name)(comms, held, CausalAttentionCore(), None)
+        core = getattr(__import__(module, fromlist=[name]), name)(comms, held, CausalAttentionCore(), parallel)
         local = [t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v)]
         mark = comms.ledger.mark()
         with comms.ledger.in_phase("forward"):
@@ -52,14 +53,14 @@ def _attention_rank(info, styles):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def attention(request):
-    return request.param, launch(_attention_rank, request.param, NEW_MODES, threads=1)
+    return request.param, launch(_attention_rank, request.param, threads=1)
 
 
-@pytest.mark.parametrize("style", NEW_MODES)
-def test_matches_full_causal_attention_forward_and_backward(attention, style):
-    _, per_rank = attention
+def test_matches_full_causal_attention_forward_and_backward(attention):
+    n, per_rank = attention
     for result in per_rank:
-        assert result[style]["out_err"] < 1e-12 and result[style]["grad_err"] < 1e-12, result[style]
+        for style in NEW_MODES[n]:
+            assert result[style]["out_err"] < 1e-12 and result[style]["grad_err"] < 1e-12, (style, result[style])
 
 
 def test_all_gather_gathers_k_and_v_once_and_reduce_scatters_their_gradients(attention):
@@ -67,6 +68,16 @@ def test_all_gather_gathers_k_and_v_once_and_reduce_scatters_their_gradients(att
     kv = 2 * B * HKV * S * D  # K and V of the whole sequence: the gather's output, the reduce-scatter's input
     assert per_rank[0]["allgather"]["records"] == [("all_gather", "cp", kv, "forward"),
                                                    ("reduce_scatter", "cp", kv, "backward")]
+
+
+def test_hierarchical_runs_all_to_alls_inside_and_the_ring_across(attention):
+    n, per_rank = attention
+    if n != 4:
+        pytest.skip("hierarchical needs cp 4 here (Ulysses 2 x ring 2)")
+    records = per_rank[0]["hierarchical"]["records"]
+    forward = [(kind, dim) for kind, dim, _, phase in records if phase == "forward"]
+    assert forward.count(("all_to_all", "cp_inner")) == 4 and forward.count(("send", "cp_outer")) == 2  # K, V: 1 hop
+    assert {dim for _, dim, _, _ in records} == {"cp_inner", "cp_outer"}
 
 
 MODEL = preset("tiny")
@@ -78,6 +89,12 @@ LAYOUTS = {
     "allgather_dp2_cp2_zero3": ParallelConfig(ParallelDims(dp_shard=2, cp=2), zero=3, cp_attention="allgather"),
     "allgather_pp2_cp2_1f1b": ParallelConfig(ParallelDims(pp=2, cp=2), schedule="1f1b", microbatches=4,
                                              cp_attention="allgather"),
+    "hierarchical_cp4": ParallelConfig(ParallelDims(cp=4), cp_attention="hierarchical", cp_ulysses_size=2),
+    "hierarchical_cp4_tp2": ParallelConfig(ParallelDims(cp=4, tp=2), cp_attention="hierarchical", cp_ulysses_size=2),
+    "hierarchical_dp2_cp4_zero1": ParallelConfig(ParallelDims(dp_shard=2, cp=4), zero=1, cp_attention="hierarchical",
+                                                 cp_ulysses_size=2),
+    "hierarchical_pp2_cp4_1f1b": ParallelConfig(ParallelDims(pp=2, cp=4), schedule="1f1b", microbatches=4,
+                                                cp_attention="hierarchical", cp_ulysses_size=2),
 }
 SPECS = {name: RunSpec(MODEL, TRAIN, parallel, collect_state=True) for name, parallel in LAYOUTS.items()}
 REPORTS = launch_reports(SPECS)
@@ -94,7 +111,7 @@ def test_float64_training_matches_single_process(name):
 
 @pytest.mark.fast
 def test_zigzag_positions_cover_the_sequence_with_equal_causal_work():
-    for style in ("allgather",):
+    for style in ("allgather", "hierarchical"):
         shape = Shape(4, 2, 4, 2, 64)
         held = [MODES[style].positions(shape, r) for r in range(4)]
         assert sorted(sum(held, [])) == list(range(64))
@@ -105,3 +122,7 @@ def test_zigzag_positions_cover_the_sequence_with_equal_causal_work():
 def test_the_rules_are_one_line_before_launch():
     with pytest.raises(ConfigError, match="all-gather attention with --cp 4 cuts the sequence into 2 x cp = 8"):
         MODES["allgather"].check(Shape(4, 0, 4, 2, 12))
+    with pytest.raises(ConfigError, match="--cp-ulysses-size 3 must divide it, between 2 and 2: one of \\[2\\]"):
+        MODES["hierarchical"].check(Shape(4, 3, 4, 2, 16))
+    with pytest.raises(ConfigError, match="Ulysses --cp-ulysses-size 4 gives each rank heads/4"):
+        MODES["hierarchical"].check(Shape(8, 4, 2, 1, 16))

@@ -277,7 +277,8 @@ def apply_context_parallel(model: nn.Module, comms: Comms, parallel, seq_len: in
     this rank's tokens (the mode's sharding), which the runner slices and passes on."""
     mode = MODES[parallel.cp_attention]
     comm = comms["cp"]
-    shape = Shape(comm.size, parallel.cp_ulysses_size, 0, 0, seq_len)  # the heads matter to the rules only
+    # the heads matter to the rules only; a one-rank build (no cp group) splits one rank
+    shape = Shape(comm.size, min(parallel.cp_ulysses_size, comm.size), 0, 0, seq_len)
     held = [torch.tensor(mode.positions(shape, r)) for r in range(comm.size)]
     positions = held[comm.rank]
     shard_moe_sequences(model, cp=comm, positions=positions, order=torch.argsort(torch.cat(held)))

@@ -6,6 +6,8 @@ collectives blocking) and the calls it meets its peers in. ``perf.model`` sums t
 
 from __future__ import annotations
 
+from typing import Callable
+
 from parallelisms.comm.ledger import ring_bytes_per_rank
 from parallelisms.config import ModelConfig, ParallelConfig
 from parallelisms.parallel.cp_modes import MODES, ContextMode, Shape
@@ -37,13 +39,11 @@ def context_calls(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, int]
     return sum(t.calls[0] for t in traffic), sum(t.calls[1] for t in traffic)
 
 
-def context_times(hw: Hardware, cfg: ModelConfig, parallel: ParallelConfig, q_bytes: float,
-                  kv_bytes: float, attention_core: float) -> dict[str, tuple[float, float]]:
+def context_times(hw: Hardware, cfg: ModelConfig, parallel: ParallelConfig, q_bytes: float, kv_bytes: float,
+                  attention_core: float, behind: Callable) -> dict[str, tuple[float, float]]:
     """Exposed (forward, backward) seconds per layer of each exchange, named ``kind/group``. A ring's hop h
     runs under the attention of block h (forward: K and V; backward: K, V, dK and dV, twice the bytes); the
-    first is exposed."""
-    from parallelisms.perf.step import _behind
-
+    first is exposed; ``behind(hw, seconds, window)``: the exposed part of a collective under compute."""
     mode, shape = _mode(cfg, parallel)
     groups = mode.groups(shape)
     out = {}
@@ -56,8 +56,8 @@ def context_times(hw: Hardware, cfg: ModelConfig, parallel: ParallelConfig, q_by
         if t.hidden:
             hop_f = time(t.kind, t.forward / t.calls[0], 1)
             hop_b = time(t.kind, 2 * t.forward / t.calls[0], 1)
-            forward = hop_f + (t.calls[0] - 1) * _behind(hw, hop_f, attention_core / n)
-            backward = hop_b + (t.calls[1] - 1) * _behind(hw, hop_b, 2.5 * attention_core / n)
+            forward = hop_f + (t.calls[0] - 1) * behind(hw, hop_f, attention_core / n)
+            backward = hop_b + (t.calls[1] - 1) * behind(hw, hop_b, 2.5 * attention_core / n)
         else:
             forward = time(t.kind, t.forward, t.calls[0])
             backward = time(t.kind, t.backward, t.calls[1])

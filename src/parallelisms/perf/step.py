@@ -134,7 +134,7 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         out[name] = (forward, backward)
     if dims.cp > 1:
         kv, q = (shape.tokens * width / dims.tp * e for width in (cfg.n_kv_heads * cfg.head_dim, cfg.q_dim))
-        out.update(context_times(hw, cfg, parallel, q, kv, times.attention_core))  # the mode's (perf.context)
+        out.update(context_times(hw, cfg, parallel, q, kv, times.attention_core, _behind))  # the mode's (perf.context)
     if dims.ep > 1 and cfg.n_experts:
         routed = shape.tokens * cfg.top_k * cfg.dim * e
         a2a = _comm(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
@@ -328,7 +328,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
     m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
-        if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
+        if v.dim in ("tp", "ep", "pp") or v.dim.startswith("cp") or v.bytes_per_rank <= 0:  # per layer: cp_inner too
             continue
         n, stride = group(parallel, v.dim)
         if n <= 1:
