@@ -10,9 +10,6 @@ from parallelisms.config import TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.model import build_model
 from parallelisms.parallel.flat import module_units
-import pytest
-
-pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 
 def test_transient_peak_counts_what_a_call_holds_at_once():

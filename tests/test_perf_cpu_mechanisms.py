@@ -286,7 +286,6 @@ def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
         assert (cat_f, cat_b) == sequence_parallel_copies(LayerShape(SMALL, 1, 128, tp=2, sp=sp), 4)
 
 
-@pytest.mark.fast
 def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     """A block's second backward adds its weight gradients to the first's (AccumulateGrad's add_: read two,
     write one), the bytes accumulation_time prices per microbatch after a step's first; the first adds none;

@@ -9,9 +9,6 @@ from parallelisms.config import PRESETS, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.config import ParallelConfig
 from parallelisms.support import validate_layout
-import pytest
-
-pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 GPT3 = ["--preset", "gpt3-175b", "--global-batch", "1536", "--seq-len", "2048", "--hardware", "a100"]
 
