@@ -4,6 +4,7 @@ import dataclasses
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.cp_modes import MODES
 
 DEEP = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
 DEEP_MOE = dataclasses.replace(DEEP, n_experts=4, top_k=2)
@@ -27,8 +28,9 @@ def layout_with(names) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
         elif name in ("tp", "sp", "tp-overlap"):
             dims["tp"] = 2
             opts.update({"sp": {"sequence_parallel": True}, "tp-overlap": {"tp_overlap": True}}.get(name, {}))
-        elif name in ("ring", "ulysses"):
-            dims["cp"], opts["cp_attention"] = 2, name
+        elif name in MODES:  # a context-parallel mode (hierarchical: Ulysses 2 x ring 2)
+            dims["cp"], opts["cp_attention"] = 4 if name == "hierarchical" else 2, name
+            opts["cp_ulysses_size"] = 2 if name == "hierarchical" else 0
         elif name in ("moe", "ep"):
             model = DEEP_MOE
             if name == "ep":  # carved out of the data-parallel ranks (added below if no feature brings them)

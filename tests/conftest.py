@@ -3,6 +3,10 @@ and launches its ranks from a forkserver that has imported torch once (``PARALLE
 8-rank launch takes half a second instead of eight. The fault tests pin the default, ``spawn``, where they need
 it; ``test_launch`` checks both.
 
+Tiers: ``-m fast`` runs the tests marked ``fast`` (a file's ``pytestmark`` or a test's decorator): pure
+functions that start no process (schedules, the performance model, configuration and its rules, the modes'
+descriptors), a fraction of the suite's time; the suite without ``-m`` runs everything.
+
 A test or fixture that times how fast something ends runs :func:`alone`: no test of another worker runs
 meanwhile (an exclusive lock that every other test holds shared), so its bound holds on a busy machine too."""
 

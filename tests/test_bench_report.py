@@ -3,6 +3,9 @@ JSON (no bench runs here: a report of two rows, one failed)."""
 
 import importlib.util
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("bench_report", ROOT / "scripts" / "bench_report.py")

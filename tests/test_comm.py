@@ -13,6 +13,7 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 
 
+@pytest.mark.fast
 def test_ring_formulas():
     assert ring_bytes_per_rank("all_reduce", 1000, 4) == 1500
     assert ring_bytes_per_rank("all_gather", 1000, 4) == 750
@@ -21,6 +22,7 @@ def test_ring_formulas():
     assert ring_bytes_per_rank("send", 1000, 4) == 1000 and ring_bytes_per_rank("recv", 1000, 4) == 0
 
 
+@pytest.mark.fast
 def test_one_rank_comm_is_a_no_op():
     comms = Comms()
     x = torch.ones(3)
@@ -158,6 +160,7 @@ def test_ledger_bytes(four_ranks):
     assert four_ranks[0]["span_kinds"] == ["comm", "wait"]
 
 
+@pytest.mark.fast
 def test_overlap_stats_arithmetic():
     t = Timeline(0)
     t.add("backward", "compute", 0, 100)

@@ -87,6 +87,7 @@ def test_ulysses_uses_two_all_to_alls_each_way(attention):
     assert [r[0] for r in records if r[2] == "backward"] == ["all_to_all"] * 4
 
 
+@pytest.mark.fast
 def test_zigzag_shards_cover_the_sequence_and_balance_causal_work():
     n, seq = 4, 32
     shards = [shard_sequence(seq, r, n, zigzag=True) for r in range(n)]
@@ -97,6 +98,7 @@ def test_zigzag_shards_cover_the_sequence_and_balance_causal_work():
     assert max(contiguous) > 3 * min(contiguous)          # why zigzag: contiguous chunks are unbalanced
 
 
+@pytest.mark.fast
 def test_block_plan_skips_masked_blocks_and_masks_only_the_diagonal():
     n, seq = 4, 32   # chunks of 4 positions; rank 1 holds chunks 1 and 6
     q = shard_sequence(seq, 1, n, zigzag=True)

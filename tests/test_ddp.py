@@ -160,6 +160,7 @@ def test_buckets_are_rebuilt_in_the_observed_gradient_order(run):
     assert torch.allclose(torch.tensor(order["grad"]), model.first.weight.grad / world, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_bucket_cut_in_ready_order_with_an_optional_smaller_first_bucket():
     from parallelisms.parallel.data import _buckets_in_ready_order
     params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 100, 300, 300, 300])]

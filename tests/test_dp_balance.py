@@ -37,6 +37,7 @@ def test_balanced_training_equals_single_process_training(name):
     assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
 
 
+@pytest.mark.fast
 def test_proportional_split():
     assert proportional_split([1.0, 1.0], 16, 1) == [8, 8]
     assert proportional_split([3.0, 1.0], 16, 1) == [12, 4]
@@ -45,6 +46,7 @@ def test_proportional_split():
     assert sum(proportional_split([1.0, 2.0, 3.0], 60, 1)) == 60
 
 
+@pytest.mark.fast
 def test_the_split_resumes_from_the_data_state():
     balance = DataBalance(None, 2, 0, 16, 1, 0)
     balance.load_state_dict({"step": 3, "dp_split": [12, 4]})
@@ -54,6 +56,7 @@ def test_the_split_resumes_from_the_data_state():
     assert other.split == [4, 4, 4, 4]
 
 
+@pytest.mark.fast
 def test_bad_settings_are_one_line():
     parallel = ParallelConfig(dims=ParallelDims(pp=2, dp_replicate=2), dp_balance="measured")
     with pytest.raises(ConfigError, match="pipeline"):

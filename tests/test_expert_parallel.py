@@ -39,6 +39,7 @@ def _naive_moe(moe: MoE, x):
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, 0.5])
+@pytest.mark.fast
 def test_moe_equals_token_by_token_experts(capacity_factor):
     model = build_model(dataclasses.replace(MOE, capacity_factor=capacity_factor), seed=1)
     moe = model.layers["0"].feed_forward
@@ -57,6 +58,7 @@ def test_moe_equals_token_by_token_experts(capacity_factor):
         assert counts.sum() == 2 * 12 * MOE.top_k
 
 
+@pytest.mark.fast
 def test_grouped_gemm_handles_empty_experts():
     gen = torch.Generator().manual_seed(0)
     w_gate, w_up, w_down = torch.randn(4, 6, 5, generator=gen), torch.randn(4, 6, 5, generator=gen), torch.randn(
@@ -68,6 +70,7 @@ def test_grouped_gemm_handles_empty_experts():
     assert torch.allclose(grouped_swiglu(x, counts, w_gate, w_up, w_down), expected, atol=1e-5)
 
 
+@pytest.mark.fast
 def test_routing_and_aux_loss_do_not_depend_on_how_the_batch_is_split():
     moe = build_model(dataclasses.replace(MOE, capacity_factor=1.0), seed=2).layers["1"].feed_forward
     x = torch.randn(4, 10, MOE.dim, generator=torch.Generator().manual_seed(3))
@@ -166,6 +169,7 @@ def test_bad_expert_parallel_input(capsys, argv, fragment):
     assert len(err) == 1 and fragment in err[0], err
 
 
+@pytest.mark.fast
 def test_the_loss_holds_the_load_balancing_term():
     """The model's loss is the cross-entropy plus aux_loss_coef x the layers' load-balancing losses (a bug
     here is in code verify's reference shares, so only a test of the model sees it)."""
@@ -181,6 +185,7 @@ def test_the_loss_holds_the_load_balancing_term():
     assert loss.item() == pytest.approx((cross_entropy + MOE.aux_loss_coef * aux).item(), rel=1e-6)
 
 
+@pytest.mark.fast
 def test_capacity_keeps_exactly_capacity_assignments():
     """Every token prefers expert 0, so it is oversubscribed: exactly ceil(factor x seq x k / E) of its
     assignments per sequence are kept, the earliest ones."""

@@ -12,6 +12,7 @@ from parallelisms.cli import build_configs, build_parser, main, prepare
 from parallelisms.errors import ConfigError
 
 
+@pytest.mark.fast
 def test_a_layout_that_does_not_fit_is_refused_before_launch(capsys, monkeypatch):
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
     assert main(["train", "--preset", "llama3-8b", "--steps", "1"]) == 2
@@ -27,6 +28,7 @@ def test_force_skips_the_check():
     assert placement.device == "cpu" and parallel.dims.world_size == 2
 
 
+@pytest.mark.fast
 def test_the_check_counts_every_rank_of_the_machine_and_the_dtype():
     model, train, parallel = build_configs(build_parser().parse_args(["train", "--dp", "4"]))
     per_rank = fit.rank_bytes(model, train, parallel)
@@ -38,6 +40,7 @@ def test_the_check_counts_every_rank_of_the_machine_and_the_dtype():
     fit.check_fits(model, train, parallel, "cuda", 4, "tiny", available=int(per_rank))  # one rank per GPU
 
 
+@pytest.mark.fast
 def test_a_rank_killed_for_memory_is_named_out_of_memory(monkeypatch):
     killed = {1: types.SimpleNamespace(exitcode=-signal.SIGKILL, message="Signal 9 (SIGKILL) received by PID 7",
                                        timestamp=1)}

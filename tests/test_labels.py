@@ -9,6 +9,8 @@ from parallelisms.cli import build_configs, build_parser, main
 from parallelisms.config import ParallelConfig
 from parallelisms.mesh import ParallelDims
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 
 @pytest.mark.parametrize("layout, label", [
     (ParallelConfig(), "single"),

@@ -5,6 +5,9 @@ import ast
 import pathlib
 
 import parallelisms
+import pytest
+
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 SRC = pathlib.Path(parallelisms.__file__).parent
 ABOVE_THE_PARALLELISMS = ("parallelisms.train", "parallelisms.verify", "parallelisms.cli", "parallelisms.bench",

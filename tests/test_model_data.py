@@ -10,6 +10,8 @@ from parallelisms.data import BatchLoader, ByteTokenizer, load_corpus
 from parallelisms.data.loader import microbatches
 from parallelisms.model import build_model
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 
 def test_tiny_forward_backward_and_determinism():
     cfg = preset("tiny")

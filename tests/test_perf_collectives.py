@@ -4,6 +4,8 @@ import pytest
 
 from parallelisms.perf.collectives import AlphaBeta, fit
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 
 def test_fused_bucket_saves_k_minus_one_latencies():
     model = AlphaBeta(alpha_s=50e-6, beta_s_per_byte=1e-9)

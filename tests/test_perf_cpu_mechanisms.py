@@ -24,6 +24,7 @@ def _step(hw, dims, **options):
     return predict_step(SMALL, ParallelConfig(dims, **options), TRAIN, hw)
 
 
+@pytest.mark.fast
 def test_gpu_presets_keep_the_cpu_mechanisms_off():
     for hw in (hw for hw in PRESETS.values() if not hw.cores):
         assert (hw.attention_fraction, hw.optimizer_tbps, hw.optimizer_tensor_us, hw.comm_cpu_fraction,
@@ -31,6 +32,7 @@ def test_gpu_presets_keep_the_cpu_mechanisms_off():
         assert hw.ranks_per_core(64) == 1  # no cores: a device each
 
 
+@pytest.mark.fast
 def test_a_rank_with_several_cores_runs_its_work_over_their_threads():
     """One rank on a 4-core CPU gets 4 intra-op threads (the launcher's cores // ranks): its GEMM, memory and
     optimizer rates are 4 threads' (each measured with every core busy) and its dispatch stays one thread's.
@@ -49,12 +51,14 @@ def test_a_rank_with_several_cores_runs_its_work_over_their_threads():
     assert alone < 0.5 * _step(dataclasses.replace(CPU, cores=1), ParallelDims())["step_s"]
 
 
+@pytest.mark.fast
 def test_attention_time_scales_with_the_measured_fraction():
     shape = LayerShape(SMALL, 4, 128)
     half = dataclasses.replace(CPU, attention_fraction=CPU.attention_fraction / 2)
     assert _attention_core(half, shape)[0] == pytest.approx(2 * _attention_core(CPU, shape)[0])
 
 
+@pytest.mark.fast
 def test_attention_backward_is_the_measured_multiple_of_its_forward():
     """The attention kernel's backward is ``attention_backward`` times its forward (2.5 on GPUs: FlashAttention's
     FLOPs), and nothing else in the layer moves with it."""
@@ -67,6 +71,7 @@ def test_attention_backward_is_the_measured_multiple_of_its_forward():
     assert layer_times(slower, shape).forward == layer_times(CPU, shape).forward
 
 
+@pytest.mark.fast
 def test_cold_operands_cost_their_bytes_at_memory_bandwidth_on_cpus_only():
     """On a CPU a GEMM waits for the operand elements it reads from memory (a weight once per pass): ``cold``
     elements add their bytes over the elementwise bandwidth; a GPU streams them under the compute (roofline)."""
@@ -87,6 +92,7 @@ def test_cold_operands_cost_their_bytes_at_memory_bandwidth_on_cpus_only():
     assert sum(g[4] for g in weight_grads) == 128 * (3 * SMALL.dim + SMALL.ffn_dim)
 
 
+@pytest.mark.fast
 def test_cpu_elementwise_counts_the_eager_operators():
     shape = LayerShape(SMALL, 4, 128)
     # 20 D + 11 Q + 9 K + 2 (Q + K) (grouped heads) + 5 F elements per token, 4 bytes each
@@ -96,6 +102,7 @@ def test_cpu_elementwise_counts_the_eager_operators():
     assert layer_times(CPU, shape).forward > layer_times(fused, shape).forward
 
 
+@pytest.mark.fast
 def test_optimizer_time_follows_its_rate_and_tensor_count():
     """The optimizer's time is its bytes at the measured rate plus its tensors at the measured time each:
     doubling the time per tensor adds the tensor part once, halving the rate adds the byte part once."""
@@ -110,6 +117,7 @@ def test_optimizer_time_follows_its_rate_and_tensor_count():
         base + (base - tensors))
 
 
+@pytest.mark.fast
 def test_overlapped_collectives_cost_their_cpu_share():
     dims = ParallelDims(dp_shard=2)
     hidden = _step(dataclasses.replace(CPU, comm_cpu_fraction=0.0), dims, zero=3)
@@ -117,6 +125,7 @@ def test_overlapped_collectives_cost_their_cpu_share():
     assert busy["step_s"] > hidden["step_s"]
 
 
+@pytest.mark.fast
 def test_overlapped_collectives_cost_their_calls_worker_overhead():
     """Each asynchronous data-parallel call (ZeRO-3's gathers per unit and pass, its reduce-scatters, the
     gradient norm's all-reduce blocking) adds ``overlap_overhead_us`` to its exposed time; blocking ones none."""
@@ -132,6 +141,7 @@ def test_overlapped_collectives_cost_their_calls_worker_overhead():
     assert sum(calls for _, role, _, calls in traffic if role == "gather") > 1
 
 
+@pytest.mark.fast
 def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
     """Eight ranks on two cores: the cores run whichever rank is ready, so the step is four times one rank's
     CPU work (compute, optimizer, the CPU share of every collective and the asynchronous ones' worker overhead,
@@ -183,6 +193,7 @@ def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
                                                                          Layout.of(c.model, c.layout, c.train), traffic)
 
 
+@pytest.mark.fast
 def test_sequence_parallel_prices_the_norm_weight_all_reduces():
     """Under SP a layer's backward holds its two norm weights' gradient all-reduces over tp: making all-reduces
     free takes exactly their time off (the layer's other tp collectives are all-gathers and reduce-scatters)."""
@@ -200,6 +211,7 @@ def test_sequence_parallel_prices_the_norm_weight_all_reduces():
 
 @pytest.mark.parametrize("key,value", [("attention_fraction", 1.5), ("comm_cpu_fraction", 2), ("optimizer_tbps", -1),
                                        ("optimizer_tensor_us", "x")])
+@pytest.mark.fast
 def test_hardware_file_rejects_bad_mechanism_values(tmp_path, key, value):
     path = tmp_path / "hw.json"
     raw = {k: v for k, v in CPU.to_json().items() if k != "measurements"}

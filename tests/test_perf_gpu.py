@@ -14,6 +14,8 @@ from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS
 from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import PRESETS as HARDWARE
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 H100, A100 = HARDWARE["h100"], HARDWARE["a100"]
 BIG = (16384, 16384, 16384)  # compute-bound, whole waves, long reduction
 

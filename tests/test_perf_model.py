@@ -16,12 +16,14 @@ MIB = 2**20
     ({"tp": 8, "recompute": "selective"}, 312), ({"tp": 8, "sequence_parallel": True, "recompute": "selective"}, 102),
     ({"tp": 8, "recompute": "full"}, 48),
 ])
+@pytest.mark.fast
 def test_korthikanti_table2_worked_values(kwargs, mib):
     """GPT-3 175B: a=96, h=12288, s=2048, b=1, t=8 (MiB per layer)."""
     got = activation_bytes_per_layer(seq=2048, batch=1, hidden=12288, heads=96, **kwargs) / MIB
     assert got == pytest.approx(mib, abs=0.5)
 
 
+@pytest.mark.fast
 def test_interleaving_multiplies_first_stage_activations():
     assert pipeline_activation_factor(pp=4) == 1.0
     assert pipeline_activation_factor(pp=4, chunks=2) == pytest.approx(1 + 3 / 8)
@@ -29,6 +31,7 @@ def test_interleaving_multiplies_first_stage_activations():
 
 @pytest.mark.parametrize("n, stage, gb", [(4, 1, 52.5), (4, 2, 41.3), (4, 3, 30), (64, 1, 31.4), (64, 2, 16.6),
                                           (64, 3, 1.88), (1024, 3, 0.12), (16, 2, 21.6)])
+@pytest.mark.fast
 def test_zero_table1_7_5b(n, stage, gb):
     """ZeRO Table 1, 7.5B parameters, mixed-precision Adam (K = 12): GB per device (the paper truncates)."""
     parallel = ParallelConfig(ParallelDims(dp_shard=n), zero=stage, mixed_precision="bf16")
@@ -37,10 +40,12 @@ def test_zero_table1_7_5b(n, stage, gb):
 
 
 @pytest.mark.parametrize("layers, hidden, billions", [(24, 2304, 1.7), (30, 3072, 3.6), (36, 4096, 7.5)])
+@pytest.mark.fast
 def test_narayanan_parameter_counts(layers, hidden, billions):
     assert gpt_params(layers, hidden, vocab=51200, seq=2048) / 1e9 == pytest.approx(billions, abs=0.06)
 
 
+@pytest.mark.fast
 def test_flops_formulas():
     # recompute adds one forward: 96 vs 72 on the layer term
     full = gpt_flops_per_iteration(512, 2048, 24, 2304, 51200, full_recompute=True)
@@ -53,6 +58,7 @@ def test_flops_formulas():
     assert per_token == pytest.approx(6 * matmul + 12 * cfg.n_layers * cfg.dim)
 
 
+@pytest.mark.fast
 def test_comm_volumes_follow_the_spec():
     cfg, train = preset("tiny"), TrainConfig(global_batch=16, seq_len=32)
     g = cfg.num_params() * 4
@@ -80,6 +86,8 @@ def test_comm_volumes_follow_the_spec():
 
 
 @pytest.mark.parametrize("argv", [["--dp", "2", "--cp", "2"], ["--dp", "1", "--cp", "2", "--cp-attention", "ulysses"],
+                                  ["--dp", "1", "--cp", "2", "--cp-attention", "allgather"],
+                                  ["--dp", "1", "--cp", "4", "--cp-attention", "hierarchical", "--cp-ulysses-size", "2"],
                                   ["--dp", "2", "--zero", "3", "--mixed-precision", "bf16", "--grad-clip", "0"],
                                   ["--dp", "2", "--zero", "3", "--grad-accum", "2"],  # every microbatch: gathers,
                                   ["--dp", "2", "--fsdp", "shard_grad_op", "--grad-accum", "2"],  # reductions
@@ -104,6 +112,7 @@ def test_prediction_matches_the_ledger_of_a_real_run(capsys, argv):
         assert measured[kind] == pytest.approx(predicted, rel=1e-12), kind
 
 
+@pytest.mark.fast
 def test_estimate_command(capsys):
     import json
 

@@ -24,6 +24,7 @@ def test_train_predict_sets_the_model_beside_the_run(capsys):
     assert memory["predicted_model_states"] == pytest.approx(memory["measured_model_states"], rel=1e-4)
 
 
+@pytest.mark.fast
 def test_bench_predict_takes_the_collectives_median_over_the_run():
     """Collective alphas and the meeting overhead scatter from one launch to the next: each case gets their
     median over the run's calibrations, while its compute rates stay the ones measured around it."""
@@ -43,6 +44,7 @@ def test_bench_predict_takes_the_collectives_median_over_the_run():
     assert case.peak_tflops == 0.08 and case.collectives["send"]["alpha_us"] == 500
 
 
+@pytest.mark.fast
 def test_measured_phases_are_per_step_medians_after_the_first():
     """A phase's spans are summed step by step (two microbatches a step here) and the median taken over the
     steps the step time's is (all but the first): warm-up steps (the first three here) do not lift it as a

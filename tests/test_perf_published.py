@@ -13,6 +13,8 @@ from parallelisms.perf.hardware import PRESETS as HARDWARE
 from parallelisms.perf.model import gpt_flops_per_iteration, gpt_params, model_state_bytes
 from parallelisms.perf.step import predict_step
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 A100 = HARDWARE["a100"]
 ZERO_TABLE1 = {  # N_d: cells for 7.5B, 128B, 1T at stages 1, 2, 3 (GB per device, as printed)
     1: ("120", "120", "120", "2048", "2048", "2048", "16000", "16000", "16000"),

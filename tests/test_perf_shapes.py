@@ -8,6 +8,8 @@ import pytest
 from parallelisms.cli import build_configs, build_parser
 from parallelisms.config import PRESETS, ConfigError, load_hf_config
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 
 def _model(*argv):
     return build_configs(build_parser().parse_args(["estimate", *argv]))[0]

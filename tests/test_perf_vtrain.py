@@ -9,6 +9,8 @@ import pytest
 from parallelisms.perf.hardware import PRESETS
 from parallelisms.perf.vtrain import configs, errors, load_runs, padded_vocab, summary
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 DATA = Path(__file__).parent / "data" / "vtrain_single_node_a100.csv"
 
 

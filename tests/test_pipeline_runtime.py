@@ -79,6 +79,7 @@ def test_train_trace_shows_every_action(tmp_path, capsys):
     assert 0.0 <= report["pipeline"]["simulated_bubble_rate"] < 1.0
 
 
+@pytest.mark.fast
 def test_balancing_by_cost_beats_equal_layer_counts():
     layers, embed, head = [1.0] * 8, 0.2, 3.0  # a large vocabulary head
     equal = equal_bounds(8, 4)

@@ -12,6 +12,8 @@ from parallelisms.parallel.pipeline.schedules import (
 from parallelisms.parallel.pipeline.simulate import Times, plot, simulate
 from parallelisms.parallel.pipeline.validate import ScheduleValidationError, validate
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 
 def _cases():
     for name in SCHEDULES:

@@ -54,6 +54,7 @@ def _deferred_grads(store, run, *leaves):
     return before, [leaf.grad for leaf in leaves]
 
 
+@pytest.mark.fast
 def test_flush_accumulates_into_the_region_of_a_flat_leaf_buffer():
     """Two weights attached as views of one flat leaf (the flat engine's ``unit.full``): the flush adds each
     gradient into its region of the buffer's ``.grad`` (allocated as zeros), exactly autograd's result, and
@@ -75,6 +76,7 @@ def test_flush_accumulates_into_the_region_of_a_flat_leaf_buffer():
     assert torch.equal(flat.grad, 2 * expected)
 
 
+@pytest.mark.fast
 def test_weights_computed_in_forward_are_not_deferred():
     """A leaf and a view of a leaf defer; a computed weight (a gathered, narrowed KV weight) does not: its
     gradient flows on through autograd to its leaf at once."""
@@ -94,6 +96,7 @@ def test_weights_computed_in_forward_are_not_deferred():
 
 
 @pytest.mark.parametrize("sequence_parallel, overlap", [(False, False), (True, True)])
+@pytest.mark.fast
 def test_tensor_parallel_layers_defer_their_weight_gradients(sequence_parallel, overlap):
     """A column region (two weights, one computed) feeding a row-parallel layer, on a one-rank region holding
     the store: the input gradient is complete after the deferred backward, the leaf weights' gradients appear
@@ -114,6 +117,7 @@ def test_tensor_parallel_layers_defer_their_weight_gradients(sequence_parallel, 
         torch.testing.assert_close(got, want, rtol=TOLERANCE_FLOAT64, atol=0)
 
 
+@pytest.mark.fast
 def test_split_linears_hands_the_store_to_every_tensor_parallel_region():
     model = build_model(PRESETS["tiny"], seed=0, dtype=torch.float64)
     apply_tensor_parallel(model, Comm("tp"), sequence_parallel=True)

@@ -60,6 +60,7 @@ def _rows(*notes):
     return torch.tensor(notes, dtype=torch.int64).reshape(-1, 6)
 
 
+@pytest.mark.fast
 def test_waits_follow_arrivals():
     """A blocking all-reduce where rank 1 arrives 30 us after rank 0; an asynchronous one rank 0 issued at 0 and
     blocked on at 50 while rank 1 arrived at 80 (rank 0 lost 30, not 80); a send rank 0 made at 200 to rank 1,
@@ -83,6 +84,7 @@ def test_waits_follow_arrivals():
     json.dumps(events)
 
 
+@pytest.mark.fast
 def test_clock_offsets_move_other_hosts_onto_rank_0():
     """Rank 1's clock runs 5000 ns ahead: with that offset its arrival 5030 is rank 0's 30."""
     report = StragglerReport(2, [0, 5000], "offsets", trace=False)

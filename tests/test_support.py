@@ -11,6 +11,8 @@ from parallelisms.support import UNSUPPORTED, check_pairs, features, not_support
 
 from _layouts import layout_with
 
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
+
 @pytest.mark.parametrize("pair", sorted(sorted(p) for p in UNSUPPORTED), ids="+".join)
 def test_every_unsupported_pair_fails_before_launch_with_its_reason(pair):
     with pytest.raises(ConfigError) as exc:

@@ -226,6 +226,7 @@ def test_bad_layouts_fail_before_launch(changes, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.fast
 def test_bad_model_shapes_fail_before_launch():
     cases = [(ModelConfig(n_heads=4, n_kv_heads=4, dim=64, ffn_dim=128), ParallelDims(tp=4), TRAIN, None),
              (ModelConfig(n_heads=12, n_kv_heads=4, dim=96, ffn_dim=120), ParallelDims(tp=6), TRAIN, "exceeds n_kv_heads"),

@@ -18,6 +18,7 @@ import torch
 from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.model import build_model
 from parallelisms.parallel.context import RingAttentionCore, UlyssesAttentionCore
+from parallelisms.parallel.cp_allgather import AllGatherAttentionCore
 from parallelisms.parallel.data import DataParallel
 from parallelisms.parallel.expert import ExpertParallelExperts
 from parallelisms.parallel.flat import ShardedEngine
@@ -32,6 +33,8 @@ from parallelisms.support import FLAGS, UNSUPPORTED, features, validate_layout
 from parallelisms.train import parallelize
 
 from _layouts import layout_with
+
+pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 
 def _pairs():
@@ -94,6 +97,11 @@ def _applied(feature: str, trainer, modules) -> bool:
         return all(isinstance(layer.attention.core, RingAttentionCore) for layer in layers)
     if feature == "ulysses":
         return all(isinstance(layer.attention.core, UlyssesAttentionCore) for layer in layers)
+    if feature == "allgather":
+        return all(isinstance(layer.attention.core, AllGatherAttentionCore) for layer in layers)
+    if feature == "hierarchical":  # Ulysses around the ring (in position order)
+        return all(isinstance(layer.attention.core, UlyssesAttentionCore)
+                   and isinstance(layer.attention.core.inner.inner, RingAttentionCore) for layer in layers)
     if feature == "moe":
         return all(hasattr(layer.feed_forward, "router") for layer in layers)
     if feature == "ep":

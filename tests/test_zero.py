@@ -85,6 +85,7 @@ def test_reproduces_single_process_adamw(runs, references, name, world):
     assert result["ok"], result
 
 
+@pytest.mark.fast
 def test_clipping_bites_and_matches(references):
     """The clipped reference differs from the unclipped one, so the *_clip scenarios test clipping."""
     unclipped = reference_train(MODEL, CLIP.replace(grad_clip=0.0))
@@ -123,6 +124,7 @@ def test_zero3_prefetches_every_gather_but_the_first_of_each_pass(run):
 
 
 @pytest.mark.parametrize("style", ["flat", "per_param"])
+@pytest.mark.fast
 def test_backward_prefetch_waits_for_the_mlp_backward(style):
     """Each block's backward gathers the previous unit only after its MLP's backward (the activations it
     frees are where backward memory peaks), still before its attention's backward. One process: the

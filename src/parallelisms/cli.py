@@ -25,6 +25,7 @@ from parallelisms.flags import DEGREE, check_writable, integer, json_line, numbe
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import add_hardware_args, add_shape_args, shape_from_args
 from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.cp_modes import MODES
 from parallelisms.export import add_export_parser
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
@@ -33,7 +34,8 @@ DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64
 COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
 # Options that mean something only with a degree above 1 (default None: given or not is known); given without
 # it they would be silently ignored. Their defaults are ParallelConfig's.
-NEEDS_DEGREE = {"schedule": "pp", "microbatches": "pp", "chunks": "pp", "pp_balance": "pp", "cp_attention": "cp"}
+NEEDS_DEGREE = {"schedule": "pp", "microbatches": "pp", "chunks": "pp", "pp_balance": "pp", "cp_attention": "cp",
+                "cp_ulysses_size": "cp"}
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -101,7 +103,8 @@ def _add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
     g = p.add_argument_group("context parallelism")
-    g.add_argument("--cp-attention", help="ring (default: ring attention) or ulysses (all-to-all over heads)")
+    g.add_argument("--cp-attention", help="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()))
+    g.add_argument("--cp-ulysses-size", type=COUNT, help="hierarchical: the all-to-all degree inside (a divisor of --cp)")
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, zb-h2, zb-v, dualpipe, dualpipev "
                                       "or pipedream")

@@ -345,7 +345,8 @@ class ParallelConfig:
     chunks: int = 1                    # virtual stages per rank (interleaved)
     pp_balance: str = "layers"         # cut stages by equal layer counts, or by measured per-layer time
     # context parallelism
-    cp_attention: str = "ring"         # ring (ring attention, zigzag shards) or ulysses (all-to-all over heads)
+    cp_attention: str = "ring"         # a mode of parallelisms.parallel.cp_modes: ring, ulysses, allgather, ...
+    cp_ulysses_size: int = 0           # hierarchical: the Ulysses (all-to-all) degree inside, ring across
     recompute: str = "none"            # activation recomputation: none, selective (attention core), full (block)
     # data-parallel balance (parallelisms.parallel.dp_balance): split each batch by measured speed
     dp_balance: str = "even"           # even, or measured

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
-from parallelisms.parallel.checks import HYBRID, STRATEGIES, check_context_parallel
+from parallelisms.parallel.checks import HYBRID, STRATEGIES
+from parallelisms.parallel.cp_modes import MODES, Shape
 from parallelisms.parallel.ep_placement import check_ep_balance
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
 
@@ -19,7 +20,8 @@ FLAGS = {
     "ddp": "--dp (DDP)", "zero1": "--zero 1", "zero2": "--zero 2", "zero3": "--zero 3",
     **{f"fsdp-{s}": f"--fsdp {s}" for s in STRATEGIES},
     "per_param": "--fsdp-style per_param", "reuse": "--fsdp-style reuse",
-    "tp": "--tp", "sp": "--sp", "tp-overlap": "--tp-overlap", "ring": "--cp (ring)", "ulysses": "--cp-attention ulysses",
+    "tp": "--tp", "sp": "--sp", "tp-overlap": "--tp-overlap",
+    **{name: f"--cp-attention {name}" for name in MODES}, "ring": "--cp (ring)",
     "moe": "a mixture-of-experts model", "ep": "--ep", "pp": "--pp",
     **{s: f"--schedule {s}" for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe",
                                       "dualpipev", "pipedream")},
@@ -136,8 +138,8 @@ def _check_names(parallel: ParallelConfig) -> None:
             f"unknown --fsdp strategy {parallel.fsdp!r}; choose one of {', '.join(STRATEGIES)}")
     require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
             f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
-    require(parallel.cp_attention in ("ring", "ulysses"),
-            f"unknown --cp-attention {parallel.cp_attention!r}; choose ring or ulysses")
+    require(parallel.cp_attention in MODES,
+            f"unknown --cp-attention {parallel.cp_attention!r}; choose {', '.join(MODES)}")
     require(parallel.mixed_precision in ("fp32", "bf16"),
             f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
 
@@ -235,13 +237,13 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
 
 
 def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
-    """--cp / --cp-attention: a sequence the ring's zigzag chunks (or Ulysses' contiguous chunks) divide, and
-    for Ulysses query heads the degree divides and KV heads it divides or repeats to (per tensor-parallel rank)."""
+    """--cp / --cp-attention: the mode's own rules (a sequence its chunks divide; for Ulysses query heads the
+    degree divides and KV heads it divides or repeats to, per tensor-parallel rank)."""
     dims = parallel.dims
     if dims.cp == 1:
         return
-    check_context_parallel(parallel.cp_attention, dims.cp, model.n_heads // dims.tp,
-                           max(1, model.n_kv_heads // dims.tp), train.seq_len)
+    MODES[parallel.cp_attention].check(Shape(dims.cp, parallel.cp_ulysses_size, model.n_heads // dims.tp,
+                                             max(1, model.n_kv_heads // dims.tp), train.seq_len))
 
 
 def _check_expert_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:

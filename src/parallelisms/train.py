@@ -201,7 +201,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
                               overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
     positions = None
     if dims.cp > 1:
-        positions = apply_context_parallel(model, comms["cp"], parallel.cp_attention, train.seq_len)
+        positions = apply_context_parallel(model, comms, parallel, train.seq_len)
     if dims.ep > 1 and parallel.ep_balance == "measured":
         apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
     elif dims.ep > 1:

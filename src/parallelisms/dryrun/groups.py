@@ -30,8 +30,10 @@ def rank_classes(dims: ParallelDims) -> dict[tuple[int, int], list[int]]:
     return classes
 
 
-def groups_of(dims: ParallelDims, dim: str) -> list[tuple[int, ...]]:
-    """Every group of mesh dimension ``dim`` (as the Comm names it), each as its global ranks in group order."""
+def groups_of(dims: ParallelDims, dim: str, cp_ulysses: int = 0) -> list[tuple[int, ...]]:
+    """Every group of mesh dimension ``dim`` (as the Comm names it), each as its global ranks in group order;
+    ``cp_ulysses``: hierarchical context parallelism's groups of neighbouring cp ranks (cp_inner) and the
+    rings across them (cp_outer)."""
     grid = torch.arange(dims.world_size).view(*(getattr(dims, name) for name in MESH_ORDER))
     flattened = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
                  "dp_shard_cp": ("dp_shard", "cp"), "world": MESH_ORDER}
@@ -48,4 +50,9 @@ def groups_of(dims: ParallelDims, dim: str) -> list[tuple[int, ...]]:
         if dim == "ep_replicate":
             dp_cp = dp_cp.transpose(1, 2)
         return [tuple(g) for g in dp_cp.reshape(-1, dp_cp.shape[-1]).tolist()]
+    if dim in ("cp_inner", "cp_outer") and cp_ulysses > 1:  # cp rank o * u + i: rank i inside, rank o across
+        cp = torch.tensor(groups_of(dims, "cp"))
+        split = cp.view(cp.shape[0], -1, cp_ulysses)
+        split = split.transpose(1, 2) if dim == "cp_outer" else split
+        return [tuple(g) for g in split.reshape(-1, split.shape[-1]).tolist()]
     raise KeyError(f"unknown mesh dimension {dim!r}")

@@ -23,15 +23,16 @@ from parallelisms.mesh import ParallelDims
 P2P = ("send", "recv")
 
 
-def precheck(dims: ParallelDims, events_of, schedule=None) -> dict:
-    """The proof over the layout ``dims``; ``events_of(rank)`` gives a rank's recorded events (its class's).
+def precheck(dims: ParallelDims, events_of, schedule=None, cp_ulysses: int = 0) -> dict:
+    """The proof over the layout ``dims`` (``cp_ulysses``: hierarchical context parallelism's split of cp);
+    ``events_of(rank)`` gives a rank's recorded events (its class's).
     Returns ``{"ok", "groups", "collectives", "messages", "violations"}``."""
     from parallelisms.dryrun.groups import class_key, groups_of
 
     violations, seen, checked = [], set(), {"groups": 0, "collectives": 0, "messages": 0}
     dims_used = sorted({e.dim for r in {min(rs) for rs in _class_ranks(dims).values()} for e in events_of(r)})
     for dim in dims_used:
-        for group in groups_of(dims, dim):
+        for group in groups_of(dims, dim, cp_ulysses):
             signature = (dim, tuple(class_key(dims, r) for r in group))
             if signature in seen or len(group) < 2:
                 continue

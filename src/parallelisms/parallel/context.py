@@ -17,7 +17,8 @@ key/value heads than ranks (grouped-query attention, or the KV heads tensor para
 KV head is repeated N/KV times before the all-to-all, so rank j receives the head its query heads share
 (as DeepSpeed-Ulysses does for GQA): N/KV times the K/V bytes, and the repeat's backward sums the copies.
 
-Apply with ``apply_context_parallel(model, comm, style, seq_len)``; the runner slices each sequence to
+Apply with ``apply_context_parallel(model, comms, parallel, seq_len)``, which builds the cores of the layout's
+mode (:mod:`parallelisms.parallel.cp_modes` lists them: these two, all-gather and hierarchical); the runner slices each sequence to
 the positions it returns (:func:`shard_sequence`) and passes them to the model for rotary embeddings.
 Gradients of the (replicated) weights are then averaged over dp x cp, since cp ranks see different tokens.
 Mixture-of-experts layers gather their router logits over cp to route whole sequences
@@ -26,14 +27,15 @@ Mixture-of-experts layers gather their router logits over cp to route whole sequ
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm, all_to_all
+from parallelisms.comm import Comm, Comms, all_to_all
 from parallelisms.errors import require
-from parallelisms.parallel.checks import check_context_parallel  # noqa: F401  (its rules, read before launch)
+from parallelisms.parallel.cp_modes import MODES, Shape  # the modes' rules, read before launch, and sharding
 from parallelisms.parallel.moe_sequence import shard_moe_sequences
 
 
@@ -261,17 +263,27 @@ class UlyssesAttentionCore(nn.Module):
         return self._to_sequence(out)
 
 
-def apply_context_parallel(model: nn.Module, comm: Comm, style: str, seq_len: int) -> torch.Tensor:
-    """Swap every attention core for a context-parallel one and give MoE layers the sequence layout; returns
-    the positions of this rank's tokens (zigzag chunks for the ring, a contiguous chunk for Ulysses), which
-    the runner slices and passes on."""
-    held = [shard_sequence(seq_len, r, comm.size, zigzag=style == "ring") for r in range(comm.size)]
+def ring_core(comms: Comms, held: list[torch.Tensor], inner: nn.Module, parallel) -> nn.Module:
+    return RingAttentionCore(comms["cp"], held[comms["cp"].rank])
+
+
+def ulysses_core(comms: Comms, held: list[torch.Tensor], inner: nn.Module, parallel) -> nn.Module:
+    return UlyssesAttentionCore(comms["cp"], inner)
+
+
+def apply_context_parallel(model: nn.Module, comms: Comms, parallel, seq_len: int) -> torch.Tensor:
+    """Swap every attention core for the one of the layout's context-parallel mode
+    (:mod:`parallelisms.parallel.cp_modes`) and give MoE layers the sequence layout; returns the positions of
+    this rank's tokens (the mode's sharding), which the runner slices and passes on."""
+    mode = MODES[parallel.cp_attention]
+    comm = comms["cp"]
+    # the heads matter to the rules only; a one-rank build (no cp group) splits one rank
+    shape = Shape(comm.size, min(parallel.cp_ulysses_size, comm.size), 0, 0, seq_len)
+    held = [torch.tensor(mode.positions(shape, r)) for r in range(comm.size)]
     positions = held[comm.rank]
     shard_moe_sequences(model, cp=comm, positions=positions, order=torch.argsort(torch.cat(held)))
+    module, name = mode.core.split(":")
+    make_core = getattr(importlib.import_module(module), name)
     for layer in model.layers.values():
-        attention = layer.attention
-        if style == "ring":
-            attention.core = RingAttentionCore(comm, positions)
-        else:
-            attention.core = UlyssesAttentionCore(comm, attention.core)
+        layer.attention.core = make_core(comms, held, layer.attention.core, parallel)
     return positions

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.parallel.memory import zero_formula
+from parallelisms.perf.context import context_volumes
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 
 
@@ -143,13 +144,9 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dims.cp > 1:
         tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
         kv_block = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
-        if parallel.cp_attention == "ring":  # K,V forward N-1 hops; K,V again and dK,dV N hops backward
-            sends = (2 * (dims.cp - 1) * 2 + 2 * dims.cp) * kv_block * cfg.n_layers
-            out.append(CommVolume("send", "cp", sends))
-        else:  # q, k, v in and the output back, forward and backward
-            q_block = tokens * cfg.q_dim // dims.tp * dtype_bytes
-            per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
-            out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
+        q_block = tokens * cfg.q_dim // dims.tp * dtype_bytes
+        out += [CommVolume(kind, dim, per_layer * cfg.n_layers)  # the mode's exchanges (perf.context)
+                for kind, dim, per_layer in context_volumes(cfg, parallel, q_block, kv_block, dtype_bytes)]
     if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 

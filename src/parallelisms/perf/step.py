@@ -50,6 +50,7 @@ from parallelisms.perf.model import (activation_bytes_per_layer, block_params, c
                                      microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
                                      rank0_params)
 from parallelisms.perf.network import collective_time
+from parallelisms.perf.context import context_calls, context_times
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
 
@@ -132,16 +133,8 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
         name = "all_gather+reduce_scatter/tp" if parallel.sequence_parallel else "all_reduce/tp"
         out[name] = (forward, backward)
     if dims.cp > 1:
-        kv = shape.tokens * cfg.n_kv_heads * cfg.head_dim / dims.tp * e
-        if parallel.cp_attention == "ring":  # hop h overlaps the attention of block h
-            hop_f = _comm(hw, parallel, "send", "cp", 2 * kv)
-            hop_b = _comm(hw, parallel, "send", "cp", 2 * kv + 2 * kv * 4 / e)  # K, V and their fp32 dK, dV
-            forward = hop_f + (dims.cp - 2) * _behind(hw, hop_f, times.attention_core / dims.cp)
-            backward = hop_b + (dims.cp - 1) * _behind(hw, hop_b, 2.5 * times.attention_core / dims.cp)
-        else:
-            q = shape.tokens * cfg.q_dim / dims.tp * e
-            forward = backward = _comm(hw, parallel, "all_to_all", "cp", 2 * q + 2 * kv, calls=4)
-        out[f"{'send' if parallel.cp_attention == 'ring' else 'all_to_all'}/cp"] = (forward, backward)
+        kv, q = (shape.tokens * width / dims.tp * e for width in (cfg.n_kv_heads * cfg.head_dim, cfg.q_dim))
+        out.update(context_times(hw, cfg, parallel, q, kv, times.attention_core, _behind, e))  # the mode's (perf.context)
     if dims.ep > 1 and cfg.n_experts:
         routed = shape.tokens * cfg.top_k * cfg.dim * e
         a2a = _comm(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
@@ -315,8 +308,7 @@ def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: 
         forward, backward = (4, 8) if sp else (2, 2)
         ends = (6 if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
     if dims.cp > 1:
-        forward, backward = (forward + dims.cp - 1, backward + dims.cp) if parallel.cp_attention == "ring" else \
-            (forward + 4, backward + 4)
+        forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
     if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
         forward, backward = forward + 3, backward + 2
     per_layer = forward * (2 if parallel.recompute == "full" else 1) + backward
@@ -338,7 +330,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
     m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
-        if v.dim in ("tp", "cp", "ep", "pp") or v.bytes_per_rank <= 0:
+        if v.dim in ("tp", "ep", "pp") or v.dim.startswith("cp") or v.bytes_per_rank <= 0:  # per layer: cp_inner too
             continue
         n, stride = group(parallel, v.dim)
         if n <= 1:

@@ -1,0 +1,162 @@
+"""The context-parallel modes: the ways attention runs over a sequence sharded across the cp ranks, one
+descriptor each, in a module without torch (the command line checks a layout and ``estimate`` prices it
+before any process starts).
+
+A descriptor names the mode's attention core (``module:function``, imported when a model is built and called
+once per layer as ``function(comms, held, inner, parallel)``, ``held`` every cp rank's positions, ``inner``
+the model's own core), the sequence positions each cp rank holds
+(zigzag chunk pairs for causal balance, Brandon et al. 2023, or contiguous chunks), its rules (one-line errors
+before launch), the groups it talks over and its traffic per layer (what ``perf/`` prices and the ledger of a
+real run counts).
+A new mode is its core's module and one entry in :data:`MODES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from parallelisms.errors import divisors, require
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a mode's rules read: the degrees, the heads one tensor-parallel rank holds and the sequence."""
+    cp: int
+    ulysses: int        # --cp-ulysses-size (hierarchical: the all-to-all degree inside a node; 0 unset)
+    n_heads: int
+    n_kv_heads: int
+    seq_len: int
+    grad_bytes: float = 1.0  # a dK or dV byte per K or V byte (the ring accumulates them in fp32 at least)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One exchange a cp rank makes per layer and microbatch: its kind, its group (``cp`` or a sub-group), the
+    full bytes of its calls forward and backward (what a send sends; a collective's whole tensor, as the
+    ledger's numel counts it: the all-gather's output, the reduce-scatter's input), the calls each way, and
+    whether it runs behind the attention of the blocks it carries (ring hops)."""
+    kind: str
+    dim: str
+    forward: float
+    backward: float
+    calls: tuple[int, int]
+    hidden: bool = False
+
+
+def zigzag(s: Shape, rank: int) -> list[int]:
+    """Chunks r and 2N-1-r of 2N: every rank the same unmasked causal work."""
+    chunk = s.seq_len // (2 * s.cp)
+    return [*range(rank * chunk, (rank + 1) * chunk), *range((2 * s.cp - 1 - rank) * chunk, (2 * s.cp - rank) * chunk)]
+
+
+def contiguous(s: Shape, rank: int) -> list[int]:
+    chunk = s.seq_len // s.cp
+    return list(range(rank * chunk, (rank + 1) * chunk))
+
+
+def whole_cp(s: Shape) -> dict[str, tuple[int, int]]:
+    return {"cp": (s.cp, 1)}
+
+
+@dataclass(frozen=True)
+class ContextMode:
+    name: str
+    summary: str
+    core: str                                   # "module:function" building one layer's attention core
+    positions: Callable[[Shape, int], list[int]]  # the positions cp rank r holds
+    check: Callable[[Shape], None]              # one-line ConfigErrors
+    traffic: Callable[[Shape, float, float], list[Traffic]]  # (shape, local query bytes, local K (or V) bytes)
+    groups: Callable[[Shape], dict[str, tuple[int, int]]] = whole_cp  # (ranks, stride in cp ranks) per group
+
+
+def _zigzag_chunks(s: Shape, what: str) -> None:
+    require(s.seq_len % (2 * s.cp) == 0, f"{what} with --cp {s.cp} cuts the sequence into 2 x cp = {2 * s.cp} "
+                                         f"zigzag chunks, but --seq-len {s.seq_len} is not divisible by {2 * s.cp}")
+
+
+def _heads_fit(s: Shape, degree: int, flag: str) -> None:
+    """Ulysses over ``degree`` ranks: query heads it divides, KV heads it divides or repeats to."""
+    def fits(d: int) -> bool:
+        return s.n_heads % d == 0 and (s.n_kv_heads % d == 0 or d % s.n_kv_heads == 0)
+    require(fits(degree), lambda: f"Ulysses {flag} {degree} gives each rank heads/{degree} query heads and needs "
+                                  f"n_kv_heads a multiple or a divisor of it, but n_heads {s.n_heads} and n_kv_heads "
+                                  f"{s.n_kv_heads} do not fit {degree} (per tensor-parallel rank); use --cp-attention "
+                                  f"ring or {flag} in {list(filter(fits, divisors(s.n_heads)))}")
+
+
+def _ring_hops(dim: str, n: int, kv: float, grad_bytes: float) -> Traffic:
+    """K and V forward N-1 hops; K and V again and dK, dV (``grad_bytes`` a K byte) N hops (one further, home)
+    backward."""
+    return Traffic("send", dim, 2 * (n - 1) * kv, 2 * (n - 1) * kv + 2 * n * kv * grad_bytes, (n - 1, n), hidden=True)
+
+
+def _all_to_alls(dim: str, n: int, q: float, kv: float) -> Traffic:
+    """q, k, v to head shards and the output back, forward and backward."""
+    return Traffic("all_to_all", dim, 2 * q + 2 * kv, 2 * q + 2 * kv, (4, 4))
+
+
+def _check_ring(s: Shape) -> None:
+    _zigzag_chunks(s, "ring attention")
+
+
+def _check_ulysses(s: Shape) -> None:
+    require(s.seq_len % s.cp == 0, f"--seq-len {s.seq_len} must be divisible by --cp {s.cp}")
+    _heads_fit(s, s.cp, "--cp")
+
+
+def _check_all_gather(s: Shape) -> None:
+    _zigzag_chunks(s, "all-gather attention")
+
+
+def _all_gather_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
+    """K and V (stacked) all-gathered forward; dK and dV reduce-scattered backward."""
+    return [Traffic("all_gather", "cp", 2 * s.cp * kv, 0.0, (1, 0)),
+            Traffic("reduce_scatter", "cp", 0.0, 2 * s.cp * kv, (0, 1))]
+
+
+def _check_hierarchical(s: Shape) -> None:
+    u = s.ulysses
+    require(1 < u < s.cp and s.cp % u == 0, f"hierarchical context parallelism splits --cp {s.cp} into Ulysses "
+                                            f"inside x ring across; --cp-ulysses-size {u} must divide it, between "
+                                            f"2 and {s.cp // 2}: one of {[d for d in divisors(s.cp) if 1 < d < s.cp]}")
+    _zigzag_chunks(s, "hierarchical context parallelism")
+    _heads_fit(s, u, "--cp-ulysses-size")
+
+
+def _hierarchical_positions(s: Shape, rank: int) -> list[int]:
+    """Outer ring rank o holds zigzag chunks o and 2r-1-o of 2r; its u inner ranks hold a u-th of each, so that
+    Ulysses' all-to-all hands each inner rank the group's whole zigzag pair (for heads/u)."""
+    u, (outer, inner) = s.ulysses, divmod(rank, s.ulysses)
+    pair = zigzag(Shape(s.cp // u, 0, s.n_heads, s.n_kv_heads, s.seq_len), outer)
+    half, piece = len(pair) // 2, len(pair) // (2 * u)
+    return [*pair[inner * piece:(inner + 1) * piece], *pair[half + inner * piece:half + (inner + 1) * piece]]
+
+
+def _hierarchical_groups(s: Shape) -> dict[str, tuple[int, int]]:
+    return {"cp_inner": (s.ulysses, 1), "cp_outer": (s.cp // s.ulysses, s.ulysses)}
+
+
+def _hierarchical_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
+    """Ulysses' all-to-alls inside; the ring across carries K/V blocks of heads/u over u x the tokens: the
+    same bytes as the rank's own K/V."""
+    return [_all_to_alls("cp_inner", s.ulysses, q, kv), _ring_hops("cp_outer", s.cp // s.ulysses, kv, s.grad_bytes)]
+
+
+_CORES = "parallelisms.parallel.context"
+MODES: dict[str, ContextMode] = {m.name: m for m in (
+    ContextMode("ring", "ring attention, zigzag shards (default)", f"{_CORES}:ring_core", zigzag, _check_ring,
+                lambda s, q, kv: [_ring_hops("cp", s.cp, kv, s.grad_bytes)]),
+    ContextMode("ulysses", "all-to-all over heads", f"{_CORES}:ulysses_core", contiguous, _check_ulysses,
+                lambda s, q, kv: [_all_to_alls("cp", s.cp, q, kv)]),
+    ContextMode("allgather", "K/V all-gathered, queries local (Llama 3)",
+                "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic),
+    ContextMode("hierarchical", "Ulysses inside --cp-ulysses-size ranks, ring across (USP)",
+                "parallelisms.parallel.cp_hierarchical:hierarchical_core", _hierarchical_positions,
+                _check_hierarchical, _hierarchical_traffic, _hierarchical_groups),
+)}
+
+
+def mode(name: str) -> ContextMode:
+    require(name in MODES, f"unknown --cp-attention {name!r}; choose {', '.join(MODES)}")
+    return MODES[name]
