@@ -79,7 +79,7 @@ STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelis
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
-                "parallelisms.comm.ledger", "parallelisms.parallel.memory", "parallelisms.parallel.pipeline.schedules",
+                "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory", "parallelisms.parallel.pipeline.schedules",
                 "parallelisms.parallel.pipeline.simulate", "parallelisms.perf")
 
 
