@@ -79,8 +79,8 @@ STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelis
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
-                "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory", "parallelisms.parallel.pipeline.schedules",
-                "parallelisms.parallel.pipeline.simulate", "parallelisms.perf")
+                "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
+                "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate", "parallelisms.perf")
 
 
 def test_the_step_model_imports_only_configs_and_plan_objects():
