@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from parallelisms.comm.arrivals import Arrivals
+from parallelisms.comm.arrivals import RECEIVE, Arrivals
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
 from parallelisms.comm.liveness import dead_ranks, lagging_ranks, late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
@@ -359,7 +359,7 @@ class Comm:
         me, arrivals = dist.get_rank(), self.ledger.arrivals
         notes = [arrivals.transfer(self.name, me, self.global_rank(p), receiving=False) for _, p in sends]
         notes = [n for n in notes + [arrivals.transfer(self.name, self.global_rank(p), me, receiving=True)
-                                     for _, p in recvs] if n is not None and n.key[0] == "r"]
+                                     for _, p in recvs] if n is not None and n[0] == RECEIVE]
         label = f"p2p {len(sends)} send {len(recvs)} recv"
         start = self.timeline.now() if self.timeline.enabled else 0
         try:
