@@ -35,8 +35,8 @@ NAMED_STEPS = 0.75     # share of the measured steps in which that rank must be 
 DOMINANCE = 0.75       # and its share of all the time lost waiting in that dimension
 TRACE_MIN_WAIT_NS = 20_000  # waits drawn in the Chrome trace: at least this long (20 us)
 FIRST_EVERY = 2    # steps before the first hand-over of the notes to rank 0
-EXCHANGE_S = 0.5   # then a hand-over about every this many seconds of steps,
-MAX_EVERY = 32     # and at least every this many steps (the notes held in memory)
+EXCHANGE_S = 2.0   # then a hand-over about every this many seconds of steps,
+MAX_EVERY = 64     # and at least every this many steps (the notes held in memory)
 WIDTH = 7          # an exchanged row: a note (arrivals.ROW) and its step's index in the hand-over
 
 
@@ -241,7 +241,7 @@ class StragglerWatch:
         self.every, self.steps, self.encode_ns = FIRST_EVERY, 0, 0
         self.windows: list[list[int]] = []  # the steps not handed over yet: their start and end
         self.notes: list[list[int]] = []    # and their notes, each ending with its step's index among them
-        self.capacity = 0  # rows each rank sends: the most any rank had so far, to a power of two
+        self.capacity = 64  # rows each rank sends: the most any rank had so far, to a power of two
 
     def start_step(self) -> None:
         self.comms.ledger.arrivals.active = self.enabled

@@ -76,12 +76,12 @@ class MicrobatchLoop:
     def __init__(self, model: nn.Module, comms: Comms, grad_accum: int, positions: torch.Tensor | None = None):
         self.model, self.comms, self.grad_accum, self.positions = model, comms, grad_accum, positions
         self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its share of the batch)
-        self.compute_ns = 0  # the last call's forward and backward time (--dp-balance measured measures it)
+        self.compute_ns = 0  # the last call's forward and backward time, waits left out (--dp-balance measured)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync: GradSync) -> torch.Tensor:
         ledger, timeline = self.comms.ledger, self.comms.timeline
         micro = microbatches(inputs, targets, self.grad_accum)
-        total, start = None, Timeline.now()
+        total, start, waited = None, Timeline.now(), ledger.waited_ns
         scale = self.weight / len(micro)
         for i, (x, y) in enumerate(micro):
             with (grad_sync.no_sync() if i < len(micro) - 1 else nullcontext()):
@@ -94,7 +94,7 @@ class MicrobatchLoop:
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        self.compute_ns = Timeline.now() - start
+        self.compute_ns = Timeline.now() - start - (ledger.waited_ns - waited)
         return upcast(total).cpu()
 
     @torch.no_grad()
@@ -337,8 +337,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
     loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed,
                          spec.train.data.vocab_sweep)
-    balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, spec.train.grad_accum,
-                           spec.parallel.rebalance_every) if spec.parallel.dp_balance == "measured" else None)
+    unit = trainer.forward_backward.schedule.microbatches if dims.pp > 1 else spec.train.grad_accum  # rows split whole
+    balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, unit, spec.parallel.rebalance_every)
+               if spec.parallel.dp_balance == "measured" else None)
     data = spec.train.data
     evaluation = None
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
