@@ -69,5 +69,8 @@ def test_the_split_resumes_from_the_data_state():
 def test_bad_settings_are_one_line():
     with pytest.raises(ConfigError, match="needs data parallelism"):
         validate_layout(TINY, TrainConfig(global_batch=8), ParallelConfig(dims=ParallelDims(tp=2), dp_balance="measured"))
+    pipedream = ParallelConfig(dims=ParallelDims(pp=2, dp_replicate=2), schedule="pipedream", dp_balance="measured")
+    with pytest.raises(ConfigError, match="pipedream"):
+        validate_layout(TINY, TrainConfig(global_batch=8), pipedream)
     with pytest.raises(ConfigError, match="--rebalance-every"):
         validate_layout(TINY, TrainConfig(), ParallelConfig(dims=ParallelDims(dp_replicate=2), rebalance_every=3))

@@ -120,6 +120,10 @@ def _check_dp_balance(parallel: ParallelConfig) -> None:
                                                f"--dp-balance measured; add it or drop --rebalance-every")
         return
     require(dims.dp > 1, f"--dp-balance measured needs data parallelism, got dp {dims.dp}; add --dp 2 or more")
+    require(dims.pp == 1 or parallel.schedule != "pipedream",
+            "--dp-balance measured with --schedule pipedream: its updates after each microbatch would each group "
+            "other sequences than single-process training's microbatches do (a replica's microbatches follow its "
+            "share); use another schedule or --dp-balance even")
 
 
 def _check_names(parallel: ParallelConfig) -> None:
