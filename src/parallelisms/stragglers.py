@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-from parallelisms.comm.arrivals import COLLECTIVE, DIMS, RECEIVE, SEND
+from parallelisms.comm.arrivals import COLLECTIVE, DIMS, SEND
 
 NOISE_FRACTION = 0.10  # of the step: the others' mean wait for one rank in a step below this is noise
 NAMED_STEPS = 0.75     # share of the measured steps in which that rank must be over the noise line
