@@ -1,9 +1,12 @@
 """--dp-balance measured: a slowed data-parallel rank gets fewer sequences, and training stays equal to
-single-process training in float64 (DDP and ZeRO), the split resumes from a checkpoint's data state."""
+single-process training in float64 (DDP, ZeRO, a pipeline per replica, experts over the data-parallel ranks),
+the split resumes from a checkpoint's data state."""
+
+import dataclasses
 
 import pytest
 
-from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.dp_balance import DataBalance, proportional_split
@@ -17,23 +20,32 @@ TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 TRAIN = TrainConfig(steps=5, global_batch=16, seq_len=32, dtype="float64", slow_rank=(1, 3.0))
 
 
-def _spec(**options) -> RunSpec:
-    dims = ParallelDims(dp_shard=2) if options.get("zero") else ParallelDims(dp_replicate=2)
+def _spec(model=TINY, dims=ParallelDims(dp_replicate=2), **options) -> RunSpec:
+    dims = ParallelDims(dp_shard=2) if options.get("zero") else dims
     parallel = ParallelConfig(dims=dims, dp_balance="measured", rebalance_every=2, **options)
-    return RunSpec(TINY, TRAIN, parallel, collect_state=True)
+    return RunSpec(model, TRAIN, parallel, collect_state=True)
 
 
-SPECS = {"ddp": _spec(), "zero2": _spec(zero=2)}
+SPECS = {"ddp": _spec(), "zero2": _spec(zero=2),
+         # a pipeline per replica: each replica's share in whole rounds of its 2 microbatches
+         "pp": _spec(dims=ParallelDims(dp_replicate=2, pp=2), microbatches=2),
+         # experts: the load-balancing loss is a mean over sequences, weighted like the language-model loss; the
+         # expert-parallel group spans both data-parallel ranks, so the all-to-alls carry unequal shares
+         "moe_ep": _spec(model=dataclasses.replace(PRESETS["tiny-moe"], capacity_factor=1.25),
+                         dims=ParallelDims(dp_replicate=2, ep=2))}
 report_of = launch_reports(SPECS)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_balanced_training_equals_single_process_training(name):
-    report = report_of(name)
+    report, spec = report_of(name), SPECS[name]
     split = report["dp_balance"]["split"]
-    assert sum(split) == TRAIN.global_batch and split[1] < split[0], report["dp_balance"]  # the slow rank: fewer
+    dims = spec.parallel.dims
+    coords = dims.coordinates(TRAIN.slow_rank[0])
+    slow = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]  # the slowed rank's data-parallel rank
+    assert sum(split) == TRAIN.global_batch and split[slow] < split[1 - slow], report["dp_balance"]  # fewer
     assert len(report["dp_balance"]["splits"]) == 2  # measured after step 2, re-measured after step 4
-    result = settled(report, TINY, TRAIN, splits=2, tolerance=TOLERANCE_FLOAT64)
+    result = settled(report, spec.model, TRAIN, splits=2, tolerance=TOLERANCE_FLOAT64)
     assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
 
 
@@ -58,8 +70,10 @@ def test_the_split_resumes_from_the_data_state():
 
 @pytest.mark.fast
 def test_bad_settings_are_one_line():
-    parallel = ParallelConfig(dims=ParallelDims(pp=2, dp_replicate=2), dp_balance="measured")
-    with pytest.raises(ConfigError, match="pipeline"):
-        validate_layout(TINY, TrainConfig(global_batch=8), parallel)
+    with pytest.raises(ConfigError, match="needs data parallelism"):
+        validate_layout(TINY, TrainConfig(global_batch=8), ParallelConfig(dims=ParallelDims(tp=2), dp_balance="measured"))
+    pipedream = ParallelConfig(dims=ParallelDims(pp=2, dp_replicate=2), schedule="pipedream", dp_balance="measured")
+    with pytest.raises(ConfigError, match="pipedream"):
+        validate_layout(TINY, TrainConfig(global_batch=8), pipedream)
     with pytest.raises(ConfigError, match="--rebalance-every"):
         validate_layout(TINY, TrainConfig(), ParallelConfig(dims=ParallelDims(dp_replicate=2), rebalance_every=3))

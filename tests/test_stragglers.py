@@ -85,6 +85,21 @@ def test_waits_follow_arrivals():
 
 
 @pytest.mark.fast
+def test_a_hand_over_folds_its_steps_at_once():
+    """Two steps handed over together: the first (the run's warm-up) only traced, the second measured, where rank 1
+    arrives 200 us late at a 1 ms step's all-reduce (20% of the step: beyond the noise line)."""
+    dp, us = DIMS.index("dp"), 1000
+    notes = [[0, 0, 7, 1, dp, 100 * us, 100 * us, 0], [1, 0, 7, 1, dp, 900 * us, 900 * us, 0],
+             [0, 0, 7, 2, dp, 1100 * us, 1100 * us, 1], [1, 0, 7, 2, dp, 1300 * us, 1300 * us, 1]]
+    report = StragglerReport(2, [0, 0], "test clock")
+    figures = report.fold(notes, [[(0, 1000 * us)] * 2, [(1000 * us, 2000 * us)] * 2], first_measured=1)
+    assert figures == [{}, {"straggler_dp": 1, "straggler_wait_dp_s": 200e-6}]
+    result = report.result()
+    assert result["steps"] == 1 and result["dims"]["dp"]["per_rank"][1]["last"] == 1
+    assert result["dims"]["dp"]["rank"] == 1  # beyond noise in every measured step, all of the waiting
+
+
+@pytest.mark.fast
 def test_clock_offsets_move_other_hosts_onto_rank_0():
     """Rank 1's clock runs 5000 ns ahead: with that offset its arrival 5030 is rank 0's 30."""
     report = StragglerReport(2, [0, 5000], "offsets", trace=False)

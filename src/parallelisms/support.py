@@ -106,15 +106,16 @@ def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
     _check_tensor_parallel(parallel, model, train)
     _check_context_parallel(parallel, model, train)
     _check_sharded_data_parallel(parallel)
-    _check_dp_balance(parallel, model)
+    _check_dp_balance(parallel)
     check_ep_balance(parallel, model)
     train.validate(model, dp=dims.dp)
     return parallel
 
 
-def _check_dp_balance(parallel: ParallelConfig, model: ModelConfig) -> None:
-    """--dp-balance measured splits the microbatch loop's rows: data parallelism without a pipeline (whose
-    microbatches are fixed) and without experts (the router's load-balancing loss is not a mean over rows)."""
+def _check_dp_balance(parallel: ParallelConfig) -> None:
+    """--dp-balance measured splits each global batch over the data-parallel ranks by measured speed (with a
+    pipeline, each replica's share in whole microbatch rounds; with experts too: the router's load-balancing
+    loss is a mean over sequences, so weighting it like the language-model loss keeps training exact)."""
     dims = parallel.dims
     require(parallel.dp_balance in ("even", "measured"),
             f"unknown --dp-balance {parallel.dp_balance!r}; choose even or measured")
@@ -123,10 +124,10 @@ def _check_dp_balance(parallel: ParallelConfig, model: ModelConfig) -> None:
                                                f"--dp-balance measured; add it or drop --rebalance-every")
         return
     require(dims.dp > 1, f"--dp-balance measured needs data parallelism, got dp {dims.dp}; add --dp 2 or more")
-    require(dims.pp == 1, f"--dp-balance measured with --pp {dims.pp}: the pipeline's microbatches are fixed; "
-                          f"use --pp 1 or --dp-balance even")
-    require(model.n_experts == 0, f"--dp-balance measured with {model.n_experts} experts: the router's "
-                                  f"load-balancing loss is not a mean over sequences; use a dense model")
+    require(dims.pp == 1 or parallel.schedule != "pipedream",
+            "--dp-balance measured with --schedule pipedream: its updates after each microbatch would each group "
+            "other sequences than single-process training's microbatches do (a replica's microbatches follow its "
+            "share); use another schedule or --dp-balance even")
 
 
 def _check_names(parallel: ParallelConfig) -> None:

@@ -66,6 +66,7 @@ class RunSpec:
     init_from: str | None = None         # a Hugging Face Llama directory: the initial weights (parallelisms.hf)
     poison_fresh_memory: bool = False    # verify: fresh memory (torch.empty, buffers) filled with NaN (_poisoned)
     keep_spans: bool = True              # the report carries every span (--trace, --predict); else summed per step
+    straggler_report: bool = True        # False: no arrival notes nor report (its cost's A/B, bench straggler-cost)
 
 
 class MicrobatchLoop:
@@ -76,12 +77,12 @@ class MicrobatchLoop:
     def __init__(self, model: nn.Module, comms: Comms, grad_accum: int, positions: torch.Tensor | None = None):
         self.model, self.comms, self.grad_accum, self.positions = model, comms, grad_accum, positions
         self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its share of the batch)
-        self.compute_ns = 0  # the last call's forward and backward time (--dp-balance measured measures it)
+        self.compute_ns = 0  # the last call's forward and backward time, waits left out (--dp-balance measured)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync: GradSync) -> torch.Tensor:
         ledger, timeline = self.comms.ledger, self.comms.timeline
         micro = microbatches(inputs, targets, self.grad_accum)
-        total, start = None, Timeline.now()
+        total, start, waited = None, Timeline.now(), ledger.waited_ns
         scale = self.weight / len(micro)
         for i, (x, y) in enumerate(micro):
             with (grad_sync.no_sync() if i < len(micro) - 1 else nullcontext()):
@@ -94,7 +95,7 @@ class MicrobatchLoop:
                 with ledger.in_phase("backward"), timeline.span("backward"):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        self.compute_ns = Timeline.now() - start
+        self.compute_ns = Timeline.now() - start - (ledger.waited_ns - waited)
         return upcast(total).cpu()
 
     @torch.no_grad()
@@ -337,15 +338,16 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         from parallelisms.hf import load_hf
         model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
-    watch = StragglerWatch(comms, info.rank, info.world_size, trace)
+    watch = StragglerWatch(comms, info.rank, info.world_size, trace, enabled=spec.straggler_report)
     experts = ExpertLoad(model, dims.ep) if spec.model.n_experts else None
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     train_tokens, eval_tokens = train_and_eval_tokens(spec.train.data)
     loader = BatchLoader(train_tokens, spec.train.global_batch, spec.train.seq_len, spec.train.seed,
                          spec.train.data.vocab_sweep)
-    balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, spec.train.grad_accum,
-                           spec.parallel.rebalance_every) if spec.parallel.dp_balance == "measured" else None)
+    unit = trainer.forward_backward.schedule.microbatches if dims.pp > 1 else spec.train.grad_accum  # rows split whole
+    balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, unit, spec.parallel.rebalance_every)
+               if spec.parallel.dp_balance == "measured" else None)
     data = spec.train.data
     evaluation = None
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
@@ -382,6 +384,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
     overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times, saved = None, 0, [], []
+    held: list[dict] = []  # rank 0's metrics records waiting for their steps' straggler figures
     for step in steps:
         if balance is None:
             inputs, targets = (t.to(info.device) for t in loader.next_shard(dp_rank, dims.dp))
@@ -390,13 +393,12 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             loader.step += 1
             trainer.forward_backward.weight = balance.weight
         ledger_marks.append(comms.ledger.mark())
-        comms.ledger.arrivals.active = True
+        watch.start_step()
         start = Timeline.now()
         loss = trainer.train_step(inputs, targets)
         end = Timeline.now()
-        comms.ledger.arrivals.active = False
-        # rank 0: this step's straggler figures when handed over now (every step when metrics are logged)
-        late = watch.end_step((start, end), exchange=logging)
+        # rank 0: the straggler figures of the steps handed over now (all, before a checkpoint)
+        late = watch.end_step((start, end), exchange=saver is not None and saver.due(step + 1))
         if balance is not None:
             balance.after_step(step, trainer.forward_backward.compute_ns)
         if experts is not None:
@@ -417,9 +419,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             eval_loss = trainer.evaluate(evaluation).item()
             eval_losses.append([step + 1, eval_loss])
         mean = _rank_average(comms, loss) if averaged else None
-        if logging:
-            _log_step(metrics, comms, trainer, step, mean, eval_loss, tokens_per_step, (start, end), late,
-                      overlap_step)
+        if metrics is not None:
+            held.append(_log_step(trainer, step, mean, eval_loss, tokens_per_step, (start, end), overlap_step))
+            _release(metrics, held, late)
         if hasattr(steps, "set_postfix"):  # the loss as the summary shows it: the mean over the data-parallel ranks
             steps.set_postfix(loss_rank_mean=f"{mean:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
@@ -438,7 +440,10 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             save_times.append((Timeline.now() - began) / 1e9)
             saved.append(step + 1)
         _test_kill(info, step + 1)
-    watch.flush()  # the steps not handed over yet
+    figures = watch.flush()  # the steps not handed over yet
+    if metrics is not None:
+        _release(metrics, held, figures)
+    loop_end = Timeline.now()
     if saver is not None:
         saver.close()
     if metrics is not None:
@@ -470,7 +475,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "lr_last": trainer.lr,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
-        "stragglers": watch.report.result(),
+        "stragglers": watch.result(),
+        # the loop's time a step from the second step's start, the report's hand-overs included (bench straggler-cost)
+        "loop_time_s": (loop_end - step_windows[measured][0][0]) / len(step_windows[measured]) / 1e9,
     }
     report.update(extra)
     if balance is not None:
@@ -495,7 +502,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         report["overlap_per_rank"] = per_rank
         report["exposed_comm_fraction"] = max(s["exposed_ns"] / max(s["wall_ns"], 1) for s in per_rank)
         report["spans"] = [g["spans"] for g in gathered]
-        report["straggler_waits"] = watch.report.waits
+        report["straggler_waits"] = watch.report.waits if watch.report is not None else []
     if state is not None:
         report["state"] = state
     return report
@@ -538,21 +545,26 @@ def _rank_average(comms: Comms, loss: torch.Tensor) -> float:
         return (comms["dp_cp"].all_reduce(loss.detach().reshape(1).clone()) / comms["dp_cp"].size).item()
 
 
-def _log_step(metrics: MetricsWriter | None, comms: Comms, trainer: Trainer, step: int, mean: float,
-              eval_loss: float | None, tokens: int, window: tuple[int, int], late: dict, overlap: dict | None) -> None:
-    """One metrics record (rank 0 writes it): the step's loss averaged over dp x cp (:func:`_rank_average`),
-    learning rate, gradient norm, tokens/s, this rank's exposed communication (with a timeline), peak memory and
-    the step's stragglers (``late``: :meth:`StragglerReport.add_step`'s figures)."""
+def _log_step(trainer: Trainer, step: int, mean: float, eval_loss: float | None, tokens: int,
+              window: tuple[int, int], overlap: dict | None) -> dict:
+    """Rank 0's metrics record of a step: its loss averaged over dp x cp (:func:`_rank_average`), learning rate,
+    gradient norm, tokens/s, this rank's exposed communication (with a timeline) and peak memory;
+    :func:`_release` adds the step's stragglers and writes it."""
     from parallelisms.parallel.memory import process_peak_bytes
 
-    if metrics is None:
-        return
     seconds = (window[1] - window[0]) / 1e9
     exposed = overlap["exposed_ns"] / 1e9 if overlap is not None else None
-    metrics.write({"step": step + 1, "loss": mean, "eval_loss": eval_loss, "lr": trainer.lr,
-                   "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
-                   "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
-                   "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped, **late})
+    return {"step": step + 1, "loss": mean, "eval_loss": eval_loss, "lr": trainer.lr,
+            "grad_norm": None if trainer.grad_norm is None else trainer.grad_norm.item(),
+            "tokens_per_s": tokens / seconds, "step_time_s": seconds, "exposed_comm_s": exposed,
+            "peak_memory_bytes": process_peak_bytes(), "skipped": trainer.skipped}
+
+
+def _release(metrics: MetricsWriter, held: list, figures: list[dict]) -> None:
+    """Write the held records (rank 0, oldest first) of the steps whose straggler figures (``figures``,
+    :meth:`StragglerWatch.end_step`'s) came: a record waits for its step's hand-over, a few steps at most."""
+    for late in figures:
+        metrics.write({**held.pop(0), **late})
 
 
 def _sum_stats(stats: list[dict]) -> dict:

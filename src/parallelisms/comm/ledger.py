@@ -47,6 +47,7 @@ class CommLedger:
         # same ones in the same order, so a member behind this rank's count has not arrived (see .liveness)
         self.collectives: dict[str, int] = defaultdict(int)
         self.arrivals = Arrivals()  # when this rank arrived at each call of the step (the straggler report)
+        self.waited_ns = 0  # time blocked in collectives and waits (--dp-balance measured: compute is the rest)
 
     @contextmanager
     def in_phase(self, phase: str):

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from parallelisms.comm.arrivals import Arrivals
+from parallelisms.comm.arrivals import RECEIVE, Arrivals
 from parallelisms.comm.ledger import CommLedger, ring_bytes_per_rank
 from parallelisms.comm.liveness import dead_ranks, lagging_ranks, late_ranks, silent_ranks
 from parallelisms.comm.trace import Timeline
@@ -68,11 +68,13 @@ class Pending:
             Arrivals.blocked(self.arrivals)
         timeline = self.comm.timeline
         start = timeline.now() if timeline.enabled else 0
+        began = Timeline.now()
         try:
             for work in self.works:
                 work.wait()
         except RuntimeError as exc:
             raise self.comm.error(self.label, exc) from exc
+        self.comm.ledger.waited_ns += Timeline.now() - began
         if timeline.enabled:
             end = timeline.now()
             timeline.add(f"wait {self.label}", "wait", start, end)
@@ -172,6 +174,7 @@ class Comm:
         label = f"{kind} {full_numel}x{str(tensor.dtype).removeprefix('torch.')}"
         timeline = self.timeline
         start = timeline.now() if timeline.enabled else 0
+        began = Timeline.now()
         try:
             works = launch()  # None: done already (in this thread)
             works = [] if works is None else works if isinstance(works, list) else [works]
@@ -180,6 +183,8 @@ class Comm:
                     work.wait()
         except RuntimeError as exc:
             raise self.error(label, exc) from exc
+        if not async_op:
+            self.ledger.waited_ns += Timeline.now() - began
         issued = None
         if timeline.enabled:
             if not async_op:  # a blocking collective: the rank waited all along (exposed unless other work ran)
@@ -359,7 +364,7 @@ class Comm:
         me, arrivals = dist.get_rank(), self.ledger.arrivals
         notes = [arrivals.transfer(self.name, me, self.global_rank(p), receiving=False) for _, p in sends]
         notes = [n for n in notes + [arrivals.transfer(self.name, self.global_rank(p), me, receiving=True)
-                                     for _, p in recvs] if n is not None and n.key[0] == "r"]
+                                     for _, p in recvs] if n is not None and n[0] == RECEIVE]
         label = f"p2p {len(sends)} send {len(recvs)} recv"
         start = self.timeline.now() if self.timeline.enabled else 0
         try:

@@ -142,6 +142,8 @@ class PipelineSchedule:
                                  **hooks)
         self.before_step = before_step or (lambda: None)
         self.step_records: list[tuple] = []
+        self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its replica's share)
+        self.compute_ns = 0  # the last step's time, waits left out (--dp-balance measured)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync=None) -> torch.Tensor:
         self.before_step()
@@ -150,11 +152,13 @@ class PipelineSchedule:
         m = self.schedule.microbatches
         micro = microbatches(inputs, targets, m)
         ledger = self.comms.ledger
+        start, waited = time.perf_counter_ns(), ledger.waited_ns
         with ledger.in_phase("pipeline"):
             losses = self.executor.run([x for x, _ in micro], [y for _, y in micro], self.hidden_dim,
-                                       self.loss_scale)
+                                       self.loss_scale * self.weight)
+        self.compute_ns = time.perf_counter_ns() - start - (ledger.waited_ns - waited)
         self.step_records.append((self.executor.records, self.executor.peak_held))
-        local = (torch.stack(losses).sum().reshape(1) / m if losses
+        local = (torch.stack(losses).sum().reshape(1) * self.weight / m if losses
                  else torch.zeros(1, dtype=torch.promote_types(self.executor.dtype, torch.float32)))
         with ledger.in_phase("report"):
             return self.pp_comm.all_reduce(local).reshape(())
