@@ -119,11 +119,11 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dp > 1:
         ring = (dp - 1) / dp
         grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
-        # the flat engine without a pipeline reduces sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gathers
+        # without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather
         # sharded parameters every microbatch; a pipeline stage holds its units through the step (once)
-        m = microbatches_per_step(parallel, train) if dims.pp == 1 and parallel.fsdp_style == "flat" else 1
+        m = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
         if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-            out += [CommVolume("all_gather", "dp", 2 * m * ring * params),
+            out += [CommVolume("all_gather", "dp", m * ring * _gathered_per_microbatch(cfg, parallel, dtype_bytes)),
                     CommVolume("reduce_scatter", "dp", m * ring * grads)]
         elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
             per_microbatch = parallel.zero != 1  # ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does
@@ -161,7 +161,28 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         if parallel.sequence_parallel:  # stages exchange the sequence-sharded residual stream
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
+        if parallel.schedule == "dualpipe":  # the two copies of each stage exchange their fp32 gradient buffers
+            held = 2 * (cfg.n_layers // dims.pp) * block_params(cfg, dims.tp) + 2 * cfg.vocab_size * cfg.dim / dims.tp
+            out.append(CommVolume("send", "pp", 4 * (held + cfg.dim)))
+    if dims.pp > 1 and parallel.schedule == "pipedream":  # it updates per microbatch, without a global norm
+        return out
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_bytes: int) -> float:
+    """Bytes of parameters a fully sharded engine all-gathers per microbatch (before the ring factor): the flat
+    engine every unit for forward and again for backward; the per-parameter one (FSDP2) every unit for forward
+    and the blocks again for backward (the head stays gathered after its forward, the embedding's backward needs
+    no weights); buffer reuse (YaFSDP) the same less the last block, still in its buffer when backward starts.
+    A pipeline stage holds its units through the step: one gather a step."""
+    params = rank0_params(cfg, parallel) * dtype_bytes
+    if parallel.dims.pp > 1:
+        return params
+    if parallel.fsdp_style == "flat" or parallel.zero:
+        return 2 * params
+    block = block_params(cfg, parallel.dims.tp) * dtype_bytes
+    blocks = cfg.n_layers // parallel.dims.pp * block
+    return params + blocks - (block if parallel.fsdp_style == "reuse" else 0)
 
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
@@ -213,7 +234,8 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
         return [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
     gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
     scatters = forward * 2 + layers * 2 + 1 + head
-    norms = microbatches_per_step(parallel, train) * (2 * layers + head) * cfg.dim * elem  # per microbatch
+    norm_bytes = 2 if parallel.mixed_precision == "bf16" else elem  # the compute dtype's gradients
+    norms = microbatches_per_step(parallel, train) * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
     return [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather),
             CommVolume("all_reduce", "tp", 2 * (t - 1) / t * (small + norms))]
 
