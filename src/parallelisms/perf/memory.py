@@ -100,31 +100,67 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
 
 
 @lru_cache(maxsize=256)
-def _held_per_rank(name: str, pp: int, m: int, chunks: int) -> tuple:
-    """(stage-microbatch units held at once, stages held) per rank: the simulator's order-determined peaks."""
+def _schedule_of(name: str, pp: int, m: int, chunks: int):
+    """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
     from parallelisms.parallel.pipeline.schedules import build_schedule
-    from parallelisms.parallel.pipeline.simulate import simulate
 
-    schedule = build_schedule(name, pp, m, chunks if name == "interleaved" else None)
-    peaks = simulate(schedule).peak_activations
-    return tuple((peaks[r] * schedule.chunks, tuple(s for _, s in schedule.modules_on(r)), schedule.num_stages)
-                 for r in range(pp))
+    return build_schedule(name, pp, m, chunks if name == "interleaved" else None)
 
 
-def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[dict]:
-    """Per pipeline rank: layers held, blocks' microbatches in flight (in layers x microbatches), ends held."""
+def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
+                 head_kept: float) -> float:
+    """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
+    of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
+    held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
+    split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
+    last stage's head)), which the weight pass frees."""
+    from parallelisms.parallel.pipeline.schedules import Kind
+
+    last = schedule.num_stages - 1
+    held = best = 0.0
+    for a in schedule.compute(rank):
+        on_last = a.stage == last
+        if a.kind is Kind.FORWARD:
+            held += full + head_kept * on_last
+            best = max(best, held + moment[on_last] - head_kept * on_last)
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            held -= full + head_kept * on_last
+            if a.kind is Kind.BACKWARD_INPUT:
+                held += partial[0] + partial[1] * on_last
+        elif a.kind is Kind.BACKWARD_WEIGHT:
+            held -= partial[0] + partial[1] * on_last
+    return best
+
+
+def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int) -> float:
+    """Bytes a block keeps between a split backward's input and weight passes: each linear's input (the norms'
+    outputs, the attention output, the MLP product) and output gradient, e(4h + (2q + 2kv + 3f)/t) per token."""
+    t = parallel.dims.tp
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return e * tokens * (4 * cfg.dim + (2 * cfg.q_dim + 2 * kv + 3 * cfg.ffn_dim) / t)
+
+
+def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
+           moment: tuple[float, float], head_kept: float) -> list[dict]:
+    """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
+    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it))."""
     from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
     if dims.pp == 1:
-        return [{"layers": cfg.n_layers, "held_layers": cfg.n_layers, "embedding": True, "head": True,
+        return [{"layers": cfg.n_layers, "peak": cfg.n_layers * block + moment[1], "embedding": True, "head": True,
                  "stages": 1}]
     m = microbatches_per_step(parallel, train)
+    schedule = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
+    per_stage = cfg.n_layers / schedule.num_stages
+    partial = (per_stage * weight_pass_bytes(cfg, tokens, parallel, e),
+               e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
     out = []
-    for held, stages, num_stages in _held_per_rank(parallel.schedule, dims.pp, m, parallel.chunks):
-        per_stage = cfg.n_layers / num_stages
-        out.append({"layers": per_stage * len(stages), "held_layers": held * per_stage, "stages": len(stages),
-                    "embedding": 0 in stages, "head": num_stages - 1 in stages})
+    for r in range(dims.pp):
+        stages = [s for _, s in schedule.modules_on(r)]
+        out.append({"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+                    "head": schedule.num_stages - 1 in stages,
+                    "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept)})
     return out
 
 
@@ -192,28 +228,26 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
 
     table = math.ceil(cfg.vocab_size / dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
     block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
-    working = block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
+    if parallel.recompute == "full":  # the block being recomputed, its activations all kept
+        other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
     best = None
-    for rank in _ranks(cfg, parallel, train):
+    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):
         params = stage_parameters(cfg, parallel, rank["layers"], rank["embedding"], rank["head"])
         states = model_states(cfg, parallel, params, m)
-        kept = rank["held_layers"] * block
-        mlp_grads = 3 * e * tokens * cfg.ffn_dim / dims.tp
-        head = 0.0
-        if rank["head"]:  # the loss's peak, and what earlier microbatches in flight keep of the head (log-probs)
-            waiting = max(0, math.floor(rank["held_layers"] / rank["layers"]) - 1)
-            head = head_bytes(cfg, tokens, parallel, e) + waiting * head_bytes(cfg, tokens, parallel, e, kept=True)
-        moment = max(head, mlp_grads)
-        if parallel.recompute == "full":
-            moment = max(moment, working + mlp_grads)
         fresh = 0.0
         if dims.pp > 1:  # a microbatch's fresh gradients beside the stage's held ones (and a stage engine's fp32
             # gradients, held through the step)
             full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-            fresh = 4 * params * (2 if parallel.mixed_precision == "bf16" or full_shard else 1)
+            # (V-shaped and DualPipe: one of the rank's two stages at a time)
+            fresh = 4 * params * (2 if parallel.mixed_precision == "bf16" or full_shard else 1) / (
+                1 if parallel.schedule == "interleaved" else rank["stages"])
+            if parallel.schedule == "dualpipev":  # its peak comes before the second chunk's buffers exist
+                states["grads"] /= rank["stages"]
         rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"] if dims.pp > 1 else 4 * cfg.max_seq_len * cfg.head_dim
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-               "buffers": float(rotary), "activations": kept + moment + states["compute_copy"] + fresh
+               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
         out["total"] = sum(out[k] for k in KINDS)
         if best is None or out["total"] > best["total"]:

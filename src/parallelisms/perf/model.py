@@ -141,15 +141,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dims.tp > 1:
         out += _tensor_parallel_volumes(cfg, parallel, train, dtype_bytes)
     if dims.cp > 1:
-        tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
-        kv_block = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
-        if parallel.cp_attention == "ring":  # K,V forward N-1 hops; K,V again and dK,dV N hops backward
-            sends = (2 * (dims.cp - 1) * 2 + 2 * dims.cp) * kv_block * cfg.n_layers
-            out.append(CommVolume("send", "cp", sends))
-        else:  # q, k, v in and the output back, forward and backward
-            q_block = tokens * cfg.q_dim // dims.tp * dtype_bytes
-            per_layer = 2 * (2 * q_block + 2 * kv_block) * (dims.cp - 1) / dims.cp
-            out.append(CommVolume("all_to_all", "cp", per_layer * cfg.n_layers))
+        out.append(_context_parallel_volume(cfg, parallel, train, dtype_bytes))
     if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
@@ -183,6 +175,29 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     block = block_params(cfg, parallel.dims.tp) * dtype_bytes
     blocks = cfg.n_layers // parallel.dims.pp * block
     return params + blocks - (block if parallel.fsdp_style == "reuse" else 0)
+
+
+def _context_parallel_volume(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                             dtype_bytes: int) -> CommVolume:
+    """Rank 0's context-parallel bytes per step over its stage's layers. Ring attention: K and V forward N-1
+    hops, backward K and V again N-1 hops and the fp32 dK, dV accumulators N hops; a recomputed forward (full,
+    or selective: the core) sends its K and V again. Ulysses: q, k, v in and the output back, forward and
+    backward; a recomputed forward repeats them (selective: the inputs only, torch's checkpoint stops once the
+    core's kept tensors are recomputed)."""
+    dims = parallel.dims
+    layers = cfg.n_layers // dims.pp
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
+    kv = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim
+    again = parallel.recompute != "none"
+    if parallel.cp_attention == "ring":
+        hops = dims.cp - 1
+        sends = (2 * hops * (2 + again)) * kv * dtype_bytes + 2 * dims.cp * kv * 4
+        return CommVolume("send", "cp", sends * layers)
+    q = tokens * cfg.q_dim // dims.tp * dtype_bytes
+    kv *= dtype_bytes
+    forward = 2 * q + 2 * kv
+    repeated = {"full": forward, "selective": q + 2 * kv}.get(parallel.recompute, 0)
+    return CommVolume("all_to_all", "cp", (2 * forward + repeated) * (dims.cp - 1) / dims.cp * layers)
 
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
