@@ -52,7 +52,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
                                ffn: int | None = None, mlp_matrices: int = 2) -> float:
     """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
 
-    ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept).
+    ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept:
+    2sbh, and 2sbh/t with sequence parallelism, whose layer input is the sequence-sharded residual stream).
     Table 2's terms: 10sbh replicated across tp (norm inputs, the QKV and MLP inputs, two dropout masks),
     24sbh/t sharded (Q, K, V and the projection input: 8; the MLP's 4h-wide tensors: 16) and 5as^2b/t for
     the attention scores. With ``kv_heads`` (GQA) and an MLP of width ``ffn`` and ``mlp_matrices`` matrices,
@@ -61,8 +62,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     sbh = seq * batch * hidden
     sharded = 4 + 4 * (kv_heads or heads) / heads + 2 * mlp_matrices * (ffn or 4 * hidden) / hidden
     attention = 5 * heads * seq / (hidden * tp)
-    if recompute == "full":
-        return 2 * sbh
+    if recompute == "full":  # the layer's input, sequence-sharded under sequence parallelism
+        return 2 * sbh / (tp if sequence_parallel else 1)
     if sequence_parallel:
         return sbh * ((10 + sharded) / tp + (attention if recompute == "none" else 0))
     return sbh * (10 + sharded / tp + (attention if recompute == "none" else 0))
@@ -182,8 +183,8 @@ def _context_parallel_volume(cfg: ModelConfig, parallel: ParallelConfig, train: 
     """Rank 0's context-parallel bytes per step over its stage's layers. Ring attention: K and V forward N-1
     hops, backward K and V again N-1 hops and the fp32 dK, dV accumulators N hops; a recomputed forward (full,
     or selective: the core) sends its K and V again. Ulysses: q, k, v in and the output back, forward and
-    backward; a recomputed forward repeats them (selective: the inputs only, torch's checkpoint stops once the
-    core's kept tensors are recomputed)."""
+    backward, key/value heads repeated up to N where fewer; a recomputed forward repeats them (selective: the inputs
+    only, torch's checkpoint stops once the core's kept tensors are recomputed)."""
     dims = parallel.dims
     layers = cfg.n_layers // dims.pp
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
@@ -194,7 +195,7 @@ def _context_parallel_volume(cfg: ModelConfig, parallel: ParallelConfig, train: 
         sends = (2 * hops * (2 + again)) * kv * dtype_bytes + 2 * dims.cp * kv * 4
         return CommVolume("send", "cp", sends * layers)
     q = tokens * cfg.q_dim // dims.tp * dtype_bytes
-    kv *= dtype_bytes
+    kv = tokens * max(cfg.n_kv_heads // dims.tp, dims.cp) * cfg.head_dim * dtype_bytes  # heads repeated up to cp
     forward = 2 * q + 2 * kv
     repeated = {"full": forward, "selective": q + 2 * kv}.get(parallel.recompute, 0)
     return CommVolume("all_to_all", "cp", (2 * forward + repeated) * (dims.cp - 1) / dims.cp * layers)
@@ -244,14 +245,20 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
+    # fewer key/value heads than ranks: each rank keeps 1/t of the K and V weights and all-gathers them (compute
+    # dtype) in every forward, reduce-scattering their gradients in backward
+    kv_weights = (t - 1) / t * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim * dtype_bytes if t > cfg.n_kv_heads else 0.0
+    m = microbatches_per_step(parallel, train)
     if not sp:  # the blocks' f and g; the embedding's output; the head input's f
         reduces = forward * 2 + layers * 2 + 1 + head
-        return [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
-    gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
-    scatters = forward * 2 + layers * 2 + 1 + head
+        out = [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
+        return out + ([CommVolume("all_gather", "tp", m * forward * kv_weights),
+                       CommVolume("reduce_scatter", "tp", m * layers * kv_weights)] if kv_weights else [])
+    gathers = (forward * 2 + layers * 4 + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
+    scatters = (forward * 2 + layers * 2 + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's input
     norm_bytes = 2 if parallel.mixed_precision == "bf16" else elem  # the compute dtype's gradients
-    norms = microbatches_per_step(parallel, train) * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
-    return [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather),
+    norms = m * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
+    return [CommVolume("all_gather", "tp", gathers), CommVolume("reduce_scatter", "tp", scatters),
             CommVolume("all_reduce", "tp", 2 * (t - 1) / t * (small + norms))]
 
 
