@@ -118,8 +118,14 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
-        ring = (dp - 1) / dp
+        hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
+        shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
+        ring = (shards - 1) / shards
         grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
+        if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
+            replicas = dims.dp_replicate
+            m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
+            out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * grads / shards))
         # without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather
         # sharded parameters every microbatch; a pipeline stage holds its units through the step (once)
         m = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
