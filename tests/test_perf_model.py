@@ -123,9 +123,11 @@ def test_estimate_command(capsys):
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     mem = result["memory_per_rank"]
-    assert mem["optimizer"] == pytest.approx(12 * 8_030_261_248 / 64, rel=1e-6)   # ZeRO-3: K Psi / N
-    # full recompute: 2sbh x L, b = 512 / 64 / 8 (at b = 8 the fp32 logits alone, 8 x 8192 x 128256 x 4 B, do not fit)
-    assert mem["activations"] == pytest.approx(2 * 8192 * 1 * 4096 * 32)
+    # ZeRO-3: K Psi / N, the fp32 master weights (4 Psi / N) counted as params, Adam's moments as optimizer
+    assert mem["params"] + mem["optimizer"] == pytest.approx(12 * 8_030_261_248 / 64, rel=1e-6)
+    # full recompute: 2sbh x L kept, b = 512 / 64 / 8, and the loss's peak on the fp32 logits (log-probabilities, their
+    # gradient and the log-softmax's: 12 bytes a logit) with the final norm's kept tensors (fp32 input, two bf16)
+    assert mem["activations"] == pytest.approx(2 * 8192 * 1 * 4096 * 32 + 8192 * (12 * 128256 + 8 * 4096))
     assert result["fits"] is True
     # gathered for forward and backward of each of the 8 microbatches (as the flat engine's ledger counts)
     assert result["comm_bytes_per_rank"]["all_gather/dp"] == pytest.approx(8 * 2 * 63 / 64 * 2 * 8_030_261_248)

@@ -488,9 +488,15 @@ def cmd_estimate(args) -> int:
 
     result = estimate_result(args)
     print("\n".join(explain(result)))
+    if args.check:  # the dry run of the same layout beside the formulas (imports torch)
+        from parallelisms.estimate_check import check, check_lines
+
+        model, train, parallel = build_configs(args, runtime=True)
+        result["check"] = check(model, parallel, train, result["memory_per_rank"])
+        print("\n".join(check_lines(result["check"])))
     if args.json:
         print(json_line(result))
-    return 0
+    return 0 if not args.check or result["check"]["ok"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -534,6 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(p)
     _add_train_args(p, steps=1)
     add_hardware_args(p)
+    p.add_argument("--check", action="store_true", help="also dry-run the layout (the real code on fake tensors) and "
+                                                        "print its memory per rank and bytes per collective beside "
+                                                        "the estimate's, with the differences (exit 1 where they "
+                                                        "disagree: memory beyond 5%%, any collective's bytes)")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("plan", help="search the fastest layout of --gpus N that fits (given layout flags are fixed)")

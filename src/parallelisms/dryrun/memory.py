@@ -123,10 +123,12 @@ class MemoryAccount(TorchDispatchMode):
         self.module = getattr(module, "_dry_run_name", self.module)
 
     def start_step(self, trainer) -> None:
-        """Called between ``parallelize`` and the step: names the modules (for the moment of the peak) and takes
-        the persistent bytes."""
+        """Called between ``parallelize`` and the step: names the modules (for the moment of the peak), takes the
+        persistent bytes and starts the peak over (the steps' peak, not setup's)."""
         self._trainer = trainer
         self.step_start = self.current
+        # the peak is the step's: the full model each rank builds before parallelize shards it is setup's
+        self.peak, self.at_peak, self.moment = self.current, dict(self.live), ("setup", "")
         for stage in _modules_of(trainer):
             for name, module in stage.named_modules():
                 if name.count(".") <= 1 and name.startswith("layers.") or name in ("tok_embeddings", "output", "loss"):

@@ -53,7 +53,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
                                ffn: int | None = None, mlp_matrices: int = 2) -> float:
     """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
 
-    ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept).
+    ``recompute``: none, selective (attention's softmax/dropout recomputed) or full (only the layer input kept:
+    2sbh, and 2sbh/t with sequence parallelism, whose layer input is the sequence-sharded residual stream).
     Table 2's terms: 10sbh replicated across tp (norm inputs, the QKV and MLP inputs, two dropout masks),
     24sbh/t sharded (Q, K, V and the projection input: 8; the MLP's 4h-wide tensors: 16) and 5as^2b/t for
     the attention scores. With ``kv_heads`` (GQA) and an MLP of width ``ffn`` and ``mlp_matrices`` matrices,
@@ -62,8 +63,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     sbh = seq * batch * hidden
     sharded = 4 + 4 * (kv_heads or heads) / heads + 2 * mlp_matrices * (ffn or 4 * hidden) / hidden
     attention = 5 * heads * seq / (hidden * tp)
-    if recompute == "full":
-        return 2 * sbh
+    if recompute == "full":  # the layer's input, sequence-sharded under sequence parallelism
+        return 2 * sbh / (tp if sequence_parallel else 1)
     if sequence_parallel:
         return sbh * ((10 + sharded) / tp + (attention if recompute == "none" else 0))
     return sbh * (10 + sharded / tp + (attention if recompute == "none" else 0))
@@ -118,13 +119,19 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
-        ring = (dp - 1) / dp
+        hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
+        shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
+        ring = (shards - 1) / shards
         grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
-        # the flat engine without a pipeline reduces sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gathers
+        if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
+            replicas = dims.dp_replicate
+            m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
+            out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * grads / shards))
+        # without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather
         # sharded parameters every microbatch; a pipeline stage holds its units through the step (once)
-        m = microbatches_per_step(parallel, train) if dims.pp == 1 and parallel.fsdp_style == "flat" else 1
+        m = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
         if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-            out += [CommVolume("all_gather", "dp", 2 * m * ring * params),
+            out += [CommVolume("all_gather", "dp", m * ring * _gathered_per_microbatch(cfg, parallel, dtype_bytes)),
                     CommVolume("reduce_scatter", "dp", m * ring * grads)]
         elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
             per_microbatch = parallel.zero != 1  # ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does
@@ -142,11 +149,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dims.tp > 1:
         out += _tensor_parallel_volumes(cfg, parallel, train, dtype_bytes)
     if dims.cp > 1:
-        tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
-        kv_block = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
-        q_block = tokens * cfg.q_dim // dims.tp * dtype_bytes
-        out += [CommVolume(kind, dim, per_layer * cfg.n_layers)  # the mode's exchanges (perf.context)
-                for kind, dim, per_layer in context_volumes(cfg, parallel, q_block, kv_block, dtype_bytes)]
+        out += _context_parallel_volumes(cfg, parallel, train, dtype_bytes)
     if dims.pp > 1 and pipeline:  # the schedule says how many activations and gradients rank 0 sends
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
@@ -158,7 +161,56 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         if parallel.sequence_parallel:  # stages exchange the sequence-sharded residual stream
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
+        if parallel.schedule == "dualpipe":  # the two copies of each stage exchange their fp32 gradient buffers
+            held = 2 * (cfg.n_layers // dims.pp) * block_params(cfg, dims.tp) + 2 * cfg.vocab_size * cfg.dim / dims.tp
+            out.append(CommVolume("send", "pp", 4 * (held + cfg.dim)))
+    if dims.pp > 1 and parallel.schedule == "pipedream":  # it updates per microbatch, without a global norm
+        return out
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_bytes: int) -> float:
+    """Bytes of parameters a fully sharded engine all-gathers per microbatch (before the ring factor): the flat
+    engine every unit for forward and again for backward; the per-parameter one (FSDP2) every unit for forward
+    and the blocks again for backward (the head stays gathered after its forward, the embedding's backward needs
+    no weights); buffer reuse (YaFSDP) the same less the last block, still in its buffer when backward starts.
+    A pipeline stage holds its units through the step: one gather a step."""
+    params = rank0_params(cfg, parallel) * dtype_bytes
+    if parallel.dims.pp > 1:
+        return params
+    if parallel.fsdp_style == "flat" or parallel.zero:
+        return 2 * params
+    block = block_params(cfg, parallel.dims.tp) * dtype_bytes
+    blocks = cfg.n_layers // parallel.dims.pp * block
+    return params + blocks - (block if parallel.fsdp_style == "reuse" else 0)
+
+
+def _context_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                              dtype_bytes: int) -> list[CommVolume]:
+    """Rank 0's context-parallel bytes per step over its stage's layers: the other modes' exchanges from their
+    registry entry (:mod:`parallelisms.perf.context`); ring and Ulysses with recomputation. Ring attention: K and V forward N-1
+    hops, backward K and V again N-1 hops and the fp32 dK, dV accumulators N hops; a recomputed forward (full,
+    or selective: the core) sends its K and V again. Ulysses: q, k, v in and the output back, forward and
+    backward, key/value heads repeated up to N where fewer; a recomputed forward repeats them (selective: the inputs
+    only, torch's checkpoint stops once the core's kept tensors are recomputed)."""
+    dims = parallel.dims
+    layers = cfg.n_layers // dims.pp
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
+    kv = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim
+    again = parallel.recompute != "none"
+    if parallel.cp_attention not in ("ring", "ulysses"):
+        q = tokens * cfg.q_dim // dims.tp * dtype_bytes
+        return [CommVolume(kind, dim, per_layer * layers)
+                for kind, dim, per_layer in context_volumes(cfg, parallel, q, kv * dtype_bytes, dtype_bytes)]
+    if parallel.cp_attention == "ring":
+        hops = dims.cp - 1
+        sends = (2 * hops * (2 + again)) * kv * dtype_bytes + 2 * dims.cp * kv * max(4, dtype_bytes)
+        return [CommVolume("send", "cp", sends * layers)]
+    q = tokens * cfg.q_dim // dims.tp * dtype_bytes
+    kv = tokens * max(cfg.n_kv_heads // dims.tp, dims.cp) * cfg.head_dim * dtype_bytes  # heads repeated up to cp
+    forward = 2 * q + 2 * kv
+    repeated = {"full": forward, "selective": q + 2 * kv}.get(parallel.recompute, 0)
+    return [CommVolume("all_to_all", "cp", (2 * forward + repeated) * (dims.cp - 1) / dims.cp * layers)]
 
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
@@ -208,13 +260,20 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
+    # fewer key/value heads than ranks: each rank keeps 1/t of the K and V weights and all-gathers them (compute
+    # dtype) in every forward, reduce-scattering their gradients in backward
+    kv_weights = (t - 1) / t * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim * dtype_bytes if t > cfg.n_kv_heads else 0.0
+    m = microbatches_per_step(parallel, train)
     if not sp:  # the blocks' f and g; the embedding's output; the head input's f
         reduces = forward * 2 + layers * 2 + 1 + head
-        return [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
-    gathers = forward * 2 + layers * 4 + 1 + 2 * head  # the embedding's gradient; the head's input twice
-    scatters = forward * 2 + layers * 2 + 1 + head
-    norms = microbatches_per_step(parallel, train) * (2 * layers + head) * cfg.dim * elem  # per microbatch
-    return [CommVolume("all_gather", "tp", gathers * gather), CommVolume("reduce_scatter", "tp", scatters * gather),
+        out = [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
+        return out + ([CommVolume("all_gather", "tp", m * forward * kv_weights),
+                       CommVolume("reduce_scatter", "tp", m * layers * kv_weights)] if kv_weights else [])
+    gathers = (forward * 2 + layers * 4 + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
+    scatters = (forward * 2 + layers * 2 + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's input
+    norm_bytes = 2 if parallel.mixed_precision == "bf16" else elem  # the compute dtype's gradients
+    norms = m * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
+    return [CommVolume("all_gather", "tp", gathers), CommVolume("reduce_scatter", "tp", scatters),
             CommVolume("all_reduce", "tp", 2 * (t - 1) / t * (small + norms))]
 
 

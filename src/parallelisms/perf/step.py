@@ -471,26 +471,8 @@ def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
 
 def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,
                     in_flight: float, attention: str = "flash") -> dict:
-    """Bytes per rank (module docstring); flash attention keeps no scores (Table 2's 5as/h term drops)."""
-    dims = parallel.dims
-    states = _states(cfg, parallel)
-    kept = "selective" if attention == "flash" and parallel.recompute == "none" else parallel.recompute
-    per_layer = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
-                                           parallel.sequence_parallel, kept, kv_heads=cfg.n_kv_heads,
-                                           ffn=cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1),
-                                           mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
-    working = activation_bytes_per_layer(train.seq_len // dims.cp, lay.batch, cfg.dim, cfg.n_heads, dims.tp,
-                                         parallel.sequence_parallel, "selective" if attention == "flash" else "none",
-                                         kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_dim, mlp_matrices=cfg.mlp_matrices) * hw.bytes_per_element / 2
-    activations = per_layer * lay.layers * in_flight
-    logits = lay.batch * train.seq_len / dims.cp * cfg.vocab_size / dims.tp * 4 * 2
-    gathered = 0.0
-    if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-        gathered = 2 * cfg.num_params() / cfg.n_layers / (dims.tp * dims.pp) * hw.bytes_per_element
-    recomputed = working if parallel.recompute == "full" else 0.0  # the block being recomputed
-    buckets = 2 * train.bucket_mb * 2**20 if dims.dp * dims.cp > 1 else 0.0  # one filling, one in flight
-    buffers = buckets + gathered + logits + recomputed
-    out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-           "activations": activations, "buffers": buffers}
-    out["total"] = sum(out.values())
-    return out
+    """Bytes of the busiest rank at its peak, by kind, as this runtime holds them (perf/memory.py, which the dry
+    run checks: ``estimate --check``); flash attention keeps no scores (Table 2's 5as/h term drops)."""
+    from parallelisms.perf.memory import rank_memory
+
+    return rank_memory(cfg, parallel, train, attention)

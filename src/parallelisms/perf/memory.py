@@ -1,0 +1,255 @@
+"""Memory per rank as this runtime holds it: the peak over a training step of the rank whose peak is highest,
+split as the dry run splits it (``docs/dryrun.md``): params, grads and optimizer state as the engine holds them
+at the peak, buffers (the rotary tables) and activations (every other live tensor: what the blocks keep for
+backward, the loss's logits, the engines' gathered or compute-dtype weights, the pipeline's fresh gradients).
+
+What a block keeps for backward follows the code (``model/transformer.py``), per token of the microbatch, with e
+the activation's bytes (2 in bf16, 4 in fp32) and h, q, kv, f the hidden, query, key/value and MLP widths:
+
+* each RMSNorm keeps its input in fp32 (4h), the normalised input and its output (e h each);
+* attention (PyTorch's SDPA, flash: no scores) keeps q, the key and value repeated to every query head and its
+  output (4 e q) and the log-sum-exp (4 bytes per head); ring attention keeps q, k, v and the output without
+  repeating (e(2q + 2kv)); Ulysses also keeps the output as it comes back from the all-to-all (5 e q);
+* the SwiGLU MLP keeps the gate and up projections, the gate's activation and their product (4 e f; GELU: 2 e f);
+* tensor parallelism divides the attention and MLP terms by t; sequence parallelism divides the norms by t too
+  (the column layers' input is kept sequence-sharded and re-gathered for the weight gradient);
+* selective recompute keeps the attention core's inputs and output, e(2q + 2kv), not the repeated ones;
+* full recompute keeps only the block's input, e h (Korthikanti et al. 2023's 2sbh; 2sbh/t with sequence
+  parallelism), and recomputes one block at a time in backward.
+
+That is Korthikanti et al. (MLSys'23) Table 2's accounting for this code: its 34sbh + 5as^2b comes from Megatron's
+fused kernels (layer norm on 16-bit inputs, dropout masks, materialised attention scores), which
+:func:`parallelisms.perf.model.activation_bytes_per_layer` keeps for the published rows.
+
+The peak's moment: with the head on the rank, the loss's backward (plain cross-entropy: the fp32 log-probabilities,
+the loss's gradient and the log-softmax's gradient, 12 bytes a logit; vocabulary-parallel: the fp32 logits, their
+shifted copy and exponentials in forward, 3 max(4, e) + e); without it (a pipeline's first stage), a block's
+backward (three e f-wide gradients). Microbatches in flight come from the pipeline schedule (the simulator's
+held activations per rank; a chunk holds its share of the layers); a pipeline stage also holds one
+microbatch's fresh weight gradients beside its accumulated ones.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+
+KINDS = ("params", "grads", "optimizer", "buffers", "activations")
+
+
+def element_bytes(parallel: ParallelConfig, train: TrainConfig) -> int:
+    """Bytes of an activation: bf16 under mixed precision, else the parameters' dtype."""
+    return 2 if parallel.mixed_precision == "bf16" else 8 if train.dtype == "float64" else 4
+
+
+def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int,
+                           recompute: str | None = None, attention: str = "flash", seq: float = 0.0) -> float:
+    """Bytes one block keeps for backward for ``tokens`` tokens of a microbatch on this rank (module docstring);
+    ``attention`` other than flash adds Megatron's materialised scores, softmax and dropout mask over sequences of
+    ``seq`` (5 a s / t bytes per token, Korthikanti Table 2)."""
+    dims, sp = parallel.dims, parallel.sequence_parallel
+    recompute = parallel.recompute if recompute is None else recompute
+    t, h = dims.tp, cfg.dim
+    seq_shards = t if sp else 1
+    if recompute == "full":
+        return e * tokens * h / seq_shards
+    norms = 2 * (max(4, e) + 2 * e) * h / seq_shards
+    q, kv, heads = cfg.q_dim / t, cfg.n_kv_heads * cfg.head_dim / t, cfg.n_heads / t
+    if recompute == "selective":
+        core = e * (2 * q + 2 * kv)
+    elif dims.cp > 1 and parallel.cp_attention == "ring":
+        core = e * (2 * q + 2 * kv) + 4 * heads
+    elif dims.cp > 1:
+        core = 5 * e * q + 4 * heads
+    else:
+        core = 4 * e * q + 4 * heads
+        if attention != "flash":
+            core += 5 * heads * seq
+    return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e))
+
+
+def mlp_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
+    """Per token: the MLP's kept tensors (SwiGLU four f-wide, GELU two; MoE: each token's top-k experts)."""
+    width = cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1) / (1 if cfg.n_experts else parallel.dims.tp)
+    return e * width * (4 if cfg.mlp == "swiglu" else 2)
+
+
+def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int, kept: bool = False) -> float:
+    """The loss's peak over the logits of ``tokens`` tokens and the final norm's kept tensors (module docstring);
+    ``kept``: what a microbatch waiting for its backward keeps instead (the fp32 log-probabilities or softmax)."""
+    t = parallel.dims.tp
+    vocab = math.ceil(cfg.vocab_size / t) * t / t
+    per_logit = max(4, e) if kept else 3 * max(4, e) + (e if t > 1 and e < 4 else 0)
+    norm = (max(4, e) + 2 * e) * cfg.dim / (t if parallel.sequence_parallel else 1)
+    return tokens * (per_logit * vocab + norm)
+
+
+def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, embedding: bool, head: bool) -> float:
+    """Parameters a rank holds for ``layers`` blocks and the ends it holds (tensor- and expert-parallel shards)."""
+    from parallelisms.perf.model import block_params
+
+    dims, d = parallel.dims, cfg.dim
+    block = block_params(cfg, dims.tp)
+    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp
+        experts = cfg.mlp_matrices * d * cfg.ffn_dim * cfg.n_experts
+        block += experts / dims.ep - experts / dims.tp
+    table = math.ceil(cfg.vocab_size / dims.tp) * d
+    return layers * block + embedding * table + head * (table + d)
+
+
+@lru_cache(maxsize=256)
+def _schedule_of(name: str, pp: int, m: int, chunks: int):
+    """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
+    from parallelisms.parallel.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, m, chunks if name == "interleaved" else None)
+
+
+def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
+                 head_kept: float) -> float:
+    """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
+    of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
+    held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
+    split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
+    last stage's head)), which the weight pass frees."""
+    from parallelisms.parallel.pipeline.schedules import Kind
+
+    last = schedule.num_stages - 1
+    held = best = 0.0
+    for a in schedule.compute(rank):
+        on_last = a.stage == last
+        if a.kind is Kind.FORWARD:
+            held += full + head_kept * on_last
+            best = max(best, held + moment[on_last] - head_kept * on_last)
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            held -= full + head_kept * on_last
+            if a.kind is Kind.BACKWARD_INPUT:
+                held += partial[0] + partial[1] * on_last
+        elif a.kind is Kind.BACKWARD_WEIGHT:
+            held -= partial[0] + partial[1] * on_last
+    return best
+
+
+def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int) -> float:
+    """Bytes a block keeps between a split backward's input and weight passes: each linear's input (the norms'
+    outputs, the attention output, the MLP product) and output gradient, e(4h + (2q + 2kv + 3f)/t) per token."""
+    t = parallel.dims.tp
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return e * tokens * (4 * cfg.dim + (2 * cfg.q_dim + 2 * kv + 3 * cfg.ffn_dim) / t)
+
+
+def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
+           moment: tuple[float, float], head_kept: float) -> list[dict]:
+    """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
+    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it))."""
+    from parallelisms.perf.model import microbatches_per_step
+
+    dims = parallel.dims
+    if dims.pp == 1:
+        return [{"layers": cfg.n_layers, "peak": cfg.n_layers * block + moment[1], "embedding": True, "head": True,
+                 "stages": 1}]
+    m = microbatches_per_step(parallel, train)
+    schedule = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
+    per_stage = cfg.n_layers / schedule.num_stages
+    partial = (per_stage * weight_pass_bytes(cfg, tokens, parallel, e),
+               e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
+    out = []
+    for r in range(dims.pp):
+        stages = [s for _, s in schedule.modules_on(r)]
+        out.append({"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+                    "head": schedule.num_stages - 1 in stages,
+                    "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept)})
+    return out
+
+
+def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1) -> dict:
+    """Params, grads and optimizer state at the peak, and the compute-dtype copy the engine keeps (activations),
+    for ``params`` parameters on the rank, as the engines hold them (``parallel/zero.py``, ``fsdp*.py``). With
+    gradient accumulation (``microbatches`` > 1, no pipeline) the peak comes in a later microbatch, beside the
+    gradients accumulated so far: whole (local, DDP, ZeRO-1; bf16's own gradients under mixed precision without
+    sharded gradients) or the reduced shards (ZeRO-2/3, FSDP)."""
+    dims, bf16 = parallel.dims, parallel.mixed_precision == "bf16"
+    full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+    sharded = bool(parallel.zero) or parallel.fsdp not in (None, "no_shard")
+    shard = _shard_degree(parallel) if sharded else 1
+    master = 4 * params / (shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else 1)
+    held_grads = 0.0
+    if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule != "gpipe":  # (GPipe peaks before the first
+        held_grads = 4 * params  # backward makes the stage's gradient buffers)
+    elif not (sharded or bf16) and dims.dp * dims.cp > 1:
+        held_grads = 4 * params  # DDP's buckets
+    compute_copy = 0.0
+    if (bf16 and not full_shard) or (dims.pp > 1 and sharded):  # a stage holds its units through the step
+        compute_copy = (2 if bf16 else 4) * params if dims.pp > 1 and full_shard else 2 * params * bf16
+    if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2"):  # gathered after forward, kept for backward
+        compute_copy = (2 if bf16 else 4) * params
+    if microbatches > 1 and dims.pp == 1:
+        if parallel.zero == 1 or not sharded:
+            if bf16:
+                compute_copy += 2 * params
+            else:
+                held_grads = 4 * params
+        else:
+            held_grads = 4 * params / shard
+    return {"params": master, "grads": held_grads, "optimizer": 8 * params / shard, "compute_copy": compute_copy}
+
+
+def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: float) -> float:
+    """Full weights the sharding engine holds at the loss beyond its compute copy: per-parameter FSDP the head's
+    (gathered for its forward, kept for its backward); buffer reuse (YaFSDP) its two weight buffers (compute
+    dtype) and two fp32 gradient buffers, each the size of the largest unit."""
+    if not parallel.fsdp or parallel.fsdp_style == "flat" or parallel.fsdp == "no_shard" or parallel.dims.pp > 1:
+        return 0.0
+    compute = 2 if parallel.mixed_precision == "bf16" else 4
+    if parallel.fsdp_style == "reuse":
+        return 2 * (compute + 4) * largest_unit
+    return compute * largest_unit
+
+
+def _shard_degree(parallel: ParallelConfig) -> int:
+    dims = parallel.dims
+    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2") or (parallel.fsdp and parallel.fsdp_style != "flat"):
+        return dims.dp_shard * dims.cp
+    return dims.dp * dims.cp
+
+
+def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, attention: str = "flash") -> dict:
+    """The busiest rank's peak by kind (module docstring) and ``total``."""
+    from parallelisms.perf.model import microbatches_per_step
+
+    dims, e = parallel.dims, element_bytes(parallel, train)
+    m = microbatches_per_step(parallel, train)
+    rows = max(1, train.global_batch // (dims.dp * m))
+    tokens = rows * train.seq_len / dims.cp
+    seq = train.seq_len / dims.cp
+    from parallelisms.perf.model import block_params
+
+    table = math.ceil(cfg.vocab_size / dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
+    block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
+    other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
+    if parallel.recompute == "full":  # the block being recomputed, its activations all kept
+        other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
+    best = None
+    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):
+        params = stage_parameters(cfg, parallel, rank["layers"], rank["embedding"], rank["head"])
+        states = model_states(cfg, parallel, params, m)
+        fresh = 0.0
+        if dims.pp > 1:  # a microbatch's fresh gradients beside the stage's held ones (and a stage engine's fp32
+            # gradients, held through the step)
+            full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+            # (V-shaped and DualPipe: one of the rank's two stages at a time)
+            fresh = 4 * params * (2 if parallel.mixed_precision == "bf16" or full_shard else 1) / (
+                1 if parallel.schedule == "interleaved" else rank["stages"])
+            if parallel.schedule == "dualpipev":  # its peak comes before the second chunk's buffers exist
+                states["grads"] /= rank["stages"]
+        rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"] if dims.pp > 1 else 4 * cfg.max_seq_len * cfg.head_dim
+        out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
+               + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
+        out["total"] = sum(out[k] for k in KINDS)
+        if best is None or out["total"] > best["total"]:
+            best = out
+    return best

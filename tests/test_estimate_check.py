@@ -1,0 +1,126 @@
+"""``estimate`` against the dry run (``estimate --check``): memory per rank within 5% and bytes per collective per
+step equal, on a small model with the mechanisms of the real presets at 8 to 64 fake ranks; the memory closed
+forms against Korthikanti et al. (MLSys'23) Table 2 and against the tensors this runtime's block keeps."""
+
+import json
+
+import pytest
+
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.mesh import ParallelDims
+from parallelisms.perf.memory import block_activation_bytes, head_bytes
+from parallelisms.perf.model import activation_bytes_per_layer
+
+# a Llama-shaped model small enough to dry-run in a second: GQA, SwiGLU of 3.5h, a vocabulary 32x the hidden size,
+# sequences 8x the hidden size (activations, not model states, fill memory, as at 8K tokens on the real presets)
+SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "2", "--ffn", "448", "--vocab", "4096", "--layers", "4",
+         "--seq-len", "1024"]
+
+LAYOUTS = {  # name: flags (each layout's world size in the name)
+    "dp8 zero1 bf16": "--dp 8 --zero 1 --mixed-precision bf16 --global-batch 8",
+    "dp8 zero2 grad-accum": "--dp 8 --zero 2 --grad-accum 2 --global-batch 16",
+    "dp8 fsdp per_param bf16 full recompute": "--dp 8 --fsdp full_shard --fsdp-style per_param --mixed-precision bf16 "
+                                              "--recompute full --global-batch 8",
+    "dp8 fsdp reuse": "--dp 8 --fsdp full_shard --fsdp-style reuse --global-batch 8",
+    "hsdp 2x4 bf16": "--dp-replicate 2 --dp-shard 4 --fsdp hybrid_shard --mixed-precision bf16 --global-batch 8",
+    "dp4 tp2 sp full recompute bf16": "--dp 4 --tp 2 --sp --recompute full --mixed-precision bf16 --global-batch 4",
+    "dp2 cp2 ulysses tp2 selective": "--dp 2 --cp 2 --cp-attention ulysses --tp 2 --recompute selective "
+                                     "--global-batch 2",
+    "dp4 cp2 ring zero3": "--dp 4 --cp 2 --zero 3 --global-batch 4",
+    "dp4 pp2 tp2 sp zb-h1 zero1 (16)": "--dp 4 --pp 2 --tp 2 --sp --schedule zb-h1 --zero 1 --global-batch 16",
+    "dp8 pp2 interleaved tp4 sp (64)": "--dp 8 --pp 2 --tp 4 --sp --schedule interleaved --chunks 2 "
+                                       "--mixed-precision bf16 --global-batch 32",
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_estimate_agrees_with_the_dry_run(name):
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    cfg = configure(SHAPE + LAYOUTS[name].split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["collectives"] and out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    for kind in ("params", "optimizer"):  # the model states are exact
+        assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
+    assert out["ok"]
+
+
+def test_estimate_check_command(capsys):
+    from parallelisms.cli import main
+
+    argv = ["estimate", "--preset", "small", "--dp", "2", "--tp", "2", "--sp", "--global-batch", "4", "--seq-len",
+            "128", "--check", "--json"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("verdict: agree") for line in lines)
+    check = json.loads(lines[-1])["check"]
+    assert set(check["memory"]) == {"params", "grads", "optimizer", "buffers", "activations", "total"}
+    assert {"estimate", "dry_run", "difference"} <= set(check["memory"]["activations"])
+    assert check["collectives"]["reduce_scatter/tp"]["difference"] == 0
+    assert check["ok"]
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("kwargs, closed_form", [
+    ({}, lambda s, b, h, a, t: s * b * h * 34 + 5 * a * s * s * b),
+    ({"recompute": "full"}, lambda s, b, h, a, t: 2 * s * b * h),
+    ({"tp": 8, "sequence_parallel": True}, lambda s, b, h, a, t: s * b * h * 34 / t + 5 * a * s * s * b / t),
+    ({"tp": 8, "sequence_parallel": True, "recompute": "full"}, lambda s, b, h, a, t: 2 * s * b * h / t),
+    ({"tp": 8, "recompute": "full"}, lambda s, b, h, a, t: 2 * s * b * h),
+])
+def test_korthikanti_activation_closed_forms(kwargs, closed_form):
+    """Table 2: 34sbh + 5as^2b without recompute, 2sbh with full recompute, divided by t under sequence parallelism
+    (the layer input full recompute keeps is the sequence-sharded residual stream)."""
+    s, b, h, a = 2048, 1, 12288, 96
+    t = kwargs.get("tp", 1)
+    assert activation_bytes_per_layer(s, b, h, a, **kwargs) == pytest.approx(closed_form(s, b, h, a, t))
+
+
+def _layout(tp=1, sp=False, recompute="none", cp=1, attention="ring"):
+    return ParallelConfig(ParallelDims(tp=tp, cp=cp), sequence_parallel=sp, recompute=recompute, cp_attention=attention)
+
+
+def test_runtime_block_closed_forms():
+    """The tensors this runtime's block keeps (bf16, per token): two RMSNorms at 4h + 2h + 2h, SDPA's q, repeated k and
+    v and output at 2q each with the fp32 log-sum-exp, SwiGLU's four f-wide tensors; 2h with full recompute (Korthikanti's
+    2sbh), 2h/t with sequence parallelism; selective recompute keeps the core's unrepeated inputs and output."""
+    cfg = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    s, b, h, q, kv, f, a = 8192, 1, 4096, 4096, 1024, 14336, 32
+    tokens = s * b
+    assert block_activation_bytes(cfg, tokens, _layout(), 2) == tokens * (16 * h + 8 * q + 4 * a + 8 * f)
+    assert block_activation_bytes(cfg, tokens, _layout(recompute="full"), 2) == 2 * s * b * h
+    assert block_activation_bytes(cfg, tokens, _layout(tp=8, sp=True, recompute="full"), 2) == 2 * s * b * h / 8
+    assert block_activation_bytes(cfg, tokens, _layout(tp=8, sp=True), 2) == pytest.approx(
+        tokens * (16 * h + 8 * q + 4 * a + 8 * f) / 8)
+    assert block_activation_bytes(cfg, tokens, _layout(recompute="selective"), 2) == tokens * (
+        16 * h + 2 * (2 * q + 2 * kv) + 8 * f)
+    # fp32: the norms' input is the block's own fp32 input (4h), so 12h per norm, everything else at 4 bytes
+    assert block_activation_bytes(cfg, tokens, _layout(), 4) == tokens * (24 * h + 16 * q + 4 * a + 16 * f)
+    # the loss: 12 bytes a logit (fp32 log-probabilities, their gradient, the log-softmax's), the final norm kept
+    assert head_bytes(cfg, tokens, _layout(), 2) == tokens * (12 * 128256 + 8 * h)
+    # a GiB figure for Llama 3 8B's block at 8K tokens, bf16: 1.63 GiB without recompute, 64 MiB with full recompute
+    assert block_activation_bytes(cfg, tokens, _layout(), 2) / 2**30 == pytest.approx(1.626, abs=0.01)
+    assert block_activation_bytes(cfg, tokens, _layout(recompute="full"), 2) / MIB == 64
+
+
+def test_torchtitan_70b_fsdp_tp_fits():
+    """Llama 3 70B, FSDP 32 x TP 8 with SP and full recompute, 8 sequences of 8K tokens a data-parallel rank
+    (torchtitan's 70B layout, which ran in about 72 GiB on H100s): full recompute keeps 2sbh/t a layer, so the
+    estimate fits 80 GB, below the run's reserved peak."""
+    from parallelisms.config import preset
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    parallel = ParallelConfig(ParallelDims(dp_shard=32, tp=8), fsdp="full_shard", fsdp_style="per_param",
+                              sequence_parallel=True, recompute="full", mixed_precision="bf16")
+    result = estimate(preset("llama3-70b"), parallel, TrainConfig(global_batch=256, seq_len=8192),
+                      load_hardware("h100"))
+    assert result["fits"], result["memory_per_rank"]
+    assert result["memory_per_rank"]["total"] / 2**30 < 72
