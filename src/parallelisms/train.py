@@ -320,7 +320,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     slow = spec.train.slow_rank
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace, keep=spec.keep_spans,
+    comms = Comms(meshes, CommLedger(keep=spec.keep_spans), Timeline(info.rank, enabled=trace, keep=spec.keep_spans,
                                                  slow=slow[1] if slow and slow[0] == info.rank else 1.0))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
@@ -379,7 +379,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             inputs, targets = (t.to(info.device) for t in balance.rows_of(*loader.batch(loader.step)))
             loader.step += 1
             trainer.forward_backward.weight = balance.weight
-        ledger_marks.append(comms.ledger.mark())
+        if len(ledger_marks) < 2:  # where the first step and the measured ones begin (the ledger keeps sums)
+            ledger_marks.append(comms.ledger.mark())
         comms.ledger.arrivals.active = True
         start = Timeline.now()
         loss = trainer.train_step(inputs, targets)
@@ -435,7 +436,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
         measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
-        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
+        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(step_windows[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
         overlap = overlap_sum if not trace or len(step_windows) == 1 else {  # the measured steps: all but the first
             k: overlap_sum[k] - overlap_first[k] for k in overlap_sum}
