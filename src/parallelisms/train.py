@@ -12,6 +12,7 @@ gradient sync (a :class:`parallelisms.parallel.grad_sync.GradSync`) and the forw
 from __future__ import annotations
 
 import statistics
+from array import array
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from parallelisms.parallel.pipeline.pipedream import WeightStashing
 from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
+from parallelisms.step_log import LossLog
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.tied import TiedEmbeddings
 from parallelisms.parallel.yafsdp import ReuseSharding
@@ -369,7 +371,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
                      initial=first, total=spec.train.steps)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
-    losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
+    losses, step_times = LossLog(), array("d")  # compact: a long run's memory stays flat (parallelisms.step_log)
+    grad_norms, ledger_marks, eval_losses = [], [], []
     overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times, saved = None, 0, [], []
     for step in steps:
@@ -395,7 +398,6 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         losses.append(loss)
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
-        step_windows.append((start, end))
         overlap_step = comms.timeline.step_stats(start, end) if trace else None
         if trace:
             overlap_first = overlap_first or overlap_step
@@ -433,12 +435,12 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
-        losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
-        measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
+        losses = comms["dp_cp"].all_reduce(losses.stacked()) / (dims.dp * dims.cp)
+        measured = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step warms up
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
-        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(step_windows[measured]),
+        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(step_times[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
-        overlap = overlap_sum if not trace or len(step_windows) == 1 else {  # the measured steps: all but the first
+        overlap = overlap_sum if not trace or len(step_times) == 1 else {  # the measured steps: all but the first
             k: overlap_sum[k] - overlap_first[k] for k in overlap_sum}
         expert_load = experts.report(comms, dims.tp) if experts is not None else None
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
