@@ -331,7 +331,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         from parallelisms.hf import load_hf
         model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
-    watch = StragglerWatch(comms, info.rank, info.world_size, trace)
+    watch = StragglerWatch(comms, info.rank, info.world_size, trace and spec.keep_spans)  # each wait: --trace only
     experts = ExpertLoad(model, dims.ep) if spec.model.n_experts else None
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
