@@ -76,7 +76,8 @@ class Cases:
         run = self._copy()
         target = next((run / "step_2").glob(name))
         damage(target)
-        return "checkpoints", train("--dp", 2, "--steps", 3, "--resume", run / "step_2"), False, self._kept(run, "step_1")
+        resume = train("--dp", 2, "--steps", 3, "--resume", run / "step_2")
+        return "checkpoints", resume, False, self._kept(run, "step_1")
 
     def case_truncated_shard(self):
         return self._damaged("__0_0.distcp", lambda p: p.write_bytes(p.read_bytes()[:100]))
@@ -192,7 +193,8 @@ class Cases:
         return "input files", train("--config", self._config(vocab_size=2**31 - 1), "--steps", 1), False, None
 
     def case_positions_near_2_31(self):
-        return "input files", train("--config", self._config(max_position_embeddings=2**31 - 1), "--steps", 1), False, None
+        config = self._config(max_position_embeddings=2**31 - 1)
+        return "input files", train("--config", config, "--steps", 1), False, None
 
     def case_config_key_that_changes_the_math(self):
         return "input files", train("--config", self._config(hidden_dropout=0.1), "--steps", 1), False, None
@@ -242,8 +244,8 @@ class Cases:
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.save(str(self.work / "tok.json"))
         (self.work / "d.txt").write_text("a b c d e " * 100)
-        return ("input files", train("--data", self.work / "d.txt", "--tokenizer", self.work / "tok.json", "--steps", 1),
-                False, None)
+        run = train("--data", self.work / "d.txt", "--tokenizer", self.work / "tok.json", "--steps", 1)
+        return "input files", run, False, None
 
     def _weights(self, change, layers: int = 2, config_layers: int | None = None) -> Path:
         from safetensors.torch import load_file, save_file
