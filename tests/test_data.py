@@ -72,7 +72,7 @@ def test_a_hugging_face_tokenizer(data, tmp_path):
     assert ids.tolist() == tokenizers.Tokenizer.from_file(small).encode(TEXT).ids
     assert 0 < len(ids) < len(TEXT) and int(ids.max()) < 100  # merges: fewer tokens than bytes
     assert check_data(cfg, TINY, 16) == len(ids)
-    with pytest.raises(ConfigError, match=r"has 300 tokens but the model's vocabulary is 256"):
+    with pytest.raises(ConfigError, match=r"has token ids up to 299 but the model.s vocabulary is 256"):
         check_data(DataConfig(path=str(data / "one.txt"), tokenizer=trained(300)), TINY, 16)
 
 

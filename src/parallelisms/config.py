@@ -13,6 +13,7 @@ from pathlib import Path
 
 from parallelisms.errors import ConfigError, divisors, path_kind, require, require_finite
 from parallelisms.hf_arch import architecture_fields, check_architecture
+from parallelisms.hf_keys import check_config_keys
 from parallelisms.mesh import ParallelDims
 
 
@@ -208,6 +209,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"--config {str(path)!r} is not valid JSON ({exc.__class__.__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:100]})") from None
     require(isinstance(raw, dict), f"--config {str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+    check_config_keys(path, raw)  # keys that change the computation refused, unknown ones named
     missing = [hf for _, (hf, needed) in _HF_FIELDS.items() if needed and hf not in raw]
     require(not missing, f"--config {str(path)!r} lacks {', '.join(missing)}; a Llama-style config.json has them")
     values = {ours: raw[hf] for ours, (hf, _) in _HF_FIELDS.items() if hf in raw}

@@ -2,8 +2,9 @@
 starts (``train`` and ``verify``; ``--force`` launches anyway).
 
 Each rank needs what ``parallelisms estimate`` predicts for it (:func:`parallelisms.perf.step.memory_per_rank`:
-parameters, gradients, optimizer state, activations and buffers, counted at this run's element size) plus the
-process itself (the interpreter with torch loaded). On the CPU every rank of the machine draws on the same RAM,
+parameters, gradients, optimizer state, activations and buffers, counted at this run's element size), the rotary
+tables the model builds for all its positions (``max_position_embeddings``, which the estimate leaves out), plus
+the process itself (the interpreter with torch loaded). On the CPU every rank of the machine draws on the same RAM,
 so the need is the ranks' sum against the memory the kernel reports available (``MemAvailable``); on CUDA each
 rank has a GPU of its own, so one rank's need is held against the smallest GPU's memory. A layout that does not
 fit is refused in one line: by how much it is over, and the presets that would fit in its place.
@@ -28,7 +29,14 @@ def rank_bytes(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig)
     from parallelisms.perf.hardware import PRESETS as HARDWARE
 
     total = estimate(model, parallel, train, HARDWARE["cpu"], simulate_schedule=False)["memory_per_rank"]["total"]
-    return total * DTYPE_BYTES.get(train.dtype, 4) / 4 + PROCESS_BYTES
+    element = DTYPE_BYTES.get(train.dtype, 4)
+    return total * element / 4 + rotary_bytes(model, element) + PROCESS_BYTES
+
+
+def rotary_bytes(model: ModelConfig, element: int) -> float:
+    """The peak of building the rotary tables for ``max_seq_len`` positions: the positions, the angles
+    [positions, head_dim / 2], and their cosines and sines (``model.transformer.rotary_tables``)."""
+    return model.max_seq_len * (1 + 3 * model.head_dim // 2) * element
 
 
 def available_cpu_bytes() -> int | None:
@@ -65,10 +73,13 @@ def check_fits(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,
         return
     where = (f"{local_ranks} rank(s) x {size(per_rank)} = {size(need)} of RAM, {size(available)} available"
              if device == "cpu" else f"{size(need)} per GPU, {size(available)} on each")
+    rotary = rotary_bytes(model, DTYPE_BYTES.get(train.dtype, 4))
+    rotary_note = (f"; the rotary tables for its {model.max_seq_len:,} positions (max_position_embeddings) take "
+                   f"{size(rotary)} a rank" if rotary > per_rank / 2 else "")  # the estimate leaves them out
     fitting = [name for name in PRESETS
                if _preset_bytes(name, train, parallel) * ranks <= available and name != model_name]
     raise ConfigError(f"{parallel.label()} of {model_name} does not fit this machine: {where}, {size(need - available)} "
-                      f"over (parallelisms estimate shows where it goes); "
+                      f"over (parallelisms estimate shows where it goes){rotary_note}; "
                       + (f"presets that fit this layout: {', '.join(fitting)}" if fitting else "no preset fits it here")
                       + "; --force launches anyway")
 

@@ -19,6 +19,7 @@ import torch
 from parallelisms.config import ModelConfig, load_hf_config
 from parallelisms.errors import ConfigError, require
 from parallelisms.hf_arch import hf_architecture_config
+from parallelisms.hf_checks import check_hf_weights
 from parallelisms.hf_weights import check_exportable, from_hf, to_hf, unfuse_experts
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -78,7 +79,11 @@ def load_hf_model_config(hf_dir: str | Path) -> ModelConfig:
                              f"(config.json + model.safetensors)")
     require((folder / WEIGHTS_FILE).is_file(), f"--init-from {str(folder)!r} has no {WEIGHTS_FILE}; pass a directory "
                                                f"with config.json and model.safetensors")
-    return load_hf_config(folder / CONFIG_FILE)
+    cfg = load_hf_config(folder / CONFIG_FILE)
+    require(cfg.mlp == "swiglu", f"--init-from {str(hf_dir)!r} has hidden_act 'gelu' (a GELU MLP); only SwiGLU "
+                                 f"checkpoints are read")
+    check_hf_weights(folder, cfg)  # the header: every tensor the config implies, nothing else, floating point
+    return cfg
 
 
 def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -90,8 +95,6 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     from safetensors.torch import load_file
 
     cfg = load_hf_model_config(hf_dir)
-    require(cfg.mlp == "swiglu", f"--init-from {str(hf_dir)!r} has hidden_act 'gelu' (a GELU MLP); only SwiGLU "
-                                 f"checkpoints are read")
     path = Path(hf_dir) / WEIGHTS_FILE
     try:
         weights = load_file(str(path))

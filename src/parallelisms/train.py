@@ -12,6 +12,7 @@ gradient sync (a :class:`parallelisms.parallel.grad_sync.GradSync`) and the forw
 from __future__ import annotations
 
 import statistics
+from array import array
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from parallelisms.parallel.pipeline.pipedream import WeightStashing
 from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
 from parallelisms.parallel.pipeline.sharded import StageSharding
 from parallelisms.parallel.recompute import apply_recompute
+from parallelisms.step_log import LossLog
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
@@ -329,7 +331,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
     torch.manual_seed(spec.train.seed)
     meshes = dims.build_meshes(info.device.type) if info.world_size > 1 else {}
     slow = spec.train.slow_rank
-    comms = Comms(meshes, CommLedger(), Timeline(info.rank, enabled=trace, keep=spec.keep_spans,
+    comms = Comms(meshes, CommLedger(keep=spec.keep_spans), Timeline(info.rank, enabled=trace, keep=spec.keep_spans,
                                                  slow=slow[1] if slow and slow[0] == info.rank else 1.0))
     if info.heartbeat is not None:  # a peer that times out waiting for this rank can then say where it is
         info.heartbeat.follow(comms.ledger)
@@ -338,7 +340,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         from parallelisms.hf import load_hf
         model.load_state_dict(load_hf(spec.init_from, spec.train.torch_dtype)[1])
     trainer = parallelize(model, spec.parallel, spec.train, comms)
-    watch = StragglerWatch(comms, info.rank, info.world_size, trace, enabled=spec.straggler_report)
+    watch = StragglerWatch(comms, info.rank, info.world_size, trace and spec.keep_spans,  # each wait: --trace only
+                           enabled=spec.straggler_report)
     experts = ExpertLoad(model, dims.ep) if spec.model.n_experts else None
     coords = dims.coordinates(info.rank)
     dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
@@ -381,7 +384,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
                      initial=first, total=spec.train.steps)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
-    losses, grad_norms, step_times, step_windows, ledger_marks, eval_losses = [], [], [], [], [], []
+    losses, step_times = LossLog(), array("d")  # compact: a long run's memory stays flat (parallelisms.step_log)
+    grad_norms, ledger_marks, first_starts, eval_losses = [], [], [], []
     overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times, saved = None, 0, [], []
     held: list[dict] = []  # rank 0's metrics records waiting for their steps' straggler figures
@@ -392,9 +396,12 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
             inputs, targets = (t.to(info.device) for t in balance.rows_of(*loader.batch(loader.step)))
             loader.step += 1
             trainer.forward_backward.weight = balance.weight
-        ledger_marks.append(comms.ledger.mark())
+        if len(ledger_marks) < 2:  # where the first step and the measured ones begin (the ledger keeps sums)
+            ledger_marks.append(comms.ledger.mark())
         watch.start_step()
         start = Timeline.now()
+        if len(first_starts) < 2:
+            first_starts.append(start)
         loss = trainer.train_step(inputs, targets)
         end = Timeline.now()
         # rank 0: the straggler figures of the steps handed over now (all, before a checkpoint)
@@ -408,7 +415,6 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         losses.append(loss)
         grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
-        step_windows.append((start, end))
         overlap_step = comms.timeline.step_stats(start, end) if trace else None
         if trace:
             overlap_first = overlap_first or overlap_step
@@ -451,12 +457,12 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
 
     # Reporting: one all-reduce of every step's loss over the data-parallel ranks, outside the timed steps.
     with comms.ledger.in_phase("report"):
-        losses = comms["dp_cp"].all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)
-        measured = slice(1, None) if len(step_windows) > 1 else slice(None)  # the first step warms up
+        losses = comms["dp_cp"].all_reduce(losses.stacked()) / (dims.dp * dims.cp)
+        measured = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step warms up
         # training only: one-off setup (DDP's bucket rebuild after the first step), validation and reporting left out
-        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(ledger_marks[measured]),
+        step_comm = comms.ledger.summary(since=ledger_marks[measured][0], per=len(step_times[measured]),
                                          exclude_phases=("report", "setup", "eval", "checkpoint"))
-        overlap = overlap_sum if not trace or len(step_windows) == 1 else {  # the measured steps: all but the first
+        overlap = overlap_sum if not trace or len(step_times) == 1 else {  # the measured steps: all but the first
             k: overlap_sum[k] - overlap_first[k] for k in overlap_sum}
         expert_load = experts.report(comms, dims.tp) if experts is not None else None
         gathered = _gather_objects(comms, {"overlap": overlap, "spans": comms.timeline.spans if trace else [],
@@ -477,7 +483,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
         "stragglers": watch.result(),
         # the loop's time a step from the second step's start, the report's hand-overs included (bench straggler-cost)
-        "loop_time_s": (loop_end - step_windows[measured][0][0]) / len(step_windows[measured]) / 1e9,
+        "loop_time_s": (loop_end - first_starts[measured][0]) / len(step_times[measured]) / 1e9,
     }
     report.update(extra)
     if balance is not None:

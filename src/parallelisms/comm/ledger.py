@@ -5,11 +5,15 @@ PERFORMANCE.md bus-bandwidth factors): all-reduce 2(N-1)/N x S; all-gather and r
 (N-1)/N x S of the *full* tensor; all-to-all the bytes that leave the rank ((N-1)/N x S when even);
 broadcast S; send S; receive 0. Counts are logical: gloo emulates reduce-scatter with an all-reduce,
 but the ledger records what the algorithm needs, so it can be checked against the spec's formulas.
+
+A ledger keeps every record in order (``records``) unless made with ``keep=False``, as a training run's is
+without ``--trace``: it then keeps calls and bytes per kind, group and phase, summed from each :meth:`mark`
+on, and the last few records for error messages, so its memory does not grow with the steps.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,10 +42,17 @@ class CommRecord:
 
 
 class CommLedger:
-    """Append-only record of collectives, with the phase (forward, backward, optimizer, setup) set by the caller."""
+    """Record of collectives, with the phase (forward, backward, optimizer, setup) set by the caller; every
+    record in order (``keep``), or sums from each mark on (module docstring)."""
 
-    def __init__(self):
-        self.records: list[CommRecord] = []
+    TAIL = 5  # records kept for error messages
+
+    def __init__(self, keep: bool = True):
+        self.records: list[CommRecord] | None = [] if keep else None
+        self.count = 0  # records added
+        self.recent: deque[CommRecord] = deque(maxlen=self.TAIL)
+        # (start position, {(kind, dim, phase): [calls, bytes]}): sums from each mark on (keep=False)
+        self.windows: list[tuple[int, dict]] = [(0, {})]
         self.phase = "setup"
         # collectives entered per mesh dimension (point-to-point left out): every member of a group enters the
         # same ones in the same order, so a member behind this rank's count has not arrived (see .liveness)
@@ -58,27 +69,48 @@ class CommLedger:
             self.phase = previous
 
     def add(self, kind: str, dim: str, group_size: int, dtype, numel: int, bytes_per_rank: float) -> None:
-        self.records.append(CommRecord(kind, dim, group_size, str(dtype).removeprefix("torch."), numel,
-                                       bytes_per_rank, self.phase))
+        record = CommRecord(kind, dim, group_size, str(dtype).removeprefix("torch."), numel, bytes_per_rank,
+                            self.phase)
+        if self.records is not None:
+            self.records.append(record)
+        else:
+            sums = self.windows[-1][1].setdefault((kind, dim, self.phase), [0, 0.0])
+            sums[0] += 1
+            sums[1] += bytes_per_rank
+        self.recent.append(record)
+        self.count += 1
         if kind not in ("send", "recv"):
             self.collectives[dim] += 1
 
     def mark(self) -> int:
         """A position to measure from: ``summary(since=ledger.mark())``."""
-        return len(self.records)
+        if self.records is None and self.windows[-1][0] != self.count:
+            self.windows.append((self.count, {}))
+        return self.count
 
     def summary(self, since: int = 0, per: int = 1, exclude_phases: tuple[str, ...] = ()) -> dict:
-        """Calls and bytes sent per rank by collective kind from position ``since``, divided by ``per`` (e.g.
-        steps), leaving out records of ``exclude_phases``."""
+        """Calls and bytes sent per rank by collective kind from position ``since`` (0 or a :meth:`mark`),
+        divided by ``per`` (e.g. steps), leaving out records of ``exclude_phases``."""
         table = defaultdict(lambda: {"calls": 0, "bytes_per_rank": 0.0})
-        for r in self.records[since:]:
-            if r.phase not in exclude_phases:
-                table[r.kind]["calls"] += 1
-                table[r.kind]["bytes_per_rank"] += r.bytes_per_rank
+        for kind, phase, calls, sent in self._sums_since(since):
+            if phase not in exclude_phases:
+                table[kind]["calls"] += calls
+                table[kind]["bytes_per_rank"] += sent
         return {kind: {"calls": v["calls"] / per, "bytes_per_rank": v["bytes_per_rank"] / per}
                 for kind, v in sorted(table.items())}
 
-    def tail(self, count: int = 5) -> str:
+    def _sums_since(self, since: int):
+        """(kind, phase, calls, bytes) from position ``since``: each record, or each window's sums."""
+        if self.records is not None:
+            return ((r.kind, r.phase, 1, r.bytes_per_rank) for r in self.records[since:])
+        starts = [start for start, _ in self.windows]
+        if since not in starts:
+            raise ValueError(f"no mark at position {since} of a ledger that keeps sums (marks: {starts})")
+        return ((kind, phase, calls, sent) for start, sums in self.windows if start >= since
+                for (kind, _, phase), (calls, sent) in sums.items())
+
+    def tail(self, count: int = TAIL) -> str:
         """The last collectives, for error messages about hangs and mismatches."""
-        return "; ".join(f"#{len(self.records) - len(self.records[-count:]) + i} {r.kind}[{r.dim}] {r.numel}x{r.dtype} "
-                         f"({r.phase})" for i, r in enumerate(self.records[-count:])) or "none"
+        last = list(self.recent)[-count:]
+        return "; ".join(f"#{self.count - len(last) + i} {r.kind}[{r.dim}] {r.numel}x{r.dtype} ({r.phase})"
+                         for i, r in enumerate(last)) or "none"

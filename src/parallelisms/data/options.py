@@ -58,7 +58,7 @@ def data_settings(args) -> dict:
 
 def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> None:
     """Before launch: the data reads and fits the model, and the evaluation flags make sense together."""
-    from parallelisms.data.sources import check_data
+    from parallelisms.data.sources import check_data, check_data_size
 
     data = train.data
     require(not data.eval_every or data.eval_split > 0, f"--eval-every {data.eval_every} needs held-out data; add "
@@ -79,6 +79,7 @@ def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
                                                                   f"constant would be ignored; add --lr-schedule cosine "
                                                                   f"or linear, or drop --min-lr")
     if data != DataConfig():
+        check_data_size(data, parallel.dims.world_size)  # before reading it whole
         check_data(data, model, train.seq_len)  # own data, a tokenizer or a held-out split: read it once here
 
 

@@ -11,6 +11,7 @@ rank loads.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from parallelisms.config import DataConfig, ModelConfig
 from parallelisms.data.loader import BatchLoader, ByteTokenizer, load_corpus
-from parallelisms.errors import ConfigError, require
+from parallelisms.errors import ConfigError, path_kind, require
 
 BIN_DTYPES = ("uint16", "uint32")
 
@@ -30,7 +31,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(path)
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+        self.entries = len(ids)
+        self.vocab_size = max(ids, default=-1) + 1  # the largest id + 1: ids need not be dense
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.long)
@@ -55,17 +58,29 @@ def tokenizer_for(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
 
 
 def _readable(flag: str, path: Path, what: str) -> None:
-    require(path.exists(), f"{flag} {str(path)!r} does not exist; pass {what}")
+    kind = path_kind(path)
+    require(kind in ("is a regular file", "is a directory"), f"{flag} {str(path)!r} {kind}; pass {what}")
     require(path.is_dir() or path.stat().st_size > 0, f"{flag} {str(path)!r} is empty; pass {what}")
 
 
 def _text_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-        require(files, f"--data {str(path)!r} is a directory with no .txt files; put text files in it, or pass a "
-                       f"file")
-        return files
-    return [path]
+    """A directory's ``.txt`` files, sorted, every subdirectory walked (symbolic links to directories not
+    followed); a subdirectory that cannot be listed, or a ``.txt`` that is not a regular file, is one line."""
+    if not path.is_dir():
+        return [path]
+
+    def refuse(exc: OSError):
+        raise ConfigError(f"--data {str(path)!r}: the subdirectory {exc.filename!r} cannot be listed "
+                          f"({exc.strerror}); make it readable, or move it out") from None
+    files = []
+    for folder, _, names in os.walk(path, onerror=refuse):
+        for name in (n for n in names if n.endswith(".txt")):
+            kind = path_kind(Path(folder, name))
+            require(kind == "is a regular file", f"--data {str(path)!r}: {str(Path(folder, name))!r} {kind}; "
+                                                 f"remove it or make it a text file")
+            files.append(Path(folder, name))
+    require(files, f"--data {str(path)!r} is a directory with no .txt files; put text files in it, or pass a file")
+    return sorted(files)
 
 
 def _read_text(path: Path) -> str:
@@ -116,6 +131,29 @@ def split_tokens(tokens, eval_split: float):
     return tokens[:cut], tokens[cut:]
 
 
+TEXT_BYTES_PER_BYTE = 9  # a rank's text in memory: the string (1 byte a byte of ASCII) and its int64 byte tokens
+
+
+def check_data_size(cfg: DataConfig, ranks: int, available: int | None = None) -> None:
+    """Before reading it: text ``--data`` fits the memory of this machine, read and tokenized whole by the
+    launcher and each of ``ranks`` processes (about :data:`TEXT_BYTES_PER_BYTE` bytes a byte of text); a ``.bin``
+    is memory-mapped and costs only the windows drawn. ``available`` defaults to this machine's."""
+    from parallelisms.fit import available_cpu_bytes
+    from parallelisms.units import size
+
+    if cfg.path is None or Path(cfg.path).suffix == ".bin" or path_kind(cfg.path) not in ("is a regular file",
+                                                                                          "is a directory"):
+        return  # the built-in corpus, a memory map, or a path that _readable names
+    text = sum(f.stat().st_size for f in _text_files(Path(cfg.path)))
+    need = text * TEXT_BYTES_PER_BYTE * (ranks + 1)
+    available = available_cpu_bytes() if available is None else available
+    require(available is None or need <= available,
+            lambda: f"--data {cfg.path!r} holds {size(text)} of text, which the launcher and {ranks} rank(s) each "
+                    f"read and tokenize whole (about {TEXT_BYTES_PER_BYTE} bytes a byte: {size(need)}), more than the "
+                    f"{size(available)} of RAM available; pre-tokenize it into a .bin of token ids (memory-mapped), or "
+                    f"pass less text")
+
+
 def train_and_eval_tokens(cfg: DataConfig):
     """What each rank trains and validates on (deterministic: every rank reads the same)."""
     return split_tokens(load_tokens(cfg), cfg.eval_split)
@@ -126,7 +164,7 @@ def check_data(cfg: DataConfig, model: ModelConfig, seq_len: int) -> int:
     window), and every token id fits the model's vocabulary. Returns the number of training tokens."""
     vocab = tokenizer_for(cfg).vocab_size if cfg.path is None or Path(cfg.path).suffix != ".bin" else None
     require(vocab is None or vocab <= model.vocab_size,
-            lambda: f"--tokenizer {cfg.tokenizer!r} has {vocab:,} tokens but the model's vocabulary is "
+            lambda: f"--tokenizer {cfg.tokenizer!r} has token ids up to {vocab - 1:,} but the model's vocabulary is "
                     f"{model.vocab_size:,}; use a model with vocab_size >= {vocab:,} (--config) or a smaller tokenizer")
     tokens = load_tokens(cfg)
     source = repr(cfg.path) if cfg.path else "the built-in corpus"

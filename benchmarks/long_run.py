@@ -1,0 +1,97 @@
+"""A long training run's memory and report time: does either grow with the step count?
+
+Runs ``parallelisms train`` (the tiny preset, a small batch) for ``--steps`` steps with ``--metrics``, follows
+the metrics file as it is written, and reads the resident memory (VmRSS) of the run's processes (the command and
+its rank processes) when the records of the chosen steps appear. The report time is from the last step's record
+to the command's exit (the end-of-run report and teardown). Prints one JSON object.
+
+    slot env PYTHONPATH=$PWD/src python3 benchmarks/long_run.py --steps 20000 --at 1000,20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def tree_rss(pid: int) -> dict[int, int]:
+    """Resident bytes of ``pid`` and every descendant (pid: bytes)."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out[p] = int(line.split()[1]) * 1024
+        except OSError:
+            continue
+        todo += _children(p)
+    return out
+
+
+def run(steps: int, at: list[int], extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "parallelisms", "train", "--preset", "tiny", "--steps", str(steps),
+               "--metrics", str(metrics), "--no-precheck", *extra]
+        began = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen, offset, samples, last_step_at, pending = 0, 0, {}, None, ""
+        while proc.poll() is None:
+            time.sleep(0.02)
+            if not metrics.exists():
+                continue
+            with open(metrics) as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset = f.tell()
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                record = json.loads(line)
+                seen = record["step"]
+                if seen in at:
+                    rss = tree_rss(proc.pid)
+                    samples[seen] = {"rss_bytes": rss, "rank_rss_max": max(rss.values()),
+                                     "peak_memory_bytes": record["peak_memory_bytes"],
+                                     "elapsed_s": round(time.monotonic() - began, 1)}
+                if seen == steps:
+                    last_step_at = time.monotonic()
+        ended = time.monotonic()
+        output = proc.stdout.read()
+    if proc.returncode:
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{output[-2000:]}")
+    return {"steps": steps, "command": " ".join(cmd[1:]), "wall_s": round(ended - began, 1),
+            "report_s": round(ended - last_step_at, 2) if last_step_at else None, "at": samples,
+            "summary": [ln for ln in output.splitlines() if ln.startswith(("speed", "loss", "comm"))]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--at", default="1000,20000", help="steps at which memory is read (comma separated)")
+    p.add_argument("extra", nargs="*", help="more train flags (after --)")
+    args = p.parse_args()
+    extra = args.extra or ["--global-batch", "1", "--seq-len", "16", "--dp", "1"]
+    print(json.dumps(run(args.steps, [int(s) for s in args.at.split(",")], extra), indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
