@@ -18,7 +18,7 @@ from parallelisms.flags import json_line
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(global_batch=4, seq_len=32)  # a few milliseconds a step
 TIMING = {"step_time_s", "tokens_per_s", "exposed_comm_fraction", "overlap_per_rank", "memory", "memory_per_rank",
-          "stragglers"}
+          "stragglers", "loop_time_s"}
 
 
 def _cli_json(capsys, verb: str, options: dict) -> dict:

@@ -15,6 +15,24 @@ from parallelisms.errors import ConfigError, require
 _DROPPED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _FLOATS = {"F64", "F32", "F16", "BF16"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"model\.layers\.\d+\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
+
+
+def _unfused(header: dict, cfg, where: str) -> dict:
+    """``header`` with transformers 5's fused Mixtral experts under the per-expert names they are read as
+    (:func:`parallelisms.hf_weights.unfuse_experts`, run on meta tensors of the header's shapes)."""
+    import torch
+
+    from parallelisms.hf_weights import unfuse_experts
+
+    fused = {n: torch.empty(shape, device="meta") for n, (_, shape) in header.items() if _FUSED.fullmatch(n)}
+    if not fused or not cfg.n_experts:
+        return header
+    dtype = {_LAYER.match(n).group(1): header[n][0] for n in fused}  # a layer's experts: one dtype
+    out = {n: v for n, v in header.items() if n not in fused}
+    for name, t in unfuse_experts(fused, cfg, where).items():
+        out[name] = (dtype[_LAYER.match(name).group(1)], tuple(t.shape))
+    return out
 
 
 def expected_shapes(cfg) -> dict[str, tuple]:
@@ -40,6 +58,7 @@ def check_hf_weights(folder, cfg) -> None:
             header = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise ConfigError(f"{where} cannot be read as safetensors ({str(exc).splitlines()[0][:120]})") from None
+    header = _unfused(header, cfg, where)
     expected = expected_shapes(cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in header:  # the head is the embedding (hf.load_hf)
         header.pop("lm_head.weight", None)
