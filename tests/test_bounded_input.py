@@ -28,18 +28,23 @@ def test_deep_json_is_one_line(tmp_path, capsys):
     assert "RecursionError" in _one_error(capsys)
 
 
-@pytest.mark.parametrize("kind, needle", [("fifo", "is a FIFO"), ("loop", "symbolic link loop"),
-                                          ("device", "is a character device"), ("dangling", "dangling symbolic")])
-def test_a_config_that_is_not_a_file_is_named_as_what_it_is(kind, needle, tmp_path, capsys):
-    path = tmp_path / "config.json"
+def _special_file(path, kind: str, device: str):
+    """``path`` made a FIFO, a symbolic link loop or a dangling link; for ``device``, the device's path."""
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "loop":
         os.symlink(path, path)
     elif kind == "dangling":
-        os.symlink(tmp_path / "nowhere", path)
+        os.symlink(path.parent / "nowhere", path)
     else:
-        path = "/dev/null"
+        return device
+    return path
+
+
+@pytest.mark.parametrize("kind, needle", [("fifo", "is a FIFO"), ("loop", "symbolic link loop"),
+                                          ("device", "is a character device"), ("dangling", "dangling symbolic")])
+def test_a_config_that_is_not_a_file_is_named_as_what_it_is(kind, needle, tmp_path, capsys):
+    path = _special_file(tmp_path / "config.json", kind, "/dev/null")
     assert main(["train", "--config", str(path), "--steps", "1"]) == 2
     assert needle in _one_error(capsys)
 
@@ -175,13 +180,7 @@ def test_old_rotary_buffers_in_weights_are_ignored_as_transformers_ignores_them(
 @pytest.mark.parametrize("kind, needle", [("fifo", "is a FIFO"), ("loop", "is a symbolic link loop"),
                                           ("device", "is a character device")])
 def test_data_and_tokenizer_paths_that_are_not_files_are_named(kind, needle, tmp_path, capsys):
-    path = tmp_path / "data.txt"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "loop":
-        os.symlink(path, path)
-    else:
-        path = "/dev/zero"
+    path = _special_file(tmp_path / "data.txt", kind, "/dev/zero")
     assert main(["train", "--data", str(path), "--steps", "1"]) == 2
     assert f"--data {str(path)!r} {needle}" in _one_error(capsys)
     assert main(["train", "--tokenizer", str(path), "--steps", "1"]) == 2

@@ -142,14 +142,7 @@ class MicrobatchReplay:
                                f"output's {account.current - start} (run with replay=False)")
         if graph:
             out._dry_run_graph = torch.empty(graph, dtype=torch.uint8)
-        ex.saved[key] = (x, out, aux)
-        ex.peak_held = max(ex.peak_held, len(ex.saved) + len(ex.store.pending))
-        if module.output is not None:
-            ex.losses.append(out.detach())
-        else:
-            ex.acts[key] = out.detach()
-            if aux is not None:
-                ex.losses.append(aux.detach())
+        ex.keep_forward(key, module, x, out, aux)
 
     def _replay_backward(self, a: Action, rec: Recording) -> None:
         """As :meth:`Executor._backward`: saved activations and incoming gradient dropped, input gradient left."""

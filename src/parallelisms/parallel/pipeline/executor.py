@@ -309,6 +309,11 @@ class Executor:
         # a stage without the head carries its layers' MoE load-balancing term itself (into its backward
         # and the reported loss); the last stage's loss already holds its own
         aux = module.aux_loss_term() if module.output is None else None
+        self.keep_forward(key, module, x, out, aux)
+
+    def keep_forward(self, key: tuple[int, int], module, x, out, aux) -> None:
+        """A forward's results kept: its saved activations held for backward, its loss (last stage) or its output
+        for the next stage, and a stage's own MoE term among the losses."""
         self.saved[key] = (x, out, aux)
         self.peak_held = max(self.peak_held, len(self.saved) + len(self.store.pending))
         if module.output is not None:
