@@ -319,3 +319,34 @@ def test_the_bubble_of_a_run_is_recovered_from_its_records(name):
     uniform = tuple((1.0 / schedule.chunks, 2.0 / schedule.chunks, 0.0) for _ in range(schedule.num_stages))
     assert simulate(schedule, Times(1, 2, 0, stages=uniform)).bubble_rate == pytest.approx(
         simulate(schedule, Times(1, 2, 0)).bubble_rate)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "dualpipe", "pipedream"])
+def test_the_reduction_hook_precedes_each_update(name):
+    """The executor calls a stage's data-parallel reduction (``on_stage_done``) right after the stage's last
+    backward work before each OPTIMIZER action of that stage (PipeDream: after every microbatch's backward), or,
+    in a schedule without one, once per stage at the end of the step's backward work."""
+    import types
+
+    import torch
+
+    from parallelisms.parallel.pipeline.executor import Executor
+
+    pp, m = 2, 4
+    s = build_schedule(name, pp, m)
+    for rank in range(pp):
+        stages = {stage: types.SimpleNamespace(seq_shards=1, rope_cos=torch.zeros(1))
+                  for _, stage in s.modules_on(rank)}
+        executor = Executor(s, rank, stages, comm=None, timeline=None)
+        actions = executor.actions
+        backward = ("B", "W")
+        for stage in stages:
+            done = sorted(i for i, st in executor.stage_done_at.items() if st == stage)
+            updates = [i for i, a in enumerate(actions) if a.kind.value == "OPT" and a.stage == stage]
+            work = [i for i, a in enumerate(actions) if a.kind.value in backward and a.stage == stage]
+            if name == "pipedream":  # one reduction per update, after the backward it follows
+                assert len(done) == len(updates) == m
+                for reduce_at, update_at in zip(done, updates):
+                    assert reduce_at < update_at and max(i for i in work if i < update_at) == reduce_at
+            else:
+                assert not updates and done == [max(work)]

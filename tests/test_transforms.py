@@ -24,8 +24,8 @@ from parallelisms.parallel.expert import ExpertParallelExperts
 from parallelisms.parallel.flat import ShardedEngine
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.pipeline.pipedream import WeightStashing
-from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients
-from parallelisms.parallel.pipeline.sharded import StageSharding
+from parallelisms.parallel.pipeline.runner import PipelineSchedule
+from parallelisms.parallel.pipeline.stage_sync import StageSyncs
 from parallelisms.parallel.recompute import _checkpointed_forward
 from parallelisms.parallel.tensor import ColumnParallelLinear, Region
 from parallelisms.parallel.yafsdp import ReuseSharding
@@ -59,7 +59,7 @@ def _modules(trainer):
 
 
 def _engines(grad_sync):
-    return list(grad_sync.engines.values()) if isinstance(grad_sync, StageSharding) else [grad_sync]
+    return list(grad_sync.engines.values()) if isinstance(grad_sync, StageSyncs) else [grad_sync]
 
 
 def _regions(modules):
@@ -71,7 +71,7 @@ def _applied(feature: str, trainer, modules) -> bool:
     sync, engines = trainer.grad_sync, _engines(trainer.grad_sync)
     layers = [m for m in modules if hasattr(m, "attention") and hasattr(m, "feed_forward")]
     if feature == "ddp":  # mixed precision runs DDP as the flat engine's NO_SHARD plan (replicated over dp)
-        return isinstance(sync, (DataParallel, StageGradients)) or all(
+        return all(isinstance(e, DataParallel) for e in engines) or all(
             isinstance(e, ShardedEngine) and e.plan.shard_dim is None and e.plan.replicate_dim for e in engines)
     if feature.startswith("zero") or feature.startswith("fsdp-"):
         if not all(isinstance(e, (ShardedEngine, PerParamSharding)) for e in engines):

@@ -18,9 +18,8 @@ from parallelisms.parallel.expert import apply_expert_parallel
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.grad_sync import GradSync, LocalGradients
 from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
-from parallelisms.parallel.pipeline.pipedream import WeightStashing
-from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
-from parallelisms.parallel.pipeline.sharded import StageSharding
+from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages, schedule_for
+from parallelisms.parallel.pipeline.stage_sync import StageSyncs
 from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.parallel.tied import TiedEmbeddings, untie
@@ -34,7 +33,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
     parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
     cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
-    step's forward/backward strategy (a microbatch loop, PipeDream's stashing schedule, or another schedule).
+    step's forward/backward strategy (a microbatch loop, or the pipeline schedule, whose hooks carry the
+    stages' gradient sync and PipeDream's per-microbatch updates).
     Each parallelism's transform lives in its own module. ``bounds``
     fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
     dims = parallel.dims
@@ -60,7 +60,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
         for stage in stages.values():
             split_linears(stage, store)
-    grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    grad_sync = _grad_sync(model, stages, copies, parallel, train, comms, schedule)
     balance = None
     if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
         grad_sync = balance = ExpertBalance(grad_sync, model, comms, parallel.ep_redundant, parallel.ep_rebalance_every)
@@ -72,15 +72,10 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
                           _optimizer(grad_sync, model.cfg, train))
         trainer.ep_balance = balance
         return trainer
-    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
-        stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
-                                  compute_dtype=compute_dtype)
-        pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
-                                    before_step=stashing.start_window, positions=positions,
-                                    forward_fn=stashing.forward, on_optimizer=stashing.update, dtype=compute_dtype)
-        return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
-    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
-                                on_stage_done=grad_sync.stage_done, dtype=compute_dtype)
+    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, grad_sync, train,
+                                positions=positions, dtype=compute_dtype)
+    if pipeline.updates is not None:  # the schedule's update hooks step each stage (PipeDream): no step of its own
+        return Trainer(grad_sync, pipeline, comms, train, None, pipeline.updates.optimizers.values())
     return Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
 
 
@@ -91,41 +86,43 @@ def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) 
 
 
 def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
-               comms: Comms) -> GradSync:
-    """How gradients reach the optimizer: a sharding engine per pipeline stage held through the step (--zero,
-    --fsdp), the pipeline's stage buffers, a sharding engine (ZeRO, FSDP flat, per-parameter FSDP or buffer
-    reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
-    local gradients."""
+               comms: Comms, schedule=None) -> GradSync:
+    """How gradients reach the optimizer: the layout's engine (:func:`_engine`) over the model, or, pipelined,
+    the same engine over each stage of this rank (:class:`StageSyncs`)."""
+    if schedule is None:
+        return _engine(model, parallel, train, comms)
+    # PipeDream's weight stash casts each version itself (bf16), over the stage's fp32 weights
+    casts = schedule.updates_per_microbatch
+    return StageSyncs({s: _engine(stage, parallel, train, comms, casts) for s, stage in stages.items()}, copies, comms)
+
+
+def _engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+            weights_cast_elsewhere: bool = False) -> GradSync:
+    """The gradient sync of ``module`` (the model or one pipeline stage): a sharding engine (ZeRO, FSDP flat,
+    per-parameter FSDP or buffer reuse), DDP over every rank that saw other tokens (dp x cp; expert weights
+    over their replicas), or plain local gradients."""
     dims = parallel.dims
-    if dims.pp > 1 and parallel.schedule == "pipedream":  # it averages and updates per microbatch itself
-        return StageGradients(stages, copies, comms, None)
     # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
     # fp32 master weights and gradients, all-reduced
-    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
-    if dims.pp > 1 and sharded:
-        return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
-                              for s, stage in stages.items()}, copies, comms)
-    if dims.pp > 1:  # context-parallel ranks hold different tokens too
-        return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
-    if sharded:
-        return _sharding_engine(model, parallel, train, comms)
+    mixed = parallel.mixed_precision == "bf16" and not weights_cast_elsewhere
+    if parallel.zero or parallel.fsdp or mixed:
+        return _sharding_engine(module, parallel, train, comms)
     if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
         replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None
-        return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
+        return DataParallel(module, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
                             find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
-    return LocalGradients(model, comms)
+    return LocalGradients(module, comms)
 
 
-def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                     hold_through_step: bool = False):
-    """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage held through the step):
-    flat, per-parameter (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and
-    with context parallelism over dp_shard x cp (those ranks hold different tokens of the same model)."""
+def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms):
+    """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage): flat, per-parameter
+    (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and with context parallelism
+    over dp_shard x cp (those ranks hold different tokens of the same model)."""
     dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
     compute = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
     if parallel.fsdp and parallel.fsdp_style == "reuse":
-        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step, compute_dtype=compute)
+        return ReuseSharding(module, comms, dim, compute_dtype=compute)
     if parallel.fsdp and parallel.fsdp_style == "per_param":
         return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
-                                hold_through_step=hold_through_step, compute_dtype=compute)
-    return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
+                                compute_dtype=compute)
+    return sharded_grad_sync(module, parallel, train, comms)

@@ -1,6 +1,7 @@
 """The context-parallel modes: the ways attention runs over a sequence sharded across the cp ranks, one
 descriptor each, in a module without torch (the command line checks a layout and ``estimate`` prices it
-before any process starts).
+before any process starts). The traffic is what the ledger of a real run counts: recomputed forwards' re-sends
+and the K/V heads Ulysses repeats included, so ``perf/`` prices every mode through it alone.
 
 A descriptor names the mode's attention core (``module:function``, imported when a model is built and called
 once per layer as ``function(comms, held, inner, parallel)``, ``held`` every cp rank's positions, ``inner``
@@ -28,6 +29,7 @@ class Shape:
     n_kv_heads: int
     seq_len: int
     grad_bytes: float = 1.0  # a dK or dV byte per K or V byte (the ring accumulates them in fp32 at least)
+    recompute: str = "none"  # --recompute: a recomputed forward sends its exchanges again in backward
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,20 @@ class Traffic:
     """One exchange a cp rank makes per layer and microbatch: its kind, its group (``cp`` or a sub-group), the
     full bytes of its calls forward and backward (what a send sends; a collective's whole tensor, as the
     ledger's numel counts it: the all-gather's output, the reduce-scatter's input), the calls each way, and
-    whether it runs behind the attention of the blocks it carries (ring hops)."""
+    whether it runs behind the attention of the blocks it carries (ring hops); ``recomputed``: the full bytes a
+    recomputed forward sends again in backward (a volume: the step's time model prices recomputation itself)."""
     kind: str
     dim: str
     forward: float
     backward: float
     calls: tuple[int, int]
     hidden: bool = False
+    recomputed: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Full bytes per layer and microbatch, forward, backward and recomputation together."""
+        return self.forward + self.backward + self.recomputed
 
 
 def zigzag(s: Shape, rank: int) -> list[int]:
@@ -85,15 +94,27 @@ def _heads_fit(s: Shape, degree: int, flag: str) -> None:
                                   f"ring or {flag} in {list(filter(fits, divisors(s.n_heads)))}")
 
 
-def _ring_hops(dim: str, n: int, kv: float, grad_bytes: float) -> Traffic:
+def _ring_hops(s: Shape, dim: str, n: int, kv: float) -> Traffic:
     """K and V forward N-1 hops; K and V again and dK, dV (``grad_bytes`` a K byte) N hops (one further, home)
-    backward."""
-    return Traffic("send", dim, 2 * (n - 1) * kv, 2 * (n - 1) * kv + 2 * n * kv * grad_bytes, (n - 1, n), hidden=True)
+    backward; a recomputed forward (full, or selective: the core) sends K and V its N-1 hops again."""
+    forward = 2 * (n - 1) * kv
+    return Traffic("send", dim, forward, forward + 2 * n * kv * s.grad_bytes, (n - 1, n), hidden=True,
+                   recomputed=forward if s.recompute != "none" else 0.0)
 
 
-def _all_to_alls(dim: str, n: int, q: float, kv: float) -> Traffic:
-    """q, k, v to head shards and the output back, forward and backward."""
-    return Traffic("all_to_all", dim, 2 * q + 2 * kv, 2 * q + 2 * kv, (4, 4))
+def _repeated(s: Shape, degree: int, kv: float) -> float:
+    """K (or V) bytes once Ulysses over ``degree`` ranks repeats the KV heads up to ``degree`` where fewer, so
+    that each rank receives the head its query heads share (as DeepSpeed-Ulysses does for GQA)."""
+    return kv * max(s.n_kv_heads, degree) / s.n_kv_heads
+
+
+def _all_to_alls(s: Shape, dim: str, n: int, q: float, kv: float) -> Traffic:
+    """q, k, v (KV heads repeated: ``kv`` already is) to head shards and the output back, forward and backward;
+    a recomputed forward repeats them (selective: the inputs only, torch's checkpoint stops once the core's kept
+    tensors are recomputed)."""
+    forward = 2 * q + 2 * kv
+    return Traffic("all_to_all", dim, forward, forward, (4, 4),
+                   recomputed={"full": forward, "selective": q + 2 * kv}.get(s.recompute, 0.0))
 
 
 def _check_ring(s: Shape) -> None:
@@ -110,9 +131,11 @@ def _check_all_gather(s: Shape) -> None:
 
 
 def _all_gather_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
-    """K and V (stacked) all-gathered forward; dK and dV reduce-scattered backward."""
-    return [Traffic("all_gather", "cp", 2 * s.cp * kv, 0.0, (1, 0)),
-            Traffic("reduce_scatter", "cp", 0.0, 2 * s.cp * kv, (0, 1))]
+    """K and V (stacked) all-gathered forward (again by a recomputed forward: the gather is in the core);
+    dK and dV reduce-scattered backward."""
+    gathered = 2 * s.cp * kv
+    return [Traffic("all_gather", "cp", gathered, 0.0, (1, 0), recomputed=gathered if s.recompute != "none" else 0.0),
+            Traffic("reduce_scatter", "cp", 0.0, gathered, (0, 1))]
 
 
 def _check_hierarchical(s: Shape) -> None:
@@ -139,16 +162,17 @@ def _hierarchical_groups(s: Shape) -> dict[str, tuple[int, int]]:
 
 def _hierarchical_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
     """Ulysses' all-to-alls inside; the ring across carries K/V blocks of heads/u over u x the tokens: the
-    same bytes as the rank's own K/V."""
-    return [_all_to_alls("cp_inner", s.ulysses, q, kv), _ring_hops("cp_outer", s.cp // s.ulysses, kv, s.grad_bytes)]
+    same bytes as the rank's own K/V, once repeated for the all-to-all."""
+    kv = _repeated(s, s.ulysses, kv)
+    return [_all_to_alls(s, "cp_inner", s.ulysses, q, kv), _ring_hops(s, "cp_outer", s.cp // s.ulysses, kv)]
 
 
 _CORES = "parallelisms.parallel.context"
 MODES: dict[str, ContextMode] = {m.name: m for m in (
     ContextMode("ring", "ring attention, zigzag shards (default)", f"{_CORES}:ring_core", zigzag, _check_ring,
-                lambda s, q, kv: [_ring_hops("cp", s.cp, kv, s.grad_bytes)]),
+                lambda s, q, kv: [_ring_hops(s, "cp", s.cp, kv)]),
     ContextMode("ulysses", "all-to-all over heads", f"{_CORES}:ulysses_core", contiguous, _check_ulysses,
-                lambda s, q, kv: [_all_to_alls("cp", s.cp, q, kv)]),
+                lambda s, q, kv: [_all_to_alls(s, "cp", s.cp, q, _repeated(s, s.cp, kv))]),
     ContextMode("allgather", "K/V all-gathered, queries local (Llama 3)",
                 "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic),
     ContextMode("hierarchical", "Ulysses inside --cp-ulysses-size ranks, ring across (USP)",

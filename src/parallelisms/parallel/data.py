@@ -87,7 +87,7 @@ class DataParallel(LocalGradients):
         def comm_of(param):
             return next((replica_comms[d] for d in sharded_over(param) if d in replica_comms), comm)
         self.find_unused_parameters = find_unused_parameters
-        self.syncing = True
+        self.syncing, self.held = True, False
         self._callback_queued = False
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if broadcast_parameters:
@@ -192,6 +192,41 @@ class DataParallel(LocalGradients):
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside this block."""
         return syncing_off(self)
+
+    def hold_through_step(self) -> None:
+        """A pipeline stage: every backward accumulates into the zeroed buckets (:meth:`zero_grad`), as if
+        inside :meth:`no_sync`; :meth:`reduce_held` launches the buckets after the stage's last backward
+        work, so a split backward's deferred weight gradients land first."""
+        self.held, self.syncing = True, False
+
+    def zero_grad(self) -> None:
+        """Drop the gradients; held through the step, zero the buckets and point every ``.grad`` into them."""
+        if not self.held:
+            return super().zero_grad()
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for param, view in zip(bucket.params, bucket.views):
+                param.grad = view
+
+    def reduce_held(self) -> None:
+        """Average every bucket (pre-divided, all-reduced asynchronously, in index order); :meth:`finish`
+        waits. A gradient put in place of its bucket view (by assignment rather than accumulation) is
+        copied into the bucket first."""
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is not view:
+                    view.copy_(param.grad) if param.grad is not None else view.zero_()
+                    param.grad = view
+            bucket.ready, bucket.needs_division = set(range(len(bucket.params))), True
+        self._launch_ready_buckets()
+
+    def finish(self) -> None:
+        """Wait for the buckets :meth:`reduce_held` launched (otherwise the end of backward already has)."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+            bucket.pending, bucket.ready, bucket.needs_division = None, set(), False
+        self._next_to_launch = 0
 
     def remove(self) -> None:
         for handle in self._hooks:

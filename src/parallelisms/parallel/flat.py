@@ -60,13 +60,6 @@ class ShardingPlan:
     keep them until after backward (SHARD_GRAD_OP). ``shard_grads``: only the reduced gradient shard
     persists, reduced once per microbatch (ZeRO-2/3); otherwise the full gradient persists and is reduced
     once per step (ZeRO-1, NO_SHARD). Optimizer state is always per shard (NO_SHARD: a shard of one).
-
-    ``hold_through_step`` (pipeline stages, whose schedule interleaves the forwards and backwards of many
-    microbatches): a unit is gathered at its first forward of the step and stays gathered, its gradient
-    accumulates in full, and the pipeline's :meth:`ShardedEngine.reduce_held` reduces (and frees) every unit
-    once, after the stage's last backward of the step. That is torchtitan's choice for FSDP under PP (one
-    all-gather and one reduce-scatter per unit and step instead of 2M and M for M microbatches), and it lets
-    a split backward's deferred weight gradients (Zero Bubble's W) land before the reduction.
     """
 
     shard_params: bool = False
@@ -75,7 +68,6 @@ class ShardingPlan:
     shard_dim: str | None = "dp"       # None: no sharding (NO_SHARD)
     replicate_dim: str | None = None   # all-reduce of reduced shards (HYBRID_SHARD, NO_SHARD)
     compute_dtype: torch.dtype = torch.float32
-    hold_through_step: bool = False    # pipeline stages: gather once per step, reduce once (see above)
 
 
 def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
@@ -213,8 +205,8 @@ class ShardedEngine:
         self.units = [FlatUnit(name, modules, plan, *(expert_comms if experts else (shard_comm, replicate_comm)),
                                owned) for name, modules, owned, experts in split_expert_units(units)]
         self.names = [unit.qualified_names(model) for unit in self.units]
-        self.hold = plan.hold_through_step
-        self.syncing = not self.hold      # held units are reduced by reduce_held only
+        self.hold = False                 # a pipeline stage's engine: see hold_through_step
+        self.syncing = True
         self._callback_queued = False
         self._in_flight = None            # (unit, Pending, gradient, its fp32 copy being reduced)
         self.gathers = {"prefetched": 0, "on_demand": 0}  # all-gathers issued ahead of need, or when needed
@@ -384,8 +376,17 @@ class ShardedEngine:
                     self._wait_unshard(unit)
                 self._reshard(unit)
 
+    def hold_through_step(self) -> None:
+        """A pipeline stage, whose schedule interleaves the forwards and backwards of many microbatches: from
+        now on a unit is gathered at its first forward of the step and stays gathered, its gradient accumulates
+        in full, and :meth:`reduce_held` reduces (and frees) every unit once, after the stage's last backward
+        of the step. That is torchtitan's choice for FSDP under PP (one all-gather and one reduce-scatter per
+        unit and step instead of 2M and M for M microbatches), and it lets a split backward's deferred weight
+        gradients (Zero Bubble's W) land before the reduction."""
+        self.hold, self.syncing = True, False  # held units are reduced by reduce_held only
+
     def reduce_held(self) -> None:
-        """``hold_through_step``: the stage's last backward work of the step is done; reduce each unit's
+        """Held through the step: the stage's last backward work of the step is done; reduce each unit's
         accumulated gradient (last unit first, one reduction in flight) and free the gathered parameters."""
         for unit in reversed(self.units):
             if unit.pending_gather is not None:

@@ -23,8 +23,8 @@ asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views)
 flight as in FSDP2; the end of backward waits for the last. :mod:`parallelisms.parallel.yafsdp` reuses
 this engine with a flat layout and two preallocated buffer pairs.
 
-``hold_through_step`` (a pipeline stage, whose schedule interleaves many microbatches' forwards and
-backwards; torchtitan runs FSDP2 under PP this way): a unit is gathered at its first forward of the step
+:meth:`PerParamSharding.hold_through_step` (a pipeline stage, whose schedule interleaves many microbatches'
+forwards and backwards; torchtitan runs FSDP2 under PP this way): a unit is gathered at its first forward of the step
 and its full leaves stay the same objects through every microbatch, so their ``.grad`` accumulates the
 whole step (autograd's, and the deferred weight gradients a split backward's W action adds to the leaf the
 split linear captured); nothing is reduced in the autograd hooks. :meth:`PerParamSharding.reduce_held`,
@@ -74,13 +74,13 @@ class PerParamSharding:
     ``reshard_after_forward=False`` gives SHARD_GRAD_OP (no all-gather in backward). ``compute_dtype``
     (bf16) gathers and computes in it over shards in the parameters' dtype (mixed precision, see the module
     docstring). Use ``zero_grad`` before each step; gradients are averaged over the ranks when backward
-    returns, or, with ``hold_through_step``, after :meth:`reduce_held` and :meth:`finish`.
+    returns, or, held through the step (:meth:`hold_through_step`), after :meth:`reduce_held` and :meth:`finish`.
     """
 
     def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", reshard_after_forward: bool = True,
-                 hold_through_step: bool = False, compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None):
         self.model, self.comms, self.reshard_after_forward = model, comms, reshard_after_forward
-        self.hold = hold_through_step
+        self.hold = False  # a pipeline stage's engine: see hold_through_step
         self.comm = comms[dim]
         self.dp_size = self.comm.size  # every gradient is averaged over all data-parallel ranks, experts' too
         param_dtype = next(p for p in model.parameters() if p.requires_grad).dtype
@@ -391,8 +391,13 @@ class PerParamSharding:
         for unit in self.units:
             unit.accumulated, unit.leaves = 0, None
 
+    def hold_through_step(self) -> None:
+        """A pipeline stage (see the module docstring): from now on units stay gathered from their first forward
+        of the step, their leaves' gradients accumulate, and only :meth:`reduce_held` reduces them."""
+        self.hold = True
+
     def reduce_held(self) -> None:
-        """``hold_through_step``: the stage's last backward work of the step is done; reduce-scatter every
+        """Held through the step: the stage's last backward work of the step is done; reduce-scatter every
         unit's accumulated full gradients (last unit first, one in flight) and free its full parameters."""
         held = [unit for unit in self.units if unit.leaves is not None]
         self.stats.observe("grad", sum(self._held_grad_bytes(unit) for unit in held))

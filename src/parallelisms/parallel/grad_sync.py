@@ -3,9 +3,13 @@
 Every layout's training step is the same (``parallelisms.trainer.Trainer``): ``zero_grad`` -> forward and
 backward over the microbatches (all but the last inside ``no_sync``) -> ``finish`` -> global gradient norm
 -> clip -> optimizer step over ``parameters()`` -> ``after_step``. What differs between DDP, ZeRO/FSDP
-(flat, per-parameter, buffer reuse) and the pipeline's data-parallel sync is only how gradients are reduced
-and where the optimizer's parameters live, which is this protocol (torchtitan keeps one ``train_step`` in the
-same way, whatever ``parallelize`` did).
+(flat, per-parameter, buffer reuse) is only how gradients are reduced and where the optimizer's parameters
+live, which is this protocol (torchtitan keeps one ``train_step`` in the same way, whatever ``parallelize``
+did). Under pipeline parallelism the same engines apply to each stage
+(:class:`parallelisms.parallel.pipeline.stage_sync.StageSyncs`): the schedule interleaves many microbatches'
+forwards and backwards, so a stage's engine is switched to :meth:`GradSync.hold_through_step` and reduced by
+:meth:`GradSync.reduce_held` after the stage's last backward work (torch pipelining's
+``set_requires_gradient_sync(False)`` and REDUCE_GRAD action, which torchtitan's FSDP under PP relies on).
 """
 
 from __future__ import annotations
@@ -17,15 +21,15 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
-from parallelisms.parallel.common import gather_full, global_grad_norm
-from parallelisms.parallel.memory import memory_report, tensor_bytes
+from parallelisms.parallel.common import add_squared_norm, gather_full, norm_of_groups, sharded_over
+from parallelisms.parallel.memory import engines_memory, tensor_bytes
 from parallelisms.parallel.placement import Piece, tensor_pieces
 
 
 class GradSync(Protocol):
     """Implemented by :class:`LocalGradients`, ``DataParallel``, ``ShardedEngine`` (ZeRO-1/2/3, FSDP1
-    strategies), ``PerParamSharding`` (FSDP2), ``ReuseSharding`` (YaFSDP) and the pipeline's
-    ``StageGradients`` / ``StageSharding`` (a held engine of any of the sharded kinds per stage)."""
+    strategies), ``PerParamSharding`` (FSDP2), ``ReuseSharding`` (YaFSDP) and the pipeline's ``StageSyncs``
+    (one of these engines per stage)."""
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates (full parameters, flat shards or per-parameter shards)."""
@@ -38,6 +42,15 @@ class GradSync(Protocol):
 
     def finish(self) -> None:
         """Complete the step's reductions (those still in flight after backward)."""
+
+    def hold_through_step(self) -> None:
+        """From now on (a pipeline stage's engine, set once before its first forward), gradients accumulate over
+        every microbatch of the step, nothing is reduced in backward, and sharded parameters stay gathered
+        from a unit's first forward of the step until :meth:`reduce_held`."""
+
+    def reduce_held(self) -> None:
+        """Held through the step: the last backward work of the step is done; launch the reductions
+        (:meth:`finish` completes them)."""
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the whole model's gradient, identical on every rank."""
@@ -86,8 +99,23 @@ class LocalGradients:
     def remove(self) -> None:
         """No hook."""
 
+    def hold_through_step(self) -> None:
+        """Nothing is reduced anyway."""
+
+    def reduce_held(self) -> None:
+        """Nothing to reduce."""
+
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(self.params, self.comms)
+        return norm_of_groups(self.squared_grad_norms(), self.comms)
+
+    def squared_grad_norms(self) -> dict:
+        """Squared gradient norms grouped by the mesh dimensions each parameter is sharded over
+        (:func:`parallelisms.parallel.common.norm_of_groups` makes the global norm of them)."""
+        groups: dict = {}
+        for p in self.params:
+            if p.grad is not None:
+                add_squared_norm(groups, sharded_over(p), p.grad)
+        return groups
 
     def after_step(self) -> None:
         """Nothing to refresh: the optimizer updated the parameters themselves."""
@@ -98,7 +126,14 @@ class LocalGradients:
         return {name: gather_full(p, self.comms).cpu().clone() for name, p in self.module.named_parameters()}
 
     def memory(self, optimizers) -> dict:
-        return memory_report(tensor_bytes(self.params), tensor_bytes(p.grad for p in self.params), optimizers)
+        return engines_memory([self], optimizers)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Persistent bytes: the parameters and their gradients (:func:`engines_memory`)."""
+        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(p.grad for p in self.params), "master": 0}
+
+    def counts(self) -> dict:
+        return {}
 
     def placements(self) -> list[tuple[torch.Tensor, list[Piece]]]:
         """Every parameter whole, placed by its tensor/expert-parallel marks."""

@@ -19,7 +19,7 @@ hooks, saved-tensor references, prefetch, waits) is the engine of :mod:`parallel
 
 Buffers are sized for the largest unit's local parameters, so under tensor parallelism they hold the
 tensor-parallel shards (the gradient norm splits a flat shard into its tensor-parallel and replicated
-runs). A pipeline stage (``hold_through_step``) keeps every unit gathered from its first forward to the
+runs). A pipeline stage (:meth:`ReuseSharding.hold_through_step`) keeps every unit gathered from its first forward to the
 end of its last backward, so there each unit has a buffer pair of its own, allocated at the first step and
 reused by every later one; its gradient buffer is zeroed and handed to the leaves at the first forward of
 the step, so autograd's accumulation and the deferred weight gradients of a split backward (which add to
@@ -48,21 +48,28 @@ class ReuseSharding(PerParamSharding):
     """Flat per-unit shards, two weight buffers and two gradient buffers for all units (FULL_SHARD; two more
     for expert units); one pair per unit when held through the step (a pipeline stage)."""
 
-    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", hold_through_step: bool = False,
-                 compute_dtype: torch.dtype | None = None):
-        super().__init__(model, comms, dim, reshard_after_forward=True, hold_through_step=hold_through_step,
-                         compute_dtype=compute_dtype)
-        # slot of each unit: its own when held; else dense units alternate over a pair of buffers and expert
-        # units (which run alongside their block's dense unit, over ``ep_replicate``) over a pair of their own
+    def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", compute_dtype: torch.dtype | None = None):
+        super().__init__(model, comms, dim, reshard_after_forward=True, compute_dtype=compute_dtype)
+        # dense units alternate over a pair of buffers and expert units (which run alongside their block's dense
+        # unit, over ``ep_replicate``) over a pair of their own
         experts = [unit.comm is not self.comm for unit in self.units]
-        self.slot_of = (list(range(len(self.units))) if hold_through_step else
-                        [2 * e + sum(experts[j] == e for j in range(i)) % 2 for i, e in enumerate(experts)])
-        slots = max(self.slot_of) + 1
+        self._assign_slots([2 * e + sum(experts[j] == e for j in range(i)) % 2 for i, e in enumerate(experts)])
+
+    def _assign_slots(self, slot_of: list[int]) -> None:
+        """The buffer slot of each unit; buffers are allocated at their first use."""
+        self.slot_of = slot_of
+        slots = max(slot_of) + 1
         self.weight_buffers: list[torch.Tensor | None] = [None] * slots
         self.grad_buffers: list[torch.Tensor | None] = [None] * slots
         self.owners: list[Unit | None] = [None] * slots
         self.slot_numel = [max((u.shard.numel() * u.comm.size for u in self.units if self.slot_of[u.index] == slot),
                                default=0) for slot in range(slots)]  # a shared slot: sized for its largest unit
+
+    def hold_through_step(self) -> None:
+        """Held units stay gathered through the step: each has a buffer pair of its own (set before any use)."""
+        assert all(b is None for b in self.weight_buffers + self.grad_buffers), "set before the first forward"
+        super().hold_through_step()
+        self._assign_slots(list(range(len(self.units))))
 
     # -- layout --------------------------------------------------------------------------------------------
     def _shard(self, unit: Unit) -> None:

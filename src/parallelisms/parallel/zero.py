@@ -14,8 +14,8 @@ every sharded data-parallel layout (ZeRO stages and FSDP strategies alike).
 
 API: ``zero_plan(stage, compute_dtype)`` gives the :class:`ShardingPlan`;
 ``sharded_grad_sync(model, parallel, train, comms)`` picks the plan from a :class:`ParallelConfig` and returns
-the engine (a ``GradSync``: the training step is the same for every layout); pipeline stages hold their units
-through the step (:mod:`parallelisms.parallel.pipeline.sharded`).
+the engine (a ``GradSync``: the training step is the same for every layout); a pipeline stage's engine holds
+its units through the step (:mod:`parallelisms.parallel.pipeline.stage_sync`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> Shardin
                         shard_dim="dp", replicate_dim=None, compute_dtype=compute_dtype)
 
 
-def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                      hold_through_step: bool = False) -> ShardedEngine:
+def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms) -> ShardedEngine:
     """The flat engine for ``--zero K`` or ``--fsdp STRATEGY`` (flat style) over ``model`` (or one pipeline
-    stage, ``hold_through_step``). With context parallelism the ranks of dp x cp hold different tokens of the
+    stage). With context parallelism the ranks of dp x cp hold different tokens of the
     same model, so they shard (or replicate) over ``dp_cp``, as Megatron's distributed optimizer does; the
     hybrid strategies shard over ``dp_shard_cp`` (dp_shard x cp, torchtitan's FSDP mesh) and replicate over
     ``dp_replicate``."""
@@ -47,7 +46,6 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else next(model.parameters()).dtype
     # neither: mixed precision over plain data parallelism, the NO_SHARD plan (DDP with fp32 master weights)
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp or "no_shard", dtype)
-    plan = dataclasses.replace(plan, hold_through_step=hold_through_step)
     if parallel.dims.cp > 1:
         widen = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
         plan = dataclasses.replace(plan, shard_dim=widen.get(plan.shard_dim, plan.shard_dim),

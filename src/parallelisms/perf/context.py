@@ -20,16 +20,17 @@ def _mode(cfg: ModelConfig, parallel: ParallelConfig, element_bytes: int = 4) ->
     dK and dV travel in fp32 at least (``parallel/context.py``'s accumulators)."""
     dims = parallel.dims
     return MODES[parallel.cp_attention], Shape(dims.cp, parallel.cp_ulysses_size, cfg.n_heads // dims.tp,
-                                               max(1, cfg.n_kv_heads // dims.tp), 0, max(1.0, 4 / element_bytes))
+                                               max(1, cfg.n_kv_heads // dims.tp), 0, max(1.0, 4 / element_bytes),
+                                               parallel.recompute)
 
 
 def context_volumes(cfg: ModelConfig, parallel: ParallelConfig, q_bytes: float, kv_bytes: float,
                     element_bytes: int = 4) -> list[tuple[str, str, float]]:
-    """(kind, group, bytes this rank sends) per layer, forward and backward together, for ``q_bytes`` of local
-    queries and ``kv_bytes`` of local K (or V) in elements of ``element_bytes``."""
+    """(kind, group, bytes this rank sends) per layer, forward, backward and a recomputed forward together, for
+    ``q_bytes`` of local queries and ``kv_bytes`` of local K (or V) in elements of ``element_bytes``."""
     mode, shape = _mode(cfg, parallel, element_bytes)
     groups = mode.groups(shape)
-    return [(t.kind, t.dim, ring_bytes_per_rank(t.kind, t.forward + t.backward, groups[t.dim][0]))
+    return [(t.kind, t.dim, ring_bytes_per_rank(t.kind, t.total, groups[t.dim][0]))
             for t in mode.traffic(shape, q_bytes, kv_bytes)]
 
 

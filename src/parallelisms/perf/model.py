@@ -187,30 +187,16 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
 
 def _context_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                               dtype_bytes: int) -> list[CommVolume]:
-    """Rank 0's context-parallel bytes per step over its stage's layers: the other modes' exchanges from their
-    registry entry (:mod:`parallelisms.perf.context`); ring and Ulysses with recomputation. Ring attention: K and V forward N-1
-    hops, backward K and V again N-1 hops and the fp32 dK, dV accumulators N hops; a recomputed forward (full,
-    or selective: the core) sends its K and V again. Ulysses: q, k, v in and the output back, forward and
-    backward, key/value heads repeated up to N where fewer; a recomputed forward repeats them (selective: the inputs
-    only, torch's checkpoint stops once the core's kept tensors are recomputed)."""
+    """Rank 0's context-parallel bytes per step over its stage's layers: its mode's exchanges per layer from the
+    modes' registry (:mod:`parallelisms.perf.context`), with recomputed forwards' re-sends and the K/V heads
+    Ulysses repeats, for the local queries and K (or V) of its tokens."""
     dims = parallel.dims
     layers = cfg.n_layers // dims.pp
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
-    kv = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim
-    again = parallel.recompute != "none"
-    if parallel.cp_attention not in ("ring", "ulysses"):
-        q = tokens * cfg.q_dim // dims.tp * dtype_bytes
-        return [CommVolume(kind, dim, per_layer * layers)
-                for kind, dim, per_layer in context_volumes(cfg, parallel, q, kv * dtype_bytes, dtype_bytes)]
-    if parallel.cp_attention == "ring":
-        hops = dims.cp - 1
-        sends = (2 * hops * (2 + again)) * kv * dtype_bytes + 2 * dims.cp * kv * max(4, dtype_bytes)
-        return [CommVolume("send", "cp", sends * layers)]
     q = tokens * cfg.q_dim // dims.tp * dtype_bytes
-    kv = tokens * max(cfg.n_kv_heads // dims.tp, dims.cp) * cfg.head_dim * dtype_bytes  # heads repeated up to cp
-    forward = 2 * q + 2 * kv
-    repeated = {"full": forward, "selective": q + 2 * kv}.get(parallel.recompute, 0)
-    return [CommVolume("all_to_all", "cp", (2 * forward + repeated) * (dims.cp - 1) / dims.cp * layers)]
+    kv = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
+    return [CommVolume(kind, dim, per_layer * layers)
+            for kind, dim, per_layer in context_volumes(cfg, parallel, q, kv, dtype_bytes)]
 
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:

@@ -139,8 +139,9 @@ class Executor:
     """Runs rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index -> module).
 
     ``dtype``: of the activations exchanged. Hooks: ``forward_fn(action, module, x, targets)`` runs a stage forward (PipeDream swaps the weights),
-    ``on_optimizer(action)`` runs an OPT action, ``on_stage_done(stage)`` follows the stage's last
-    weight-gradient work of the step (data-parallel gradient sync starts there). Messages hold 1/seq_shards
+    ``on_optimizer(action)`` runs an OPT action (PipeDream's update), ``on_stage_done(stage)`` follows the stage's
+    last weight-gradient work before an OPT action of the stage or the end of the step (the data-parallel
+    gradient sync starts there: once a step, or before each of PipeDream's updates). Messages hold 1/seq_shards
     of the sequence where the stages' residual stream is sequence-sharded (tensor parallelism's SP).
     """
 
@@ -162,11 +163,13 @@ class Executor:
         self.send_order = {peer: [(_TAG[a.kind], a.stage, a.mb) for a in schedule.ranks[peer]
                                   if a.kind in (Kind.SEND_F, Kind.SEND_B) and a.peer == rank]
                            for peer in range(schedule.pp)}
-        last = {}
+        last, self.stage_done_at = {}, {}  # action index -> the stage whose gradients are complete there
         for i, a in enumerate(self.actions):
             if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 last[a.stage] = i
-        self.stage_done_at = {i: s for s, i in last.items()}
+            elif a.kind is Kind.OPTIMIZER and a.stage in last:
+                self.stage_done_at[last.pop(a.stage)] = a.stage
+        self.stage_done_at.update({i: s for s, i in last.items()})
         self.records: list[tuple[str, int, int, int, int]] = []  # (kind, stage, mb, start ns, end ns)
         self.peak_held = 0  # most (stage, microbatch) activations held at once in a step (until B, or W)
 

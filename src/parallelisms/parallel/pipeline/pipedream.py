@@ -15,13 +15,15 @@ start at version ``step x m``): :func:`pipedream_reference` trains the plain mod
 versions, without any schedule.
 
 Data parallelism within a stage, as in the paper's replicated stages: the replicas of a stage (ranks that
-hold other rows, or with context parallelism other tokens, of the same microbatch) run the same schedule and
-average each update's gradient with one all-reduce before it (expert weights over the ranks holding the same
-experts, divided like the rest). Microbatch k of the step is then every replica's k-th microbatch together,
-which is what the reference trains on.
+hold other rows, or with context parallelism other tokens, of the same microbatch) run the same schedule, and
+the stage's own data-parallel engine (the layout's DDP, as for any schedule: :mod:`.stage_sync`) averages each
+update's gradient: the executor launches its reduction after the microbatch's backward, the update waits for it
+(expert weights over the ranks holding the same experts, divided like the rest). Microbatch k of the step is
+then every replica's k-th microbatch together, which is what the reference trains on.
 
 Mixed precision (bf16): the stage's parameters are the fp32 master weights; each stashed version is their
-bf16 cast, the forward and backward run on it, and its gradient is upcast before averaging and the update.
+bf16 cast, the forward and backward run on it, and its gradient is upcast into the parameter's before averaging
+and the update (so the stage's engine is DDP over the fp32 weights, not the flat engine's bf16 NO_SHARD plan).
 
 Full recomputation: a block recomputed in backward runs after its forward call has returned, when the
 stage's live (updated) weights are back in place; each block therefore registers a recompute context that
@@ -30,6 +32,7 @@ swaps in the weights its forward saw (:func:`parallelisms.parallel.recompute.reg
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -47,25 +50,22 @@ from parallelisms.parallel.pipeline.schedules import Action
 from parallelisms.parallel.pipeline.stage import stage_of_parameter
 from parallelisms.optim import make_optimizer
 from parallelisms.parallel.recompute import register_recompute_context
-from parallelisms.parallel.common import clip_grad_norm_, sharded_over
+from parallelisms.parallel.common import clip_grad_norm_
 
 
 class WeightStashing:
     """PipeDream's per-stage updates inside the schedule, with weight stashing: the executor's forward
-    (:meth:`forward`) runs a stage on the stashed version its microbatch must see, and its OPTIMIZER action
-    (:meth:`update`) clips by the stage's own norm (summed over tp) and steps the stage's own optimizer. Call
-    :meth:`start_window` before each step's schedule (the window ends in a drain)."""
+    (:meth:`forward`) runs a stage on the stashed version its microbatch must see (whose gradients go to the
+    stage's parameters), and its OPTIMIZER action (:meth:`update`) waits for the stage's engine (``engines``:
+    stage -> its gradient sync, held through the step) to average the gradient, clips by the stage's own norm
+    (summed over tp) and steps the stage's own optimizer. Call :meth:`start_window` before each step's schedule
+    (the window ends in a drain)."""
 
-    def __init__(self, stages: dict[int, torch.nn.Module], cfg: TrainConfig, comms: Comms, data_dim: str = "dp",
+    def __init__(self, stages: dict[int, torch.nn.Module], engines: dict, cfg: TrainConfig, comms: Comms,
                  compute_dtype: torch.dtype | None = None):
-        self.cfg, self.comms, self.compute_dtype = cfg, comms, compute_dtype
+        self.cfg, self.comms, self.compute_dtype, self.engines = cfg, comms, compute_dtype, engines
         self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
         self.optimizers = {s: make_optimizer(named.items(), cfg) for s, named in self.named.items()}
-        self.data = comms[data_dim]  # the stage's replicas: each update averages over them
-        self.averaged = {s: [(names, comm) for names, comm in (
-            ([n for n, p in named.items() if "ep" not in sharded_over(p)], self.data),
-            ([n for n, p in named.items() if "ep" in sharded_over(p)], comms["ep_replicate"])) if names]
-            for s, named in self.named.items()}
         for stage in stages.values():
             for block in getattr(stage, "layers", {}).values():
                 register_recompute_context(block, lambda block=block: _swapped_in(block, dict(block.named_parameters())))
@@ -73,7 +73,6 @@ class WeightStashing:
 
     def start_window(self) -> None:
         self.stash: dict[int, tuple[int, dict]] = {}   # stage -> (version, stashed weights)
-        self.leaves: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the leaves its forward used
         self.updates = {s: 0 for s in self.named}      # updates applied in this window
 
     def forward(self, a: Action, module, x, targets, **kwargs):
@@ -85,34 +84,28 @@ class WeightStashing:
             weights = {n: p.detach().to(self.compute_dtype or p.dtype, copy=True) for n, p in self.named[a.stage].items()}
             self.stash[a.stage] = (a.version, weights)
         leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
-        self.leaves[(a.stage, a.mb)] = leaves
+        for name, leaf in leaves.items():  # the gradient of the stashed version is the parameter's
+            leaf.register_post_accumulate_grad_hook(functools.partial(_into_param, self.named[a.stage][name]))
         return functional_call(module, leaves, (x, targets), kwargs)
 
     def update(self, a: Action) -> None:
-        leaves = self.leaves.pop((a.stage, a.mb))
-        params = list(self.named[a.stage].values())
-        for name, p in self.named[a.stage].items():
-            p.grad = leaves[name].grad.to(p.dtype)  # mixed precision: the fp32 weights take the upcast gradient
-        if self.data.size > 1:
-            self._average(a.stage)
+        engine, params = self.engines[a.stage], list(self.named[a.stage].values())
+        engine.finish()  # the average the executor launched after this microbatch's backward
         if self.cfg.grad_clip > 0:  # the stage's own norm: its replicas agree, so over tp (and ep) only
             clip_grad_norm_(params, self.cfg.grad_clip, self.comms, within=("tp", "ep"))
         self.optimizers[a.stage].step()
-        for p in params:
-            p.grad = None
+        engine.zero_grad()
         self.updates[a.stage] += 1
 
-    def _average(self, stage: int) -> None:
-        """One all-reduce per group of the stage's gradients (dense over the replicas, experts over the ranks
-        holding the same experts), every gradient divided by the replica count."""
-        named = self.named[stage]
-        for names, comm in self.averaged[stage]:
-            flat = torch.cat([named[n].grad.reshape(-1) for n in names]).div_(self.data.size)
-            comm.all_reduce(flat)
-            offset = 0
-            for n in names:
-                named[n].grad = flat[offset:offset + named[n].numel()].view_as(named[n])
-                offset += named[n].numel()
+
+@torch.no_grad()
+def _into_param(param: torch.nn.Parameter, leaf: torch.Tensor) -> None:
+    """A stashed leaf's gradient into its parameter's (upcast: mixed precision's fp32 weights take it)."""
+    if param.grad is None:
+        param.grad = leaf.grad.to(param.dtype)
+    else:
+        param.grad.copy_(leaf.grad)
+    leaf.grad = None
 
 
 @contextmanager

@@ -1,12 +1,13 @@
-"""The pipeline-parallel parts of a training step: the stages cut from the plain model, the schedule as the
-step's forward and backward (:class:`PipelineSchedule`), and the gradient sync over data parallelism and
-between DualPipe's two copies (:class:`StageGradients`, a ``GradSync``); clip and step are the common ones.
+"""The pipeline-parallel parts of a training step: the stages cut from the plain model and the schedule as the
+step's forward and backward (:class:`PipelineSchedule`). The gradient sync over data parallelism and between
+DualPipe's two copies is the layout's own engine per stage (:mod:`.stage_sync`); clip and step are the common
+ones, or, for a schedule that updates after every microbatch (PipeDream), its update hook.
 
-Layout: ``comms["pp"]`` carries activations and gradients between stages, ``comms["dp"]`` the gradient
-all-reduce of each stage (a reduce-scatter under ZeRO-1: ``zero.py``) (one flat buffer per stage, launched asynchronously right after that stage's
-last weight-gradient work of the step, so it overlaps the rest of the schedule, and waited before the
-optimizer). DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path 0) and ``pp-1-s``
-(path 1); the two copies exchange gradient buffers and both add, so they stay identical.
+Layout: ``comms["pp"]`` carries activations and gradients between stages, ``comms["dp"]`` each stage's
+data-parallel reduction, launched asynchronously right after that stage's last weight-gradient work of the step
+(the executor's ``on_stage_done``), so it overlaps the rest of the schedule, and waited before the optimizer.
+DualPipe (DeepSeek-V3 report) keeps stage ``s`` on ranks ``s`` (path 0) and ``pp-1-s`` (path 1); the two copies
+exchange gradients and both add, so they stay identical.
 
 With tensor parallelism (Megatron-LM's PP x TP) the model is made tensor-parallel over ``comms["tp"]``
 before it is cut, so every stage holds tensor-parallel modules; ``comms["pp"]`` joins the ranks of one tp
@@ -25,19 +26,18 @@ import time
 import torch
 from torch import nn
 
-from parallelisms.comm import Comm, Comms
+from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.data.loader import microbatches
 from parallelisms.model.numerics import upcast
-from parallelisms.parallel.common import gather_full, global_grad_norm, mark_sharded, sharded_over
-from parallelisms.parallel.data import Bucket
-from parallelisms.parallel.grad_sync import LocalGradients
-from parallelisms.parallel.placement import tensor_pieces
+from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
+from parallelisms.parallel.pipeline.pipedream import WeightStashing
 from parallelisms.parallel.pipeline.schedules import Action, Kind, Schedule, build_schedule, produces, requires
 from parallelisms.parallel.pipeline.simulate import Times, simulate
-from parallelisms.parallel.pipeline.stage import add_mirror_copies, build_stages
+from parallelisms.parallel.pipeline.stage import build_stages
+from parallelisms.parallel.pipeline.stage_sync import StageSyncs
 
 
 def schedule_for(parallel: ParallelConfig) -> Schedule:
@@ -58,89 +58,35 @@ def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms
     return balanced_bounds(*costs, schedule.num_stages)
 
 
-class StageGradients(LocalGradients):
-    """The pipeline's ``GradSync`` without sharding: flat gradient buffers per stage, all-reduced over the
-    data-parallel ranks as soon as the stage's backward of the step is done (:meth:`stage_done`, called by
-    the executor), and DualPipe's two copies of a stage exchanging their buffers. Without either, plain
-    gradients. Expert weights (sharded over ``ep``) have a buffer of their own, summed over the ranks holding
-    the same experts only, and like every gradient divided by the data-parallel size. The global norm sums
-    stages over ``pp`` (DualPipe's second copies are left out of it; the clip still scales them)."""
-
-    def __init__(self, stages: dict[int, nn.Module], copies: set[int], comms: Comms, data_dim: str | None = "dp"):
-        super().__init__(nn.ModuleList(stages.values()), comms)
-        self.stages, self.copies = stages, copies
-        # data_dim None: no average here (PipeDream averages each of its updates)
-        self.dp_comm, self.pp_comm = comms[data_dim] if data_dim else Comm("none"), comms["pp"]
-        self.pending: list = []
-        self.buckets: dict[int, list[Bucket]] = {}
-        if self.dp_comm.size > 1 or copies:
-            for s, st in stages.items():
-                named = list(st.named_parameters())
-                experts = [(n, p) for n, p in named if "ep" in sharded_over(p)]
-                dense = [(n, p) for n, p in named if "ep" not in sharded_over(p)]
-                self.buckets[s] = [Bucket([p for _, p in group], [n for n, _ in group], comm)
-                                   for group, comm in ((dense, self.dp_comm), (experts, comms["ep_replicate"]))
-                                   if group]
-
-    def zero_grad(self) -> None:
-        if not self.buckets:
-            super().zero_grad()
-        for bucket in (b for buckets in self.buckets.values() for b in buckets):
-            bucket.buffer.zero_()
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view
-
-    def stage_done(self, stage: int) -> None:
-        """Launch the data-parallel average of one stage's gradients (the stage's backward is complete)."""
-        if self.dp_comm.size > 1:
-            for bucket in self.buckets[stage]:
-                bucket.buffer.div_(self.dp_comm.size)
-                self.pending.append(bucket.comm.all_reduce(bucket.buffer, async_op=True))
-
-    def finish(self) -> None:
-        for pending in self.pending:
-            pending.wait()
-        self.pending = []
-        if self.copies:
-            add_mirror_copies(self.pp_comm, [b.buffer for s in sorted(self.buckets) for b in self.buckets[s]])
-
-    def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm([p for s, st in self.stages.items() if s not in self.copies
-                                 for p in st.parameters()], self.comms)
-
-    def placements(self) -> list:
-        """Every stage's parameters whole (stages name them as the plain model does)."""
-        return [(p, tensor_pieces(name, p, self.comms)) for st in self.stages.values()
-                for name, p in st.named_parameters() if p.requires_grad]
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's stages (path-0 copies), tensor-parallel shards gathered."""
-        return {name: gather_full(p, self.comms).cpu().clone() for s, st in self.stages.items()
-                if s not in self.copies for name, p in st.named_parameters()}
-
-
 class PipelineSchedule:
     """Forward and backward of one step as ``schedule`` says, over this rank's ``stages``: the microbatch
-    loop of a pipelined layout. Each microbatch's mean loss is scaled by ``loss_scale`` (1/M: the accumulated
-    gradient is the batch mean's); the returned loss is the global mean over microbatches. ``hooks`` go to
-    the :class:`Executor` (the gradient sync's ``stage_done``; PipeDream's forward and update), and
-    ``before_step`` runs first (PipeDream opens a new window of weight versions). Context parallelism: the
-    step runs on this rank's sequence ``positions`` (every stage rotates by them; messages hold them only)."""
+    loop of a pipelined layout. Each microbatch's mean loss is scaled by 1/M (the accumulated gradient is the
+    batch mean's); the returned loss is the global mean over microbatches. The executor calls ``grad_sync``'s
+    ``stage_done`` (a :class:`StageSyncs`, possibly wrapped) after a stage's last backward work before an update.
+    A schedule that updates after every microbatch (PipeDream) gets its hooks from :class:`WeightStashing`
+    (``updates``: the forward on stashed weights, the update once the stage's engine has averaged the gradient,
+    a new window of versions before each step) and scales each microbatch's loss by 1. Context parallelism:
+    the step runs on this rank's sequence ``positions`` (every stage rotates by them; messages hold them only)."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comms: Comms, hidden_dim: int,
-                 bounds: list[int], store: WeightGradStore, loss_scale: float | None = None,
-                 before_step=None, positions: torch.Tensor | None = None, **hooks):
+                 bounds: list[int], store: WeightGradStore, grad_sync: StageSyncs, train: TrainConfig,
+                 positions: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         self.schedule, self.stages, self.comms, self.bounds = schedule, stages, comms, bounds
         self.pp_comm, self.hidden_dim = comms["pp"], hidden_dim
-        self.loss_scale = 1.0 / schedule.microbatches if loss_scale is None else loss_scale
+        self.loss_scale = 1.0 / schedule.microbatches
         self.positions = positions
+        hooks = {"on_stage_done": grad_sync.stage_done, "dtype": dtype}
+        self.updates = None  # the schedule's own updates (PipeDream)
+        if schedule.updates_per_microbatch:
+            self.updates = WeightStashing(stages, grad_sync.engines, train, comms, compute_dtype=dtype)
+            hooks.update(forward_fn=self.updates.forward, on_optimizer=self.updates.update)
+            self.loss_scale = 1.0  # each update takes one microbatch's mean-loss gradient
         if positions is not None:
             forward = hooks.pop("forward_fn", None) or (lambda a, module, x, y, **kwargs: module(x, y, **kwargs))
             hooks["forward_fn"] = functools.partial(forward, positions=positions)
         self.executor = Executor(schedule, self.pp_comm.rank, stages, self.pp_comm, comms.timeline, store,
                                  **hooks)
-        self.before_step = before_step or (lambda: None)
+        self.before_step = self.updates.start_window if self.updates else (lambda: None)
         self.step_records: list[tuple] = []
         self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its replica's share)
         self.compute_ns = 0  # the last step's time, waits left out (--dp-balance measured)

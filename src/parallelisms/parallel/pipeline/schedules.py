@@ -98,6 +98,11 @@ class Schedule:
     def split_backward(self) -> bool:
         return any(a.kind is Kind.BACKWARD_WEIGHT for acts in self.ranks for a in acts)
 
+    @property
+    def updates_per_microbatch(self) -> bool:
+        """Whether the schedule updates the weights itself (PipeDream's OPTIMIZER actions) rather than the step."""
+        return any(a.kind is Kind.OPTIMIZER for acts in self.ranks for a in acts)
+
 
 # --- dependencies, shared by lowering, validator and simulator ---------------------------------
 # Results are keyed (tag, stage, mb): "F" activation, "B" input gradient, "W" weight gradient.
