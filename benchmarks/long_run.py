@@ -45,6 +45,17 @@ def tree_rss(pid: int) -> dict[int, int]:
     return out
 
 
+def rank_rss(rss: dict[int, int]) -> list[int]:
+    """The resident bytes of :func:`tree_rss` that belong to rank processes (multiprocessing-spawned), in start
+    order, which is rank order: the launcher starts rank 0 first."""
+    def is_rank(p: int) -> bool:
+        try:
+            return b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [rss[p] for p in sorted(rss) if is_rank(p)]
+
+
 def run(steps: int, at: list[int], extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
@@ -69,6 +80,7 @@ def run(steps: int, at: list[int], extra: list[str]) -> dict:
                 if seen in at:
                     rss = tree_rss(proc.pid)
                     samples[seen] = {"rss_bytes": rss, "rank_rss_max": max(rss.values()),
+                                     "rank_rss_mb": [round(b / 2**20, 1) for b in rank_rss(rss)],
                                      "peak_memory_bytes": record["peak_memory_bytes"],
                                      "elapsed_s": round(time.monotonic() - began, 1)}
                 if seen == steps:
@@ -88,7 +100,7 @@ def main() -> None:
     p.add_argument("--at", default="1000,20000", help="steps at which memory is read (comma separated)")
     p.add_argument("extra", nargs="*", help="more train flags (after --)")
     args = p.parse_args()
-    extra = args.extra or ["--global-batch", "1", "--seq-len", "16", "--dp", "1"]
+    extra = args.extra or ["--global-batch", "2", "--seq-len", "16", "--dp", "2"]
     print(json.dumps(run(args.steps, [int(s) for s in args.at.split(",")], extra), indent=1))
 
 

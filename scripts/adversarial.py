@@ -55,6 +55,11 @@ class RunsACommand:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _special_file(flag: str, kind: str):
+    """A case: a one-step run whose ``flag`` names a special file of ``kind`` (``Cases._node``)."""
+    return lambda self: ("input files", train(flag, self._node(kind), "--steps", 1), False, None)
+
+
 class Cases:
     """Each ``case_*`` method sets up in ``self.work`` and returns (class, command, expect success, check), where
     ``check()`` returns an outcome other than clean (data lost, leftover, ran code) or None."""
@@ -212,23 +217,12 @@ class Cases:
             return Path("/dev/zero")
         return path
 
-    def case_config_fifo(self):
-        return "input files", train("--config", self._node("fifo"), "--steps", 1), False, None
-
-    def case_config_symlink_loop(self):
-        return "input files", train("--config", self._node("loop"), "--steps", 1), False, None
-
-    def case_data_fifo(self):
-        return "input files", train("--data", self._node("fifo"), "--steps", 1), False, None
-
-    def case_data_symlink_loop(self):
-        return "input files", train("--data", self._node("loop"), "--steps", 1), False, None
-
-    def case_data_device(self):
-        return "input files", train("--data", self._node("device"), "--steps", 1), False, None
-
-    def case_tokenizer_fifo(self):
-        return "input files", train("--tokenizer", self._node("fifo"), "--steps", 1), False, None
+    case_config_fifo = _special_file("--config", "fifo")
+    case_config_symlink_loop = _special_file("--config", "loop")
+    case_data_fifo = _special_file("--data", "fifo")
+    case_data_symlink_loop = _special_file("--data", "loop")
+    case_data_device = _special_file("--data", "device")
+    case_tokenizer_fifo = _special_file("--tokenizer", "fifo")
 
     def case_data_dir_with_a_fifo_txt(self):
         folder = self.work / "texts"

@@ -64,11 +64,12 @@ PIPE = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, 
 PIPE_MOE = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=32, max_seq_len=64,
                        n_experts=4, top_k=2)
 
-PLAIN = TrainConfig(steps=3, global_batch=8, seq_len=16, grad_clip=0.0, bucket_mb=0.05, dtype="float64")
+# two steps: the second's loss, gradient norm and update read what the first left (Adam's moments, sharded
+# optimizer state, the updated shards gathered), and the final parameters carry both updates
+PLAIN = TrainConfig(steps=2, global_batch=8, seq_len=16, grad_clip=0.0, bucket_mb=0.05, dtype="float64")
 CLIP = PLAIN.replace(grad_clip=0.5)  # the clipped models' norms measure 1.6 to 2.7: every step is scaled
 ACCUM = PLAIN.replace(grad_accum=2)
-PIPE_PLAIN = PLAIN.replace(steps=2)
-PIPE_CLIP = CLIP.replace(steps=2)
+PIPE_PLAIN, PIPE_CLIP = PLAIN, CLIP
 
 
 def _dp(world: int, sharded: bool) -> ParallelDims:
@@ -213,7 +214,7 @@ SCENARIOS.update({
     # only because bf16's own distance peaks at 2.1e-3 instead: decay is not the cause. The float64 twin of this
     # layout (dp4_tp2_sp_zero3_clip) is exact, so it is tensor parallelism's bf16 partial sums against one sample
     # of bf16 rounding (open: a series denominator that is not one sample)
-    "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(dtype="float32", decay_all=True), ParallelConfig(
+    "bf16_dp2_tp2_sp_zero3": (TINY, CLIP.replace(steps=3, dtype="float32", decay_all=True), ParallelConfig(
         ParallelDims(dp_shard=2, tp=2), zero=3, sequence_parallel=True, mixed_precision="bf16")),
     "bf16_pp2_dp2_full_shard": (PIPE, PIPE_PLAIN.replace(dtype="float32"), ParallelConfig(
         ParallelDims(pp=2, dp_shard=2), fsdp="full_shard", microbatches=4, mixed_precision="bf16")),

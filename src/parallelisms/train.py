@@ -141,8 +141,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         steps = tqdm(steps, desc=f"train {spec.parallel.label()}", unit="step", dynamic_ncols=True, mininterval=0.5,
                      initial=first, total=spec.train.steps)
     tokens_per_step = spec.train.global_batch * spec.train.seq_len
-    losses, step_times = LossLog(), array("d")  # compact: a long run's memory stays flat (parallelisms.step_log)
-    grad_norms, ledger_marks, first_starts, eval_losses = [], [], [], []
+    # compact: a long run's memory stays flat (parallelisms.step_log); a step without a norm (None) ends the norms
+    losses, step_times, grad_norms = LossLog(), array("d"), array("d")
+    ledger_marks, first_starts, eval_losses = [], [], []
     overlap_sum = overlap_first = None  # exposed communication, summed as the run goes (the first step apart)
     nonfinite, skipped, save_times, saved = None, 0, [], []
     held: list[dict] = []  # rank 0's metrics records waiting for their steps' straggler figures
@@ -170,7 +171,10 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         if trainer.ep_balance is not None:
             trainer.ep_balance.rebalance_if_due(step, trainer.optimizers)
         losses.append(loss)
-        grad_norms.append(None if trainer.grad_norm is None else trainer.grad_norm.item())
+        if trainer.grad_norm is None:
+            grad_norms = None
+        elif grad_norms is not None:
+            grad_norms.append(trainer.grad_norm.item())
         step_times.append((end - start) / 1e9)
         overlap_step = comms.timeline.step_stats(start, end) if trace else None
         if trace:
@@ -234,7 +238,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         "world_size": info.world_size, "layout": spec.parallel.label(), "steps": spec.train.steps,
         "first_step": first + 1,
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "losses": losses.tolist(),
-        "grad_norms": None if None in grad_norms else grad_norms,
+        "grad_norms": None if grad_norms is None else grad_norms.tolist(),
         "step_time_s": median, "tokens_per_s": tokens_per_step / median, "comm": step_comm,
         "lr_last": trainer.lr,
         "memory": gathered[0]["memory"], "memory_per_rank": [g["memory"] for g in gathered],
