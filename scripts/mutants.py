@@ -94,7 +94,7 @@ MUTANTS = [
            ("parallel/data.py", "bucket.buffer.div_(self.comm.size)", "pass")),
     mutant("cp-grad-avg-dp-only", "replicated weights averaged over dp only, not over dp x cp",
            "--dp 2 --cp 2",
-           ("train.py", 'DataParallel(model, comms, "dp_cp"', 'DataParallel(model, comms, "dp"')),
+           ("train_setup.py", 'DataParallel(model, comms, "dp_cp"', 'DataParallel(model, comms, "dp"')),
     # -- ZeRO / FSDP flat engine --------------------------------------------------------------------------------
     mutant("zero3-rs-not-averaged", "ZeRO-3 gradient reduce-scatter summed, not averaged", "--zero 3 --dp 2",
            ("parallel/flat.py", "grad32.div_(self.dp_size)", "pass")),
@@ -155,7 +155,7 @@ MUTANTS = [
            ("parallel/pipeline/pipedream.py", "if version != a.version:", "if version is None:")),
     mutant("pipedream-loss-scaled", "PipeDream: each update's loss scaled by 1/M (gradient M times too small)",
            "--pp 2 --schedule pipedream --global-batch 8",
-           ("train.py", "loss_scale=1.0,", "loss_scale=1.0 / schedule.microbatches,")),
+           ("train_setup.py", "loss_scale=1.0,", "loss_scale=1.0 / schedule.microbatches,")),
     # -- tensor and sequence parallelism ---------------------------------------------------------------------------
     mutant("tp-input-grad-not-reduced", "column-parallel input gradient not all-reduced (f made identity both ways)",
            "--tp 2",
@@ -230,7 +230,7 @@ MUTANTS = [
     # -- expert parallelism and MoE ------------------------------------------------------------------------------------
     mutant("ep-expert-grad-not-reduced", "expert gradients not reduced over the ranks holding the same experts",
            "--preset tiny-moe --dp 4 --ep 2",
-           ("train.py", 'replica_comms = {"ep": comms["ep_replicate"]}', 'replica_comms = {"ep": comms["ep_single"]}')),
+           ("train_setup.py", 'replica_comms = {"ep": comms["ep_replicate"]}', 'replica_comms = {"ep": comms["ep_single"]}')),
     mutant("ep-combine-order", "expert parallel: outputs sent back in grouped order, arrival order not restored",
            "--preset tiny-moe --dp 2 --ep 2",
            ("parallel/expert.py", "restored = torch.empty_like(out).index_copy(0, order, out)", "restored = out")),
@@ -257,7 +257,7 @@ MUTANTS = [
            "--zero 1 --dp 2 --tp 2",
            ("parallel/common.py", "for dims, sq in sorted(groups.items()):", "for dims, sq in sorted(groups.items())[1:]:")),
     mutant("clip-skipped", "plain runner: gradients measured but never clipped", "--dp 2",
-           ("train.py", "if self.cfg.grad_clip > 0:\n                clip_grad_norm_(", "if False:\n                clip_grad_norm_(")),
+           ("trainer.py", "if self.cfg.grad_clip > 0:\n                clip_grad_norm_(", "if False:\n                clip_grad_norm_(")),
     mutant("weight-decay-twice", "weight decay applied twice (coefficient doubled)", "--dp 2",
            ("optim.py", "weight_decay=cfg.weight_decay, eps=1e-8)", "weight_decay=2 * cfg.weight_decay, eps=1e-8)")),
     # -- checkpoints (verify-resume: save in one layout, resume in another) --------------------------------------------

@@ -28,17 +28,9 @@ def _args(command: str, options: dict, argv: list[str] = ()):
     """``options`` (then the flags in ``argv``) parsed as the command line's ``command`` would parse them: the
     same checks, the same defaults."""
     from parallelisms.cli import build_parser
+    from parallelisms.config_file import option_flags
 
-    flags = [command]
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, (tuple, list)):  # betas=(0.9, 0.95): --betas 0.9,0.95
-            flags += [flag, ",".join(map(str, value))]
-        elif value is not None and value is not False:
-            flags += [flag, str(value)]
-    return build_parser().parse_args([*flags, *argv])
+    return build_parser().parse_args([command, *option_flags(options), *argv])
 
 
 def train(**options) -> dict:

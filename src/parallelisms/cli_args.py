@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from parallelisms.config import TrainConfig, PRESETS
+from parallelisms.config_file import CONFIG_FILE, CONFIG_FLAG, expand
 from parallelisms.errors import ConfigError
 from parallelisms.flags import DEGREE, integer, number, number_pair, slow_rank
 from parallelisms.perf.shapes import add_shape_args
@@ -28,16 +29,36 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """One-line errors; ``--help`` shows every option's default."""
+    """One-line errors; ``--help`` shows every option's default; a verb with ``--config-file`` reads its flags
+    from the TOML file first (:mod:`parallelisms.config_file`)."""
 
     def __init__(self, *args, formatter_class=_Formatter, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is None or not any(a.startswith(CONFIG_FLAG) for a in args) or not self._has(CONFIG_FILE):
+            return super().parse_known_args(args, namespace)
+        flags, own, path = expand(list(args), self)
+        try:  # the file's values alone first: a bad one is named as the file's
+            super().parse_known_args(flags, argparse.Namespace())
+        except ConfigError as exc:
+            raise ConfigError(f"{CONFIG_FLAG} {path!r}: {exc}") from None
+        parsed, extra = super().parse_known_args(flags + own, namespace)
+        setattr(parsed, CONFIG_FILE, path)
+        return parsed, extra
+
+    def _has(self, dest: str) -> bool:
+        return any(a.dest == dest for a in self._actions)
 
     def error(self, message):  # one line, no usage block
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's flags, and ``--config-file`` (every verb that takes a model takes a whole run from a file)."""
+    p.add_argument(CONFIG_FLAG, metavar="RUN_TOML", help="the run's flags from a TOML file, by section ([model], "
+                                                         "[layout], [training], [optimizer], [data], [outputs], "
+                                                         "[run]); flags given here override it")
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
     g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
