@@ -50,6 +50,39 @@ def test_estimate_agrees_with_the_dry_run(name):
     assert out["ok"]
 
 
+# short sequences: the model states, not the activations, fill memory, so the peak comes after the loss
+LATE_PEAKS = {  # name: (flags, the estimate's grads at the peak: the fp32 shards' or the full fp32 gradient)
+    "dp4 tp2 sp zero1 bf16 full recompute: end of backward, the last unit's fp32 copy in flight":
+        "--dp 4 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 --global-batch 4",
+    "dp4 tp2 sp zero1 fp32 full recompute: end of backward, the last unit's gradients concatenated":
+        "--dp 4 --tp 2 --sp --zero 1 --recompute full --global-batch 4",
+    "dp4 tp2 sp no_shard bf16 full recompute: the optimizer's temporaries":
+        "--dp 4 --tp 2 --sp --recompute full --mixed-precision bf16 --global-batch 4",
+}
+
+
+@pytest.mark.parametrize("name", LATE_PEAKS)
+def test_engines_holding_the_full_gradient_peak_after_the_loss(name):
+    """ZeRO-1 and NO_SHARD keep every unit's full gradient until the optimizer: with few activations their peak is
+    at the end of backward or in the optimizer, not at the loss (perf/memory.py: end_of_backward)."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    cfg = configure(shape + LATE_PEAKS[name].split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert out["peak_phase"] in ("backward", "optimizer"), out["peak_phase"]
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    for kind in ("params", "optimizer"):
+        assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
+    if "zero1" in name:  # the gradients the peak holds: the fp32 shards' (bf16) or the full fp32 gradient
+        assert out["memory"]["grads"]["difference"] == pytest.approx(0, abs=1024), out["memory"]["grads"]
+    assert out["ok"]
+
+
 def test_estimate_check_command(capsys):
     from parallelisms.cli import main
 

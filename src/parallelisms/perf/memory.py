@@ -208,6 +208,54 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     return compute * largest_unit
 
 
+def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float) -> dict | None:
+    """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
+    precision over plain data parallelism, ``--fsdp no_shard``) without a pipeline, the higher of two
+    (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``); the activations are gone by then:
+
+    * the end of backward, as the first unit's gradient (the embedding's, reduced last) is made and
+      reduce-scattered: every unit's full gradient is held (compute dtype; in fp32 the shards' gradients are
+      views of it) beside the fp32 shards' own gradients (mixed precision), and the last unit's per-parameter
+      gradients as they are concatenated, or its fp32 copy being reduced and its reduced shard;
+    * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard.
+
+    ``None`` where the engine frees gradients as it reduces them (ZeRO-2/3, FSDP) or a pipeline holds them."""
+    from parallelisms.perf.model import block_params
+
+    if parallel.dims.pp > 1 or not (parallel.zero == 1 or (not parallel.zero and parallel.fsdp == "no_shard")
+                                    or (not parallel.zero and not parallel.fsdp and parallel.mixed_precision == "bf16")):
+        return None
+    bf16, n = parallel.mixed_precision == "bf16", (_shard_degree(parallel) if parallel.zero == 1 else 1)
+    if n == 1 and not bf16:
+        return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
+    compute = 2 if bf16 else 4
+    first = _first_unit(cfg, parallel, train)
+    largest = max(first, math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim + cfg.dim,
+                  block_params(cfg, parallel.dims.tp))
+    in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
+    held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
+    return {"params": 4 * params / n if bf16 else 4 * params, "grads": 4 * params / n if bf16 else 4 * params,
+            "optimizer": 8 * params / n, "activations": held + max(in_flight, 8 * largest / n)}
+
+
+def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
+    """Parameters of the engine's first unit on a rank (``parallel/flat.py: module_units``): the embedding, with
+    ZeRO-1 the blocks (and the head) after it merged in while the unit's parameters fit the gradient bucket
+    (``--bucket-mb``)."""
+    from parallelisms.perf.model import block_params
+
+    t, pbytes = parallel.dims.tp, 8 if train.dtype == "float64" else 4
+    unit = math.ceil(cfg.vocab_size / t) * cfg.dim
+    if parallel.zero != 1 or cfg.tie_embeddings:
+        return unit
+    cap, head = train.bucket_mb * 2**20, math.ceil(cfg.vocab_size / t) * cfg.dim + cfg.dim
+    for size in [block_params(cfg, t)] * cfg.n_layers + [head]:
+        if (unit + size) * pbytes > cap:
+            break
+        unit += size
+    return unit
+
+
 def _shard_degree(parallel: ParallelConfig) -> int:
     dims = parallel.dims
     if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2") or (parallel.fsdp and parallel.fsdp_style != "flat"):
@@ -250,6 +298,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
                "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
         out["total"] = sum(out[k] for k in KINDS)
+        ending = end_of_backward(cfg, parallel, train, params)
+        if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
+            out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
         if best is None or out["total"] > best["total"]:
             best = out
     return best
