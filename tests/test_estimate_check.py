@@ -83,6 +83,28 @@ def test_engines_holding_the_full_gradient_peak_after_the_loss(name):
     assert out["ok"]
 
 
+def test_expert_weights_are_sharded_over_their_replicas():
+    """ZeRO-1 with expert parallelism: the expert weights' master, optimizer state, reduce-scatter and all-gather are
+    over the ranks holding the same experts (ep_replicate, here one rank), the other weights' over dp; the router
+    is whole on every tensor-parallel rank."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    shape = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
+             "--seq-len", "256", "--experts", "16", "--topk", "4"]
+    cfg = configure(shape + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
+                            "--global-batch 8".split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    for kind in ("params", "optimizer"):
+        assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
+    for key in ("reduce_scatter/dp", "all_gather/dp"):
+        assert out["collectives"][key]["dry_run"] > 0 and out["collectives"][key]["difference"] == 0, key
+
+
 def test_estimate_check_command(capsys):
     from parallelisms.cli import main
 

@@ -86,15 +86,22 @@ def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int
     return tokens * (per_logit * vocab + norm)
 
 
+def expert_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then)."""
+    if not cfg.n_experts or parallel.dims.ep == 1:
+        return 0.0
+    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts / parallel.dims.ep
+
+
 def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, embedding: bool, head: bool) -> float:
     """Parameters a rank holds for ``layers`` blocks and the ends it holds (tensor- and expert-parallel shards)."""
     from parallelisms.perf.model import block_params
 
     dims, d = parallel.dims, cfg.dim
     block = block_params(cfg, dims.tp)
-    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp
+    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp, the router whole
         experts = cfg.mlp_matrices * d * cfg.ffn_dim * cfg.n_experts
-        block += experts / dims.ep - experts / dims.tp
+        block += experts / dims.ep - experts / dims.tp + d * cfg.n_experts * (1 - 1 / dims.tp)
     table = math.ceil(cfg.vocab_size / dims.tp) * d
     return layers * block + embedding * table + head * (table + d)
 
@@ -164,17 +171,21 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     return out
 
 
-def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1) -> dict:
+def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1,
+                 experts: float = 0.0) -> dict:
     """Params, grads and optimizer state at the peak, and the compute-dtype copy the engine keeps (activations),
     for ``params`` parameters on the rank, as the engines hold them (``parallel/zero.py``, ``fsdp*.py``). With
     gradient accumulation (``microbatches`` > 1, no pipeline) the peak comes in a later microbatch, beside the
     gradients accumulated so far: whole (local, DDP, ZeRO-1; bf16's own gradients under mixed precision without
-    sharded gradients) or the reduced shards (ZeRO-2/3, FSDP)."""
+    sharded gradients) or the reduced shards (ZeRO-2/3, FSDP). Of ``params``, the ``experts`` (expert-parallel
+    weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``)."""
     dims, bf16 = parallel.dims, parallel.mixed_precision == "bf16"
     full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
     sharded = bool(parallel.zero) or parallel.fsdp not in (None, "no_shard")
     shard = _shard_degree(parallel) if sharded else 1
-    master = 4 * params / (shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else 1)
+    # of which ``experts`` (expert-parallel weights) are sharded over the ranks holding the same experts, ep_replicate
+    per_shard = (params - experts) / shard + experts / max(1, shard // dims.ep)
+    master = 4 * (per_shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else params)
     held_grads = 0.0
     if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule != "gpipe":  # (GPipe peaks before the first
         held_grads = 4 * params  # backward makes the stage's gradient buffers)
@@ -192,8 +203,8 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
             else:
                 held_grads = 4 * params
         else:
-            held_grads = 4 * params / shard
-    return {"params": master, "grads": held_grads, "optimizer": 8 * params / shard, "compute_copy": compute_copy}
+            held_grads = 4 * per_shard
+    return {"params": master, "grads": held_grads, "optimizer": 8 * per_shard, "compute_copy": compute_copy}
 
 
 def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: float) -> float:
@@ -208,7 +219,8 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     return compute * largest_unit
 
 
-def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float) -> dict | None:
+def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
+                    experts: float = 0.0) -> dict | None:
     """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
     precision over plain data parallelism, ``--fsdp no_shard``) without a pipeline, the higher of two
     (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``); the activations are gone by then:
@@ -234,8 +246,9 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
                   block_params(cfg, parallel.dims.tp))
     in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
     held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
-    return {"params": 4 * params / n if bf16 else 4 * params, "grads": 4 * params / n if bf16 else 4 * params,
-            "optimizer": 8 * params / n, "activations": held + max(in_flight, 8 * largest / n)}
+    per_shard = (params - experts) / n + experts / max(1, n // parallel.dims.ep)  # (:func:`model_states`)
+    return {"params": 4 * per_shard if bf16 else 4 * params, "grads": 4 * per_shard if bf16 else 4 * params,
+            "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
 
 
 def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
@@ -283,7 +296,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     best = None
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):
         params = stage_parameters(cfg, parallel, rank["layers"], rank["embedding"], rank["head"])
-        states = model_states(cfg, parallel, params, m)
+        experts = rank["layers"] * expert_params(cfg, parallel)
+        states = model_states(cfg, parallel, params, m, experts)
         fresh = 0.0
         if dims.pp > 1:  # a microbatch's fresh gradients beside the stage's held ones (and a stage engine's fp32
             # gradients, held through the step)
@@ -298,7 +312,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
                "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
         out["total"] = sum(out[k] for k in KINDS)
-        ending = end_of_backward(cfg, parallel, train, params)
+        ending = end_of_backward(cfg, parallel, train, params, experts)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
             out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
         if best is None or out["total"] > best["total"]:
