@@ -98,7 +98,7 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
     """Rank ``rank``'s setup and first training step through the real code (see the module docstring);
     ``replay``: a pipeline stage's middle microbatches are replayed from the first one (:mod:`.replay`);
     ``own_layers``: a pipeline rank builds only its own stages' blocks (:func:`layers_on`)."""
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
 
     began = time.perf_counter()
     dims = parallel.dims
