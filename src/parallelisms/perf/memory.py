@@ -25,8 +25,8 @@ The peak's moment: with the head on the rank, the loss's backward (plain cross-e
 the loss's gradient and the log-softmax's gradient, 12 bytes a logit; vocabulary-parallel: the fp32 logits, their
 shifted copy and exponentials in forward, 3 max(4, e) + e); without it (a pipeline's first stage), a block's
 backward (three e f-wide gradients). Microbatches in flight come from the pipeline schedule (the simulator's
-held activations per rank; a chunk holds its share of the layers); a pipeline stage also holds one
-microbatch's fresh weight gradients beside its accumulated ones.
+held activations per rank; a chunk holds its share of the layers); a pipeline stage's gradients exist from its
+first backward on (with as many microbatches as stages, the first stage peaks at the end of warm-up, before them).
 """
 
 from __future__ import annotations
@@ -115,12 +115,13 @@ def _schedule_of(name: str, pp: int, m: int, chunks: int):
 
 
 def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
-                 head_kept: float) -> float:
+                 head_kept: float, grads: float = 0.0) -> float:
     """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
     of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
     held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
     split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
-    last stage's head)), which the weight pass frees."""
+    last stage's head)), which the weight pass frees. The stage's gradients (``grads``) exist from the rank's first
+    backward on: with as many microbatches as stages the first stage peaks before it, at the end of warm-up."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     last = schedule.num_stages - 1
@@ -130,12 +131,16 @@ def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float],
         if a.kind is Kind.FORWARD:
             held += full + head_kept * on_last
             best = max(best, held + moment[on_last] - head_kept * on_last)
-        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            continue
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             held -= full + head_kept * on_last
             if a.kind is Kind.BACKWARD_INPUT:
                 held += partial[0] + partial[1] * on_last
         elif a.kind is Kind.BACKWARD_WEIGHT:
             held -= partial[0] + partial[1] * on_last
+        if grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            held, grads = held + grads, 0.0
+            best = max(best, held + moment[0])  # the first backward's end: its gradients made, its microbatch freed
     return best
 
 
@@ -148,9 +153,10 @@ def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig,
 
 
 def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
-           moment: tuple[float, float], head_kept: float) -> list[dict]:
+           moment: tuple[float, float], head_kept: float, grads_of=None) -> list[dict]:
     """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
-    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it))."""
+    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
+    stage's gradients from its first backward on (``grads_of(layers, embedding, head, stages)``: bytes)."""
     from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
@@ -165,9 +171,10 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
-        out.append({"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
-                    "head": schedule.num_stages - 1 in stages,
-                    "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept)})
+        held = {"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+                "head": schedule.num_stages - 1 in stages}
+        grads = grads_of(**held) if grads_of else 0.0
+        out.append({**held, "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept, grads)})
     return out
 
 
@@ -293,23 +300,31 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute == "full":  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
+
+    def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
+        params = stage_parameters(cfg, parallel, layers, embedding, head)
+        experts = layers * expert_params(cfg, parallel)
+        return params, experts, model_states(cfg, parallel, params, m, experts)
+
+    def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:
+        """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
+        fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
+        is added unit by unit; two under full sharding). V-shaped and DualPipe: one of the rank's two stages at a
+        time; DualPipeV peaks before the second chunk's buffers exist."""
+        params, _, states = states_of(layers, embedding, head, stages)
+        full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+        fresh = 4 * params * (2 if full_shard else 1) / (1 if parallel.schedule == "interleaved" else stages)
+        return states["grads"] / (stages if parallel.schedule == "dualpipev" else 1) + fresh
+
     best = None
-    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):
-        params = stage_parameters(cfg, parallel, rank["layers"], rank["embedding"], rank["head"])
-        experts = rank["layers"] * expert_params(cfg, parallel)
-        states = model_states(cfg, parallel, params, m, experts)
-        fresh = 0.0
-        if dims.pp > 1:  # a microbatch's fresh gradients beside the stage's held ones (and a stage engine's fp32
-            # gradients, held through the step)
-            full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-            # (V-shaped and DualPipe: one of the rank's two stages at a time)
-            fresh = 4 * params * (2 if parallel.mixed_precision == "bf16" or full_shard else 1) / (
-                1 if parallel.schedule == "interleaved" else rank["stages"])
-            if parallel.schedule == "dualpipev":  # its peak comes before the second chunk's buffers exist
-                states["grads"] /= rank["stages"]
+    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
+                       stage_gradients if dims.pp > 1 else None):
+        params, experts, states = states_of(rank["layers"], rank["embedding"], rank["head"], rank["stages"])
+        if dims.pp > 1:  # the stage's gradients are in the walk's peak (:func:`held_at_peak`)
+            states["grads"] = 0.0
         rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"] if dims.pp > 1 else 4 * cfg.max_seq_len * cfg.head_dim
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
+               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"]
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
         out["total"] = sum(out[k] for k in KINDS)
         ending = end_of_backward(cfg, parallel, train, params, experts)
