@@ -309,11 +309,14 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:
         """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
         fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
-        is added unit by unit; two under full sharding). V-shaped and DualPipe: one of the rank's two stages at a
+        is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and DualPipe: one of the rank's two stages at a
         time; DualPipeV peaks before the second chunk's buffers exist."""
         params, _, states = states_of(layers, embedding, head, stages)
         full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-        fresh = 4 * params * (2 if full_shard else 1) / (1 if parallel.schedule == "interleaved" else stages)
+        # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
+        split = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
+        fresh = 4 * params * (2 if full_shard or (split and parallel.mixed_precision == "bf16") else 1) / (
+            1 if parallel.schedule == "interleaved" else stages)
         return states["grads"] / (stages if parallel.schedule == "dualpipev" else 1) + fresh
 
     best = None
