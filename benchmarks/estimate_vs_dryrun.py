@@ -60,7 +60,8 @@ def _argv(preset: str, flags: str) -> list[str]:
         dims["dp"] = int(words[words.index("--dp-replicate") + 1]) * int(words[words.index("--dp-shard") + 1])
     if "--pp" not in words and "--dp" not in words and "--dp-replicate" not in words:
         argv += ["--dp", "1"]
-    microbatches = dims["pp"] * (1 if "dualpipe" not in flags else 2) if dims["pp"] > 1 else 1
+    # V-shaped schedules (ZB-V, DualPipeV) need 2pp - 1 microbatches or more: 2pp
+    microbatches = dims["pp"] * (2 if "dualpipe" in flags or "zb-v" in flags else 1) if dims["pp"] > 1 else 1
     argv += ["--global-batch", str(dims["dp"] * microbatches)]
     if dims["pp"] > 1:
         argv += ["--microbatches", str(microbatches)]

@@ -39,17 +39,42 @@ def local_batch(train: TrainConfig, parallel: ParallelConfig) -> tuple[torch.Ten
     return tokens, tokens.clone()
 
 
-def build_fake_model(model_cfg: ModelConfig, train: TrainConfig):
-    """The real model class, its parameters fake (the same shapes, dtypes and modules as ``build_model``'s)."""
-    from parallelisms.model.transformer import Transformer
+def build_fake_model(model_cfg: ModelConfig, train: TrainConfig, layers: list[int] | None = None):
+    """The real model class, its parameters fake (the same shapes, dtypes and modules as ``build_model``'s);
+    ``layers``: only those blocks (under their own indices), the others never built (:func:`layers_on`)."""
+    import dataclasses
+
+    from parallelisms.model.transformer import Block, Transformer
 
     model_cfg.validate()
-    model = Transformer(model_cfg)
+    if layers is None:
+        model = Transformer(model_cfg)
+    else:  # the class built without blocks, then given the rank's own
+        model = Transformer(dataclasses.replace(model_cfg, n_layers=0))
+        model.cfg = model_cfg
+        model.layers = torch.nn.ModuleDict({str(i): Block(model_cfg) for i in layers})
     if train.torch_dtype != torch.float32:
         _cast_floating(model, train.torch_dtype)
         model.set_rotary_dtype(train.torch_dtype)
     balance_routing(model)
     return model
+
+
+def layers_on(parallel: ParallelConfig, model_cfg: ModelConfig, rank: int) -> list[int] | None:
+    """The blocks rank ``rank`` holds under the pipeline cut ``parallelize`` makes (equal layer counts per stage,
+    ``parallel/pipeline/runner.py: cut_stages``), or ``None`` where it holds them all (no pipeline) or the cut
+    is measured at run time (``--pp-balance measured``). The layers of other stages are never used by the rank:
+    building them costs time (80 blocks of a 70B model, tensor-parallel swaps included) and, kept by the full
+    model, memory the rank does not hold."""
+    from parallelisms.parallel.pipeline.partition import equal_bounds
+    from parallelisms.parallel.pipeline.runner import schedule_for
+
+    if parallel.dims.pp == 1 or parallel.pp_balance == "measured":
+        return None
+    schedule = schedule_for(parallel)
+    bounds = equal_bounds(model_cfg.n_layers, schedule.num_stages)
+    stages = sorted({s for _, s in schedule.modules_on(parallel.dims.coordinates(rank)["pp"])})
+    return [i for s in stages for i in range(bounds[s], bounds[s + 1])]
 
 
 def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -69,9 +94,10 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelConfig, rank: int,
-                 memory: bool = True, replay: bool = True) -> RankRun:
+                 memory: bool = True, replay: bool = True, own_layers: bool = True) -> RankRun:
     """Rank ``rank``'s setup and first training step through the real code (see the module docstring);
-    ``replay``: a pipeline stage's middle microbatches are replayed from the first one (:mod:`.replay`)."""
+    ``replay``: a pipeline stage's middle microbatches are replayed from the first one (:mod:`.replay`);
+    ``own_layers``: a pipeline rank builds only its own stages' blocks (:func:`layers_on`)."""
     from parallelisms.train_setup import parallelize
 
     began = time.perf_counter()
@@ -82,7 +108,7 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
         meshes = dims.build_meshes("cpu") if dims.world_size > 1 else {}
         account = MemoryAccount(enabled=memory)
         with account:
-            model = build_fake_model(model_cfg, train)
+            model = build_fake_model(model_cfg, train, layers_on(parallel, model_cfg, rank) if own_layers else None)
             comms = RecordingComms(meshes, ledger, Timeline(rank, enabled=False))
             trainer = parallelize(model, parallel, train, comms)
             inputs, targets = local_batch(train, parallel)

@@ -25,8 +25,8 @@ The peak's moment: with the head on the rank, the loss's backward (plain cross-e
 the loss's gradient and the log-softmax's gradient, 12 bytes a logit; vocabulary-parallel: the fp32 logits, their
 shifted copy and exponentials in forward, 3 max(4, e) + e); without it (a pipeline's first stage), a block's
 backward (three e f-wide gradients). Microbatches in flight come from the pipeline schedule (the simulator's
-held activations per rank; a chunk holds its share of the layers); a pipeline stage also holds one
-microbatch's fresh weight gradients beside its accumulated ones.
+held activations per rank; a chunk holds its share of the layers); a pipeline stage's gradients exist from its
+first backward on (with as many microbatches as stages, the first stage peaks at the end of warm-up, before them).
 """
 
 from __future__ import annotations
@@ -86,15 +86,22 @@ def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int
     return tokens * (per_logit * vocab + norm)
 
 
+def expert_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then)."""
+    if not cfg.n_experts or parallel.dims.ep == 1:
+        return 0.0
+    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts / parallel.dims.ep
+
+
 def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, embedding: bool, head: bool) -> float:
     """Parameters a rank holds for ``layers`` blocks and the ends it holds (tensor- and expert-parallel shards)."""
     from parallelisms.perf.model import block_params
 
     dims, d = parallel.dims, cfg.dim
     block = block_params(cfg, dims.tp)
-    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp
+    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp, the router whole
         experts = cfg.mlp_matrices * d * cfg.ffn_dim * cfg.n_experts
-        block += experts / dims.ep - experts / dims.tp
+        block += experts / dims.ep - experts / dims.tp + d * cfg.n_experts * (1 - 1 / dims.tp)
     table = math.ceil(cfg.vocab_size / dims.tp) * d
     return layers * block + embedding * table + head * (table + d)
 
@@ -108,12 +115,13 @@ def _schedule_of(name: str, pp: int, m: int, chunks: int):
 
 
 def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
-                 head_kept: float) -> float:
+                 head_kept: float, grads: float = 0.0) -> float:
     """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
     of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
     held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
     split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
-    last stage's head)), which the weight pass frees."""
+    last stage's head)), which the weight pass frees. The stage's gradients (``grads``) exist from the rank's first
+    backward on: with as many microbatches as stages the first stage peaks before it, at the end of warm-up."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     last = schedule.num_stages - 1
@@ -123,12 +131,16 @@ def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float],
         if a.kind is Kind.FORWARD:
             held += full + head_kept * on_last
             best = max(best, held + moment[on_last] - head_kept * on_last)
-        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            continue
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             held -= full + head_kept * on_last
             if a.kind is Kind.BACKWARD_INPUT:
                 held += partial[0] + partial[1] * on_last
         elif a.kind is Kind.BACKWARD_WEIGHT:
             held -= partial[0] + partial[1] * on_last
+        if grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            held, grads = held + grads, 0.0
+            best = max(best, held + moment[0])  # the first backward's end: its gradients made, its microbatch freed
     return best
 
 
@@ -141,9 +153,10 @@ def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig,
 
 
 def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
-           moment: tuple[float, float], head_kept: float) -> list[dict]:
+           moment: tuple[float, float], head_kept: float, grads_of=None) -> list[dict]:
     """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
-    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it))."""
+    microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
+    stage's gradients from its first backward on (``grads_of(layers, embedding, head, stages)``: bytes)."""
     from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
@@ -158,23 +171,28 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
-        out.append({"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
-                    "head": schedule.num_stages - 1 in stages,
-                    "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept)})
+        held = {"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+                "head": schedule.num_stages - 1 in stages}
+        grads = grads_of(**held) if grads_of else 0.0
+        out.append({**held, "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept, grads)})
     return out
 
 
-def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1) -> dict:
+def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1,
+                 experts: float = 0.0) -> dict:
     """Params, grads and optimizer state at the peak, and the compute-dtype copy the engine keeps (activations),
     for ``params`` parameters on the rank, as the engines hold them (``parallel/zero.py``, ``fsdp*.py``). With
     gradient accumulation (``microbatches`` > 1, no pipeline) the peak comes in a later microbatch, beside the
     gradients accumulated so far: whole (local, DDP, ZeRO-1; bf16's own gradients under mixed precision without
-    sharded gradients) or the reduced shards (ZeRO-2/3, FSDP)."""
+    sharded gradients) or the reduced shards (ZeRO-2/3, FSDP). Of ``params``, the ``experts`` (expert-parallel
+    weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``)."""
     dims, bf16 = parallel.dims, parallel.mixed_precision == "bf16"
     full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
     sharded = bool(parallel.zero) or parallel.fsdp not in (None, "no_shard")
     shard = _shard_degree(parallel) if sharded else 1
-    master = 4 * params / (shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else 1)
+    # of which ``experts`` (expert-parallel weights) are sharded over the ranks holding the same experts, ep_replicate
+    per_shard = (params - experts) / shard + experts / max(1, shard // dims.ep)
+    master = 4 * (per_shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else params)
     held_grads = 0.0
     if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule != "gpipe":  # (GPipe peaks before the first
         held_grads = 4 * params  # backward makes the stage's gradient buffers)
@@ -192,8 +210,8 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
             else:
                 held_grads = 4 * params
         else:
-            held_grads = 4 * params / shard
-    return {"params": master, "grads": held_grads, "optimizer": 8 * params / shard, "compute_copy": compute_copy}
+            held_grads = 4 * per_shard
+    return {"params": master, "grads": held_grads, "optimizer": 8 * per_shard, "compute_copy": compute_copy}
 
 
 def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: float) -> float:
@@ -206,6 +224,56 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     if parallel.fsdp_style == "reuse":
         return 2 * (compute + 4) * largest_unit
     return compute * largest_unit
+
+
+def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
+                    experts: float = 0.0) -> dict | None:
+    """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
+    precision over plain data parallelism, ``--fsdp no_shard``) without a pipeline, the higher of two
+    (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``); the activations are gone by then:
+
+    * the end of backward, as the first unit's gradient (the embedding's, reduced last) is made and
+      reduce-scattered: every unit's full gradient is held (compute dtype; in fp32 the shards' gradients are
+      views of it) beside the fp32 shards' own gradients (mixed precision), and the last unit's per-parameter
+      gradients as they are concatenated, or its fp32 copy being reduced and its reduced shard;
+    * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard.
+
+    ``None`` where the engine frees gradients as it reduces them (ZeRO-2/3, FSDP) or a pipeline holds them."""
+    from parallelisms.perf.model import block_params
+
+    if parallel.dims.pp > 1 or not (parallel.zero == 1 or (not parallel.zero and parallel.fsdp == "no_shard")
+                                    or (not parallel.zero and not parallel.fsdp and parallel.mixed_precision == "bf16")):
+        return None
+    bf16, n = parallel.mixed_precision == "bf16", (_shard_degree(parallel) if parallel.zero == 1 else 1)
+    if n == 1 and not bf16:
+        return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
+    compute = 2 if bf16 else 4
+    first = _first_unit(cfg, parallel, train)
+    largest = max(first, math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim + cfg.dim,
+                  block_params(cfg, parallel.dims.tp))
+    in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
+    held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
+    per_shard = (params - experts) / n + experts / max(1, n // parallel.dims.ep)  # (:func:`model_states`)
+    return {"params": 4 * per_shard if bf16 else 4 * params, "grads": 4 * per_shard if bf16 else 4 * params,
+            "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
+
+
+def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
+    """Parameters of the engine's first unit on a rank (``parallel/flat.py: module_units``): the embedding, with
+    ZeRO-1 the blocks (and the head) after it merged in while the unit's parameters fit the gradient bucket
+    (``--bucket-mb``)."""
+    from parallelisms.perf.model import block_params
+
+    t, pbytes = parallel.dims.tp, 8 if train.dtype == "float64" else 4
+    unit = math.ceil(cfg.vocab_size / t) * cfg.dim
+    if parallel.zero != 1 or cfg.tie_embeddings:
+        return unit
+    cap, head = train.bucket_mb * 2**20, math.ceil(cfg.vocab_size / t) * cfg.dim + cfg.dim
+    for size in [block_params(cfg, t)] * cfg.n_layers + [head]:
+        if (unit + size) * pbytes > cap:
+            break
+        unit += size
+    return unit
 
 
 def _shard_degree(parallel: ParallelConfig) -> int:
@@ -232,24 +300,39 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute == "full":  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
+
+    def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
+        params = stage_parameters(cfg, parallel, layers, embedding, head)
+        experts = layers * expert_params(cfg, parallel)
+        return params, experts, model_states(cfg, parallel, params, m, experts)
+
+    def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:
+        """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
+        fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
+        is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and DualPipe: one of the rank's two stages at a
+        time; DualPipeV peaks before the second chunk's buffers exist."""
+        params, _, states = states_of(layers, embedding, head, stages)
+        full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+        # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
+        split = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
+        fresh = 4 * params * (2 if full_shard or (split and parallel.mixed_precision == "bf16") else 1) / (
+            1 if parallel.schedule == "interleaved" else stages)
+        return states["grads"] / (stages if parallel.schedule == "dualpipev" else 1) + fresh
+
     best = None
-    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):
-        params = stage_parameters(cfg, parallel, rank["layers"], rank["embedding"], rank["head"])
-        states = model_states(cfg, parallel, params, m)
-        fresh = 0.0
-        if dims.pp > 1:  # a microbatch's fresh gradients beside the stage's held ones (and a stage engine's fp32
-            # gradients, held through the step)
-            full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-            # (V-shaped and DualPipe: one of the rank's two stages at a time)
-            fresh = 4 * params * (2 if parallel.mixed_precision == "bf16" or full_shard else 1) / (
-                1 if parallel.schedule == "interleaved" else rank["stages"])
-            if parallel.schedule == "dualpipev":  # its peak comes before the second chunk's buffers exist
-                states["grads"] /= rank["stages"]
+    for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
+                       stage_gradients if dims.pp > 1 else None):
+        params, experts, states = states_of(rank["layers"], rank["embedding"], rank["head"], rank["stages"])
+        if dims.pp > 1:  # the stage's gradients are in the walk's peak (:func:`held_at_peak`)
+            states["grads"] = 0.0
         rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"] if dims.pp > 1 else 4 * cfg.max_seq_len * cfg.head_dim
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + fresh
+               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"]
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
         out["total"] = sum(out[k] for k in KINDS)
+        ending = end_of_backward(cfg, parallel, train, params, experts)
+        if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
+            out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
         if best is None or out["total"] > best["total"]:
             best = out
     return best

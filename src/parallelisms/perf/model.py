@@ -116,13 +116,18 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     dims = parallel.dims
     out = []
     local_params = rank0_params(cfg, parallel)
-    expert_params = 3 * cfg.n_layers * cfg.n_experts * cfg.dim * cfg.ffn_dim if dims.ep > 1 else 0
+    expert_params = 0.0  # rank 0's expert weights: sharded over ep, reduced and gathered over ep_replicate only
+    if cfg.n_experts and dims.ep > 1:
+        layers, experts = cfg.n_layers // dims.pp, cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts
+        expert_params = layers * experts / dims.ep
+        # rank0_params splits the experts and the router over tp; the router is whole on every rank
+        local_params += layers * (cfg.dim * cfg.n_experts * (1 - 1 / dims.tp) - experts / dims.tp) + expert_params
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
         hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
         shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
         ring = (shards - 1) / shards
-        grads, params = (local_params - expert_params) * 4, local_params * dtype_bytes
+        grads, params = (local_params - expert_params) * 4, (local_params - expert_params) * dtype_bytes
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
             replicas = dims.dp_replicate
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
@@ -142,7 +147,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             out.append(CommVolume("all_reduce", "dp", 2 * ring * grads))
     if expert_params:  # expert gradients: only over the ranks holding the same experts
         replicas = dp // dims.ep
-        out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * expert_params / dims.ep * 4))
+        out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * expert_params * 4))
         tokens = train.global_batch // dims.dp * train.seq_len
         rows = tokens * cfg.top_k * (dims.ep - 1) / dims.ep  # assignments leaving the rank under uniform routing
         out.append(CommVolume("all_to_all", "ep", 4 * rows * cfg.dim * 4 * cfg.n_layers))  # 2 forward, 2 backward

@@ -173,11 +173,24 @@ def cut_stages(model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, com
     wanted = schedule.modules_on(comms["pp"].rank)
     stages = build_stages(model, bounds, wanted)
     copies = {s for path, s in wanted if path == 1}
+    release_other_stages(model, [stage for s, stage in stages.items() if s not in copies])
     for s, stage in stages.items():
         if s not in copies:
             for p in stage.parameters():
                 mark_sharded(p, "pp", tensor_dim=None)  # the global norm sums stages over pp
     return stages, copies, bounds
+
+
+def release_other_stages(model: nn.Module, held: list[nn.Module]) -> None:
+    """Drop from the full ``model`` the blocks, embedding and head that none of this rank's ``held`` stages
+    shares (DualPipe's copies own theirs): the rank never runs them, so it does not keep their memory (as
+    torchtitan's pipeline split deletes the other stages' modules)."""
+    kept = {key for stage in held for key in stage.layers}
+    for key in [key for key in model.layers if key not in kept]:
+        del model.layers[key]
+    for end in ("tok_embeddings", "norm", "output"):
+        if all(getattr(stage, end) is None for stage in held):
+            setattr(model, end, None)
 
 
 def pipeline_bubble(schedule: Schedule, ranks: list[list[dict]], t_comm: float = 0.0, one_clock: bool = False) -> dict:
