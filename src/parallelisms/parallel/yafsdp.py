@@ -53,10 +53,13 @@ class ReuseSharding(PerParamSharding):
         super().__init__(model, comms, dim, reshard_after_forward=True, hold_through_step=hold_through_step,
                          compute_dtype=compute_dtype)
         # slot of each unit: its own when held; else dense units alternate over a pair of buffers and expert
-        # units (which run alongside their block's dense unit, over ``ep_replicate``) over a pair of their own
-        experts = [unit.comm is not self.comm for unit in self.units]
+        # units (which run alongside their block's dense unit, over ``ep_replicate``) over a pair of their own;
+        # a unit another module uses too (a tied embedding, gathered from its forward to the head's backward)
+        # holds a slot of its own after those
+        kinds = [2 if unit.aliases else int(unit.comm is not self.comm) for unit in self.units]
         self.slot_of = (list(range(len(self.units))) if hold_through_step else
-                        [2 * e + sum(experts[j] == e for j in range(i)) % 2 for i, e in enumerate(experts)])
+                        [2 * k + sum(kinds[j] == k for j in range(i)) % 2 if k < 2 else 4 + kinds[:i].count(2)
+                         for i, k in enumerate(kinds)])
         slots = max(self.slot_of) + 1
         self.weight_buffers: list[torch.Tensor | None] = [None] * slots
         self.grad_buffers: list[torch.Tensor | None] = [None] * slots
