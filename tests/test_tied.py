@@ -170,7 +170,7 @@ def _optimizer_entries(info, world):
     embedding's own parameter."""
     from parallelisms.comm import Comms
     from parallelisms.model import build_model
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
     out = {}
     for name, (parallel, _) in ENTRY_LAYOUTS.items():
         model = build_model(VERIFY_MODEL, 0)
