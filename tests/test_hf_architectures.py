@@ -24,6 +24,7 @@ from parallelisms.hf import export_hf, load_hf  # noqa: E402
 from parallelisms.lr_schedule import make_scheduler  # noqa: E402
 from parallelisms.mesh import ParallelDims  # noqa: E402
 from parallelisms.model import build_model  # noqa: E402
+from parallelisms.optim import decays  # noqa: E402
 from parallelisms.support import validate_layout  # noqa: E402
 from parallelisms.train import RunSpec  # noqa: E402
 from parallelisms.verify import TOLERANCE_FLOAT64, compare, reference_train  # noqa: E402
@@ -50,7 +51,8 @@ LOGITS_ONLY = {  # a feature checked on the logits alone
 # lr 1e-3: at 3e-3 Adam amplifies fp32 rounding so far on these tiny models that our fp32 training and our float64
 # training of Mistral's already differ by 1.8e-5 in the tenth gradient norm (transformers' and ours by 2.7e-6: the
 # same rounding); at 1e-3 both gaps are below 5e-7, and the comparison tests the computation, not the rounding.
-TRAIN = TrainConfig(steps=10, global_batch=4, seq_len=16, lr=1e-3, weight_decay=0.0, warmup=2,
+# weight decay 0.1 under the default groups (the weight matrices decay; norms, biases and the embedding do not)
+TRAIN = TrainConfig(steps=10, global_batch=4, seq_len=16, lr=1e-3, weight_decay=0.1, warmup=2,
                     lr_schedule="cosine", grad_clip=0.5)
 LAYOUTS = {
     "dp2": ParallelConfig(ParallelDims(dp_replicate=2)),
@@ -128,11 +130,19 @@ def test_each_feature_is_read_from_its_config(root):
 
 def transformers_training(path: str, name: str, train: TrainConfig) -> tuple[list[float], list[float], dict]:
     """transformers' model trained in this process with torch AdamW: the run's batches (inputs and shifted
-    targets), mean next-token cross-entropy, global-norm clipping, the learning-rate schedule. Returns the
-    losses, the gradient norms before clipping, and the final state dict."""
+    targets), mean next-token cross-entropy, global-norm clipping, the learning-rate schedule, betas, eps, and
+    two groups as the run's defaults make them (decay on the weight matrices, experts' and router's included; none
+    on norms, biases and the embedding). Returns the losses, the gradient norms before clipping, and the final
+    state dict."""
     model = _model_class(name).from_pretrained(path, dtype=torch.float32).train()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, eps=1e-8)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    ours = {"model.embed_tokens.weight": "tok_embeddings.weight"}  # the one name the decay groups look at
+    chosen = [decays(ours.get(n, n), p.dim(), train) for n, p in named]
+    assert any(chosen) and not all(chosen)
+    optimizer = torch.optim.AdamW([{"params": [p for p, d in zip(params, chosen) if d]},
+                                   {"params": [p for p, d in zip(params, chosen) if not d], "weight_decay": 0.0}],
+                                  lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, eps=train.eps)
     scheduler = make_scheduler(optimizer, train)
     loader = training_loader(train)
     losses, norms = [], []
@@ -301,8 +311,19 @@ def test_weights_that_disagree_with_the_config_are_one_line(root, tmp_path):
     wrong.mkdir()
     bad = _weights_disagreeing(root, wrong, lambda w: w.update({"model.layers.0.self_attn.q_proj.weight":
                                                                    torch.zeros(32, 32)}))
-    with pytest.raises(ConfigError, match=r"q_proj\.weight has shape \(32, 32\), its config.json implies \(64, 32\)"):
+    with pytest.raises(ConfigError, match=r"q_proj\.weight has shape \(32, 32\), its config.json implies \(64, 32\)") as info:
         load_hf(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_disagreeing_weights_are_refused_before_launch(root, tmp_path, capsys):
+    """``--init-from`` a directory whose weights lack a tensor: one line naming it, no process started."""
+    from parallelisms.cli import main
+
+    missing = _weights_disagreeing(root, tmp_path, lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
+    assert main(["train", "--init-from", str(missing), "--dp", "2", "--steps", "1", "--seq-len", "16"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "model.layers.0.mlp.up_proj.weight" in error, error
 
 
 def test_seq_len_beyond_the_max_positions_extends_rotary(capsys):

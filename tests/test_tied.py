@@ -1,10 +1,11 @@
 """Tied embeddings (``tie_word_embeddings``: Llama 3.2 1B/3B, small Qwen2.5) trained as ``transformers`` trains
 them: a random tied ``LlamaForCausalLM`` trained in one process with torch AdamW (the same batches, clipping and
-optimizer groups) gives the losses and gradient norms that ``--init-from`` gives in dp 2, tp 2 with SP, pp 2 and dp 2
-ZeRO-3, and the export is tied and loads in transformers; every rank's optimizer holds the weight once, and a tied
-checkpoint resumes in another layout. In float64, tied layouts (tensor x pipeline x data, ZeRO
-under a V-shaped schedule where one rank holds both ends, buffer reuse) reproduce a truly tied single-process
-model within 1e-10."""
+optimizer groups) gives the losses and gradient norms that ``--init-from`` gives at every step in dp 2, tp 2 with SP,
+pp 2, ZeRO-1/2/3 and every FSDP strategy and style (flat, per-parameter, buffer reuse; hybrid over 2 x 2), and the
+export is tied and loads in transformers. Every rank's optimizer holds the weight once and, in one stage, the head
+is the embedding's own parameter, sharding engines included; a tied checkpoint resumes in another layout. In float64,
+tied layouts (tensor x pipeline x data with and without ZeRO, tensor x data under ZeRO-3, ZeRO under a V-shaped
+schedule where one rank holds both ends, buffer reuse) reproduce a truly tied single-process model within 1e-10."""
 
 import json
 
@@ -61,15 +62,20 @@ def _transformers_training(path) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def _train(info, world, spec):
-    return train_rank(info, spec)
+def _fsdp(strategy: str, style: str = "flat", dims: ParallelDims = ParallelDims(dp_shard=2)) -> ParallelConfig:
+    return ParallelConfig(dims=dims, fsdp=strategy, fsdp_style=style)
 
 
 LAYOUTS = {
     "dp2": ParallelConfig(dims=ParallelDims(dp_replicate=2)),
     "tp2 +sp": ParallelConfig(dims=ParallelDims(tp=2), sequence_parallel=True),
     "pp2": ParallelConfig(dims=ParallelDims(pp=2)),
-    "dp2 zero3": ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3),
+    **{f"dp2 zero{k}": ParallelConfig(dims=ParallelDims(dp_shard=2), zero=k) for k in (1, 2, 3)},
+    **{f"dp2 fsdp {s}": _fsdp(s) for s in ("full_shard", "shard_grad_op", "no_shard")},
+    **{f"dp2 fsdp per_param {s}": _fsdp(s, "per_param") for s in ("full_shard", "shard_grad_op")},
+    "dp2 fsdp reuse": _fsdp("full_shard", "reuse"),
+    **{f"dp2x2 fsdp {s}": _fsdp(s, dims=ParallelDims(dp_replicate=2, dp_shard=2))
+       for s in ("hybrid_shard", "hybrid_shard_zero2")},
 }
 
 
@@ -78,15 +84,23 @@ def reference(tied_dir):
     return _transformers_training(tied_dir)
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_a_tied_checkpoint_trains_as_transformers_trains_it(tied_dir, reference, tmp_path, name):
+@pytest.fixture(scope="module")
+def tied_runs(tied_dir):
+    """name -> rank 0's report of ten ``--init-from`` steps in that layout (one launch per world size)."""
     cfg, start = load_hf(tied_dir)
     assert cfg.tie_embeddings and torch.equal(start["output.weight"], start["tok_embeddings.weight"])
-    spec = RunSpec(cfg, TRAIN, LAYOUTS[name], collect_state=True, init_from=str(tied_dir))
-    report = launch(_train, 2, 2, spec)[0]
+    return launch_reports({name: RunSpec(cfg, TRAIN, parallel, collect_state=True, init_from=str(tied_dir))
+                           for name, parallel in LAYOUTS.items()})
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_tied_checkpoint_trains_as_transformers_trains_it(tied_dir, reference, tied_runs, tmp_path, name):
+    cfg, _ = load_hf(tied_dir)
+    report = tied_runs(name)
     ref_losses, ref_norms = reference
     loss_diff = max(abs(a - b) / b for a, b in zip(report["losses"], ref_losses))
     norm_diff = max(abs(a - b) / b for a, b in zip(report["grad_norms"], ref_norms))
+    assert len(report["losses"]) == len(ref_losses) == STEPS
     assert loss_diff < 2e-6 and norm_diff < 1e-5, (name, loss_diff, norm_diff)
     assert max(ref_norms) > TRAIN.grad_clip  # the clip bit
     print(f"{name}: losses within {loss_diff:.1e}, gradient norms within {norm_diff:.1e} of transformers")
@@ -115,6 +129,11 @@ VERIFY_MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_h
 VERIFY_TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=32, dtype="float64")
 VERIFY = {
     "dp2 x tp2 x pp2 +sp": ParallelConfig(dims=ParallelDims(dp_replicate=2, tp=2, pp=2), sequence_parallel=True),
+    "dp2 x tp2 x pp2 zero1 +sp": ParallelConfig(dims=ParallelDims(dp_shard=2, tp=2, pp=2), sequence_parallel=True,
+                                                zero=1),
+    "dp2 x tp2 zero3 +sp": ParallelConfig(dims=ParallelDims(dp_shard=2, tp=2), sequence_parallel=True, zero=3),
+    "dp2 x tp2 fsdp per_param": ParallelConfig(dims=ParallelDims(dp_shard=2, tp=2), fsdp="full_shard",
+                                               fsdp_style="per_param"),
     "pp2 x dp2 zero2 zb-v": ParallelConfig(dims=ParallelDims(dp_shard=2, pp=2), zero=2, schedule="zb-v"),
     "dp4 fsdp reuse": ParallelConfig(dims=ParallelDims(dp_shard=4), fsdp="full_shard", fsdp_style="reuse"),
     "pp2 x dp2 dualpipe": ParallelConfig(dims=ParallelDims(dp_replicate=2, pp=2), schedule="dualpipe"),
@@ -133,11 +152,14 @@ def test_tied_layouts_reproduce_a_truly_tied_model_in_float64(name):
 ENTRY_LAYOUTS = {  # layout: (parallel config, whether the model's head is the embedding's own parameter)
     "dp2": (ParallelConfig(dims=ParallelDims(dp_replicate=2)), True),
     "tp2 +sp": (ParallelConfig(dims=ParallelDims(tp=2), sequence_parallel=True), True),
-    "dp2 zero1": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=1), False),
-    "dp2 zero3": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3), False),
+    "dp2 zero1": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=1), True),
+    "dp2 zero2": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=2), True),
+    "dp2 zero3": (ParallelConfig(dims=ParallelDims(dp_shard=2), zero=3), True),
+    "dp2 fsdp full_shard": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard"), True),
+    "dp2 bf16": (ParallelConfig(dims=ParallelDims(dp_replicate=2), mixed_precision="bf16"), True),
     "dp2 fsdp per_param": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="per_param"),
-                           False),
-    "dp2 fsdp reuse": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="reuse"), False),
+                           True),
+    "dp2 fsdp reuse": (ParallelConfig(dims=ParallelDims(dp_shard=2), fsdp="full_shard", fsdp_style="reuse"), True),
     "pp2": (ParallelConfig(dims=ParallelDims(pp=2)), False),
 }
 
@@ -148,7 +170,7 @@ def _optimizer_entries(info, world):
     embedding's own parameter."""
     from parallelisms.comm import Comms
     from parallelisms.model import build_model
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
     out = {}
     for name, (parallel, _) in ENTRY_LAYOUTS.items():
         model = build_model(VERIFY_MODEL, 0)
@@ -174,7 +196,8 @@ def _optimizer_entries(info, world):
 def test_the_optimizer_holds_the_tied_weight_once():
     """Every rank that holds the tied weight steps it in one optimizer parameter (the first and last pipeline
     stages each their copy, as Megatron-LM's embedding group): no second entry, no head name in the checkpoint;
-    one stage without a sharding engine holds it as one model parameter."""
+    one stage holds it as one model parameter, the sharding engines' head using the embedding's unit (one shard
+    set, one gradient: autograd sums the two uses before the reduce-scatter)."""
     ranks = launch(_optimizer_entries, 2, 2, threads=1)
     for name, (_, literal) in ENTRY_LAYOUTS.items():
         for rank in ranks:
@@ -200,12 +223,16 @@ def test_the_performance_model_counts_the_tied_weight_once():
     assert block_params(VERIFY_MODEL, 2) == block_params(untied, 2)
     dp2 = ParallelConfig(dims=ParallelDims(dp_replicate=2))
     assert rank0_params(VERIFY_MODEL, dp2) == VERIFY_MODEL.num_params() == untied.num_params() - 256 * 64
+    for sharded in (dp2.replace(zero=3), dp2.replace(fsdp="full_shard", fsdp_style="reuse")):  # no head copy either
+        assert rank0_params(VERIFY_MODEL, sharded) == VERIFY_MODEL.num_params(), sharded
 
 
-def test_a_tied_checkpoint_resumes_in_another_layout(capsys):
-    """Saved by a pipeline (a copy per end, both under the embedding's name), resumed under ZeRO-3."""
+@pytest.mark.parametrize("save, resume", [("--pp 2", "--dp 2 --zero 3"),
+                                          ("--dp 2 --fsdp full_shard --fsdp-style per_param", "--pp 2")])
+def test_a_tied_checkpoint_resumes_in_another_layout(capsys, save, resume):
+    """Saved by a pipeline (a copy per end, both under the embedding's name), resumed under ZeRO-3; saved by
+    per-parameter FSDP (the weight once), resumed by a pipeline (a copy per end)."""
     run = "--tie-embeddings --steps 4 --global-batch 4 --seq-len 16 --dtype float64"
-    assert main(["verify-resume", "--save-layout", "--pp 2", "--resume-layout", "--dp 2 --zero 3", "--run", run,
-                 "--json"]) == 0
+    assert main(["verify-resume", "--save-layout", save, "--resume-layout", resume, "--run", run, "--json"]) == 0
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result

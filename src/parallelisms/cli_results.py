@@ -123,7 +123,8 @@ def verify_result(args, announce: bool = False) -> dict | None:
 def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
     """One comparison of the layout with single-process training, in ``train.dtype``."""
     from parallelisms.train import RunSpec
-    from parallelisms.verify import check_reference, compare_mixed_precision, compare_settled
+    from parallelisms.verify import (batch_slices, bf16_samples, check_reference, compare_mixed_precision,
+                                     compare_settled)
 
     tolerance = _tolerance(args, train)
     # the reference first: settings under which it diverges are refused before any process starts
@@ -131,9 +132,12 @@ def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
     report = run_layout(RunSpec(model, train, parallel, collect_state=True, poison_fresh_memory=True), placement)
     if report is None:
         return None
-    if parallel.mixed_precision == "bf16":  # the same arithmetic, or else bf16's own envelope around fp32
-        fp32 = reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))
-        result = compare_mixed_precision(report, reference, fp32, tolerance)
+    if parallel.mixed_precision == "bf16":  # the same arithmetic, or else within the spread of bf16's roundings
+        def samples():  # PipeDream's twin is its own delayed-update reference: fp32 is its one other computation
+            if parallel.dims.pp > 1 and parallel.schedule == "pipedream":
+                return [reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))]
+            return bf16_samples(model, train, batch_slices(parallel, train))
+        result = compare_mixed_precision(report, reference, samples, tolerance)
     else:  # fp32 parameters beyond the tolerance: rounding? float64 training says
         result = compare_settled(report, reference, lambda: reference_for(model, train.replace(dtype="float64"),
                                                                           parallel), tolerance)

@@ -363,9 +363,9 @@ class ParallelConfig:
 
     def one_tied_parameter(self) -> bool:
         """Whether a tied embedding and head (``tie_embeddings``) are one model parameter in this layout: one
-        pipeline stage and no sharding engine (--zero, --fsdp, bf16 mixed precision); else the head holds a copy
-        (:mod:`parallelisms.parallel.tied`)."""
-        return self.dims.pp == 1 and not (self.zero or self.fsdp or self.mixed_precision == "bf16")
+        pipeline stage (a sharding engine serves the head from the embedding's unit); else the last stage holds
+        a copy (:mod:`parallelisms.parallel.tied`)."""
+        return self.dims.pp == 1
 
     def label(self) -> str:
         """The layout and every option that changes the computation: ``dp2 x tp2 +sp``, ``dpshard4 zero3``,

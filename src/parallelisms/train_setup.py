@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute != "none":
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()
-    if not parallel.one_tied_parameter():  # the last stage, a sharding engine's head unit: a copy of the tied weight
+    if not parallel.one_tied_parameter():  # the last stage holds a copy of the tied weight
         untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)

@@ -49,6 +49,7 @@ from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward,
 from parallelisms.parallel.grad_sync import syncing_off
 from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.placement import flat_pieces
+from parallelisms.parallel.tied import shared_uses
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,20 @@ class ShardingPlan:
 
 def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
     """The wrapping units of the transformer (or pipeline stage) in forward order: embedding, each block,
-    head (norm + output; with tied embeddings the norm, then the output alone).
+    head (norm + output; with tied embeddings the norm alone, the output using the embedding's unit, or, holding a
+    copy of the tied weight, a unit of its own).
 
     With ``cap_bytes``, consecutive units are merged while their parameters fit under it: gradient
     buckets in the sense of DDP (ZeRO-1/2 communicate a unit's gradient as one bucket)."""
     units = [("tok_embeddings", [model.tok_embeddings])] if model.tok_embeddings is not None else []
     units += [(f"layers.{i}", [block]) for i, block in model.layers.items()]
-    tied = model.cfg.tie_embeddings  # the head's copy of the embedding is sharded as the embedding is
+    # tied: a head that is the embedding's parameter uses the embedding unit (FlatUnit's aliases); a head's copy
+    # of it (a pipeline's last stage) is a unit alone, sharded as the embedding is (parallelisms.parallel.tied)
+    tied = model.cfg.tie_embeddings
+    one = tied and None not in (model.tok_embeddings, model.output) and model.output.weight is model.tok_embeddings.weight
     if model.output is not None:  # a pipeline stage holds the embedding or the head only where it lives
-        units += [("head", [model.norm]), ("output", [model.output])] if tied else [("head", [model.norm, model.output])]
+        units += ([("head", [model.norm])] if one else [("head", [model.norm]), ("output", [model.output])] if tied
+                  else [("head", [model.norm, model.output])])
     if cap_bytes is None:
         return units
     alone = {"tok_embeddings", "output"} if tied else set()  # never merged (parallelisms.parallel.tied)
@@ -129,7 +135,7 @@ class FlatUnit:
     this rank's fp32 ``shard`` of it over ``shard_comm``; reduced shards are all-reduced over ``replicate``."""
 
     def __init__(self, name: str, modules: list[nn.Module], plan: ShardingPlan, shard_comm: Comm,
-                 replicate: Comm, owned=lambda param: True):
+                 replicate: Comm, owned=lambda param: True, users=()):
         self.name, self.modules, self.comm, self.replicate = name, modules, shard_comm, replicate
         self.slots = []  # (wrapped module, owning submodule, attribute, qualified name inside the wrapped module)
         for mod in modules:
@@ -138,6 +144,8 @@ class FlatUnit:
                     *path, attr = qual.split(".")
                     self.slots.append((mod, mod.get_submodule(".".join(path)), attr, qual))
         params = [owner._parameters[attr] for _, owner, attr, _ in self.slots]
+        # modules outside the unit holding one of its parameters (a tied head): they view the same piece of ``full``
+        self.aliases = [(owner, attr, [id(p) for p in params].index(id(param))) for owner, attr, param in users]
         self.marks = [getattr(p, SHARD_ATTR, ()) for p in params]  # tensor parallelism's shards, kept
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -160,7 +168,7 @@ class FlatUnit:
         # gradient-norm groups: tensor-parallel shards are summed over tp too, replicated weights are not
         self.norm_keys = {norm_dims(p, shard_dims) for p in params}
         self.norm_segments = norm_pieces(params, lo, hi, shard_dims)
-        for _, owner, attr, _ in self.slots:
+        for owner, attr in [(owner, attr) for _, owner, attr, _ in self.slots] + [a[:2] for a in self.aliases]:
             del owner._parameters[attr]
         self.gathered = True
         self.pending_gather = None
@@ -178,6 +186,8 @@ class FlatUnit:
         views = self.full.split(self.numels + [self.padded - self.numel])
         for (_, owner, attr, _), view, shape in zip(self.slots, views, self.shapes):
             setattr(owner, attr, view.view(shape))
+        for owner, attr, index in self.aliases:
+            setattr(owner, attr, getattr(self.slots[index][1], self.slots[index][2]))
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -203,7 +213,8 @@ class ShardedEngine:
         # expert weights shard (or, without sharding, replicate) over the ranks holding the same experts
         expert_comms = (comms["ep_replicate"], alone) if plan.shard_dim else (alone, comms["ep_replicate"])
         self.units = [FlatUnit(name, modules, plan, *(expert_comms if experts else (shard_comm, replicate_comm)),
-                               owned) for name, modules, owned, experts in split_expert_units(units)]
+                               owned, shared_uses(model, modules, owned))
+                      for name, modules, owned, experts in split_expert_units(units)]
         self.names = [unit.qualified_names(model) for unit in self.units]
         self.hold = False                 # a pipeline stage's engine: see hold_through_step
         self.syncing = True
@@ -227,6 +238,9 @@ class ShardedEngine:
             if late is not None:
                 self._hooks.append(late)
                 self._late_prefetch.add(index)
+            for user in {id(owner): owner for owner, _, _ in unit.aliases}.values():  # a tied head
+                self._hooks.append(user.register_forward_pre_hook(self._user_pre_forward_hook(index)))
+                self._hooks.append(user.register_forward_hook(self._user_post_forward_hook(index)))
 
     # -- transient memory bookkeeping ------------------------------------------------------------------------
     def _track(self, kind: str, delta: int) -> None:
@@ -290,6 +304,25 @@ class ShardedEngine:
                 output.register_hook(lambda grad: self._pre_backward(index))
             elif not torch.is_grad_enabled():
                 self._reshard(unit)
+            return output
+        return hook
+
+    def _user_pre_forward_hook(self, index: int):
+        """A module outside unit ``index`` that uses its weights (a tied head): gather the unit again."""
+        def hook(module, args):
+            self._finish_update(index)
+            self._wait_unshard(self.units[index])
+            self.units[index].attach()
+        return hook
+
+    def _user_post_forward_hook(self, index: int):
+        """The unit stays gathered for the user's backward, which comes before its own (a tied head's); its
+        gradient is complete, the two uses' summed by autograd, after its own backward."""
+        def hook(module, args, output):
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self._pre_backward(index))
+            elif not torch.is_grad_enabled():
+                self._reshard(self.units[index])
             return output
         return hook
 

@@ -64,6 +64,7 @@ from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.recompute import register_recompute_context
 from parallelisms.parallel.shard_units import BufferStats, Unit, copy_rows, unit_offsets
+from parallelisms.parallel.tied import shared_uses
 
 
 class PerParamSharding:
@@ -87,7 +88,8 @@ class PerParamSharding:
         self.compute_dtype = compute_dtype or param_dtype
         self.mixed = self.compute_dtype != param_dtype
         self.stats = BufferStats()
-        self.units = [Unit(i, modules, comms["ep_replicate"] if experts else self.comm, owned)
+        self.units = [Unit(i, modules, comms["ep_replicate"] if experts else self.comm, owned,
+                           shared_uses(model, modules, owned))
                       for i, (_, modules, owned, experts) in enumerate(split_expert_units(module_units(model)))]
         covered = {id(p) for u in self.units for _, _, p in u.entries}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
@@ -113,6 +115,9 @@ class PerParamSharding:
                 self._hooks.append(late)
                 unit.late_prefetch = True
             self._hooks.append(register_recompute_context(unit.modules[0], lambda u=unit: self._recomputing(u)))
+            for user in {id(module): module for module, _, _ in unit.aliases}.values():  # a tied head
+                self._hooks.append(user.register_forward_pre_hook(lambda *_, u=unit: self._swap_in_aliases(u, True)))
+                self._hooks.append(user.register_forward_hook(lambda *_, u=unit: self._swap_in_aliases(u, False)))
         self.zero_grad()
 
     # -- layout (overridden by the flat, buffer-reusing layout) ------------------------------------------
@@ -289,8 +294,16 @@ class PerParamSharding:
 
     def _post_forward(self, unit: Unit) -> None:
         self._swap_in(unit, [param for _, _, param in unit.entries])
-        if self.reshard_after_forward and not self.hold and unit.index != len(self.units) - 1:
+        # a unit another module uses later (a tied head's embedding) stays gathered: that forward uses its leaves
+        if self.reshard_after_forward and not self.hold and unit.index != len(self.units) - 1 and not unit.aliases:
             self._release(unit)
+
+    @staticmethod
+    def _swap_in_aliases(unit: Unit, leaves: bool) -> None:
+        """Around the forward of a module that uses the unit's parameters (a tied head): the unit's forward
+        leaves (``leaves``), so autograd sums both uses' gradients into one leaf, else the parameters."""
+        for module, attr, index in unit.aliases:
+            module._parameters[attr] = unit.leaves[index] if leaves else unit.entries[index][2]
 
     # -- full recomputation: the unit's weights swapped in again around the recomputed forward ----------
     def _recomputing(self, unit: Unit):

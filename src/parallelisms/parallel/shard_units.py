@@ -45,10 +45,13 @@ class Unit:
     """A group of modules communicated together: its (module, attribute, parameter) entries, their shards,
     and the gathered state of the current step."""
 
-    def __init__(self, index: int, modules: list[nn.Module], comm: Comm, owned=lambda param: True):
+    def __init__(self, index: int, modules: list[nn.Module], comm: Comm, owned=lambda param: True, users=()):
         self.index, self.modules, self.comm = index, modules, comm  # ``comm``: the dimension it is sharded over
         self.entries = [(*_owner(m, name), p) for m in modules for name, p in m.named_parameters()
                         if p.requires_grad and owned(p)]
+        # modules outside the unit holding one of its parameters (a tied head): (module, attribute, entry index)
+        self.aliases = [(module, attr, [id(p) for _, _, p in self.entries].index(id(param)))
+                        for module, attr, param in users if param.requires_grad]
         self.shapes = [p.shape for _, _, p in self.entries]
         self.shard: torch.Tensor | None = None       # flat local shard (params' .data are views)
         self.grad: torch.Tensor | None = None        # flat local gradient shard (params' .grad are views);

@@ -1,21 +1,24 @@
 """Tied input embedding and output head (``tie_embeddings``, Press and Wolf 2017; Hugging Face's
 ``tie_word_embeddings``) under every layout: one weight, one optimizer entry, counted once in the gradient norm.
 
-* One stage without a sharding engine (local, DDP, tensor/sequence, context and expert parallelism): the model's
+* One stage (local, DDP, tensor/sequence, context and expert parallelism, and every sharding engine): the model's
   head *is* the embedding's parameter (:class:`parallelisms.model.Transformer`), so autograd sums both uses'
   gradients into it and every engine sees it once. Under tensor parallelism the vocabulary-parallel embedding
-  and the column-parallel head split the (padded) vocabulary alike, so they share one shard (:func:`tie`).
+  and the column-parallel head split the (padded) vocabulary alike, so they share one shard (:func:`tie`). A
+  sharding engine (ZeRO, FSDP flat, per-parameter or buffer reuse) holds it in the embedding's unit and serves
+  the head from that unit's gathered weight (:func:`shared_uses` finds the head): one shard set, and the two
+  uses' gradients summed by autograd before the reduce-scatter.
 * Pipeline parallelism (Megatron-LM's embedding group): the first stage holds the embedding and the last the
   head, each its own copy of the weight (:func:`untie`, before the cut). After the layout's reductions the two
   ranks (pipeline ranks ``r`` and ``pp - 1 - r``) exchange their gradient boxes and both add, so each copy's
   optimizer entry gets the same gradient and AdamW makes the same update on both; the head's copy is left out of
-  the gradient norm, so the weight counts once. A rank holding both ends (a V-shaped schedule) holds both
-  copies and adds them in place, as does a sharding engine (ZeRO, FSDP, buffer reuse), which wraps the head in a
-  unit of its own (:func:`parallelisms.parallel.flat.module_units`).
-* Wherever one rank holds both copies, only the embedding's is an optimizer parameter: the head's boxes are
-  left out of :meth:`TiedEmbeddings.placements` (so of the optimizer and the checkpoint) and set to the
-  embedding's in :meth:`TiedEmbeddings.after_step`. A head copy on a rank without the embedding is placed under
-  the embedding's name, so checkpoints hold the weight once (``tok_embeddings.weight``) whatever the layout.
+  the gradient norm, so the weight counts once. A stage's sharding engine wraps the head's copy in a unit of its
+  own, sharded as the embedding's (:func:`parallelisms.parallel.flat.module_units`). A rank holding both ends (a
+  V-shaped schedule) holds both copies and adds them in place; only the embedding's is an optimizer parameter
+  there: the head's boxes are left out of :meth:`TiedEmbeddings.placements` (so of the optimizer and the
+  checkpoint) and set to the embedding's in :meth:`TiedEmbeddings.after_step`. A head copy on a rank without
+  the embedding is placed under the embedding's name, so checkpoints hold the weight once
+  (``tok_embeddings.weight``) whatever the layout.
 
 :class:`TiedEmbeddings` wraps the layout's gradient sync (any ``GradSync``). It finds the copies through
 ``placements()``: the boxes of ``tok_embeddings.weight`` and of ``output.weight`` that each optimizer parameter
@@ -41,6 +44,16 @@ def tie(model: nn.Module) -> None:
     if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         assert model.output.weight.shape == model.tok_embeddings.weight.shape
         model.output.weight = model.tok_embeddings.weight
+
+
+def shared_uses(model: nn.Module, modules: list[nn.Module], owned=lambda param: True) -> list[tuple]:
+    """The modules of ``model`` outside ``modules`` that hold one of their (``owned``) parameters too, as
+    (module, attribute, parameter): the output head holding the tied embedding, which a sharding engine serves
+    from the embedding unit's gathered weight (one shard set, one gradient)."""
+    inside = {id(sub) for module in modules for sub in module.modules()}
+    params = {id(p) for module in modules for p in module.parameters() if owned(p)}
+    return [(module, attr, p) for module in model.modules() if id(module) not in inside
+            for attr, p in module._parameters.items() if p is not None and id(p) in params]
 
 
 def untie(model: nn.Module) -> None:

@@ -51,9 +51,11 @@ class ReuseSharding(PerParamSharding):
     def __init__(self, model: nn.Module, comms: Comms, dim: str = "dp_shard", compute_dtype: torch.dtype | None = None):
         super().__init__(model, comms, dim, reshard_after_forward=True, compute_dtype=compute_dtype)
         # dense units alternate over a pair of buffers and expert units (which run alongside their block's dense
-        # unit, over ``ep_replicate``) over a pair of their own
-        experts = [unit.comm is not self.comm for unit in self.units]
-        self._assign_slots([2 * e + sum(experts[j] == e for j in range(i)) % 2 for i, e in enumerate(experts)])
+        # unit, over ``ep_replicate``) over a pair of their own; a unit another module uses too (a tied embedding,
+        # gathered from its forward to the head's backward) holds a slot of its own after those
+        kinds = [2 if unit.aliases else int(unit.comm is not self.comm) for unit in self.units]
+        self._assign_slots([2 * k + sum(kinds[j] == k for j in range(i)) % 2 if k < 2 else 4 + kinds[:i].count(2)
+                            for i, k in enumerate(kinds)])
 
     def _assign_slots(self, slot_of: list[int]) -> None:
         """The buffer slot of each unit; buffers are allocated at their first use."""
