@@ -32,9 +32,9 @@ microbatch's fresh weight gradients beside its accumulated ones.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.perf.stages import schedule_of, stage_bounds
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 
@@ -99,20 +99,12 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
     return layers * block + embedding * table + head * (table + d)
 
 
-@lru_cache(maxsize=256)
-def _schedule_of(name: str, pp: int, m: int, chunks: int):
-    """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
-    from parallelisms.parallel.pipeline.schedules import build_schedule
-
-    return build_schedule(name, pp, m, chunks if name == "interleaved" else None)
-
-
-def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
-                 head_kept: float) -> float:
+def held_at_peak(schedule, rank: int, full: list[float], partial: tuple[list[float], float],
+                 moment: tuple[float, float], head_kept: float) -> float:
     """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
-    of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
-    held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
-    split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
+    of ``full[stage]`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what
+    is held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it;
+    a split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
     last stage's head)), which the weight pass frees."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
@@ -121,14 +113,14 @@ def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float],
     for a in schedule.compute(rank):
         on_last = a.stage == last
         if a.kind is Kind.FORWARD:
-            held += full + head_kept * on_last
+            held += full[a.stage] + head_kept * on_last
             best = max(best, held + moment[on_last] - head_kept * on_last)
         elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            held -= full + head_kept * on_last
+            held -= full[a.stage] + head_kept * on_last
             if a.kind is Kind.BACKWARD_INPUT:
-                held += partial[0] + partial[1] * on_last
+                held += partial[0][a.stage] + partial[1] * on_last
         elif a.kind is Kind.BACKWARD_WEIGHT:
-            held -= partial[0] + partial[1] * on_last
+            held -= partial[0][a.stage] + partial[1] * on_last
     return best
 
 
@@ -151,16 +143,18 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
         return [{"layers": cfg.n_layers, "peak": cfg.n_layers * block + moment[1], "embedding": True, "head": True,
                  "stages": 1}]
     m = microbatches_per_step(parallel, train)
-    schedule = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
-    per_stage = cfg.n_layers / schedule.num_stages
-    partial = (per_stage * weight_pass_bytes(cfg, tokens, parallel, e),
+    schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
+    bounds = stage_bounds(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
+    sizes = [bounds[s + 1] - bounds[s] for s in range(schedule.num_stages)]
+    weight_pass = weight_pass_bytes(cfg, tokens, parallel, e)
+    partial = ([n * weight_pass for n in sizes],
                e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
-        out.append({"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+        out.append({"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
                     "head": schedule.num_stages - 1 in stages,
-                    "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept)})
+                    "peak": held_at_peak(schedule, r, [n * block for n in sizes], partial, moment, head_kept)})
     return out
 
 
