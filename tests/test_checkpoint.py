@@ -256,7 +256,7 @@ def _free_port() -> int:
 
 def _poison_step(monkeypatch, at: int) -> None:
     """The ``at``-th step's loss and gradients become NaN (in-process runs: --dp 1)."""
-    from parallelisms.train import MicrobatchLoop
+    from parallelisms.trainer import MicrobatchLoop
 
     original, calls = MicrobatchLoop.__call__, []
 

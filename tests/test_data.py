@@ -149,8 +149,8 @@ def test_two_ranks_train_on_a_bin_and_report_the_validation_loss(data, reports, 
     (["--data-dtype", "uint32"], "applies only to a pre-tokenized .bin"),
 ])
 def test_bad_data_is_one_line_before_launch(data, capsys, monkeypatch, args, message):
-    import parallelisms.cli
-    monkeypatch.setattr(parallelisms.cli, "run_layout", lambda *a, **k: pytest.fail("launched"))
+    import parallelisms.cli_results
+    monkeypatch.setattr(parallelisms.cli_results, "run_layout", lambda *a, **k: pytest.fail("launched"))
     argv = ["train", "--steps", "1", "--seq-len", "32"] + [a.format(d=data) for a in args]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ TINY = ["--preset", "tiny", "--hidden", "32", "--layers", "2", "--heads", "4", "
 
 def _at_step(monkeypatch, step: int, action) -> None:
     """``action()`` once the ``step``-th training step has run (in this process: --dp 1)."""
-    from parallelisms.train import MicrobatchLoop
+    from parallelisms.trainer import MicrobatchLoop
 
     original, calls = MicrobatchLoop.__call__, []
 

@@ -350,7 +350,8 @@ def _gradient_sync_bytes(info, layouts):
     from parallelisms.comm import Comms
     from parallelisms.model import build_model
     from parallelisms.parallel.grad_sync import LocalGradients
-    from parallelisms.train import _grad_sync, microbatches
+    from parallelisms.data.loader import microbatches
+    from parallelisms.train_setup import _grad_sync
 
     tiny = preset("tiny")
     tokens = torch.randint(0, tiny.vocab_size, (4, 32))

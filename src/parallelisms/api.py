@@ -8,7 +8,7 @@ parser, run the same code and return the dict that ``--json`` prints; bad input 
 
 For a loop of your own: ``configure(**options)`` gives the validated configs, ``build_model`` the full seeded
 model, ``parallelize(model, layout, train)`` applies the layout (process group and meshes included) and returns
-the :class:`~parallelisms.train.Trainer` whose ``train_step(inputs, targets)`` is one optimizer step (and whose
+the :class:`~parallelisms.trainer.Trainer` whose ``train_step(inputs, targets)`` is one optimizer step (and whose
 ``close()``, on every rank, releases the layout's process groups and hooks when a process trains again), and
 ``batches(train, layout)`` yields this rank's share of each global batch.
 """
@@ -45,7 +45,7 @@ def train(**options) -> dict:
     """Train as ``parallelisms train`` does (options: its flags, e.g. ``dp=2, steps=50, trace="t.json"``); the
     report ``--json`` prints (losses, speed, communication, ``device``, ``backend``). Under ``torchrun``, ranks
     other than 0 return None."""
-    from parallelisms.cli import train_report
+    from parallelisms.cli_results import train_report
 
     return train_report(_args("train", options))
 
@@ -53,14 +53,14 @@ def train(**options) -> dict:
 def verify(**options) -> dict:
     """Compare a layout with single-process training as ``parallelisms verify`` does; its ``--json`` result
     (``ok``, the largest relative differences, the tolerance)."""
-    from parallelisms.cli import verify_result
+    from parallelisms.cli_results import verify_result
 
     return verify_result(_args("verify", options))
 
 
 def estimate(**options) -> dict:
     """Memory per rank, communication per step and step time of a layout, as ``parallelisms estimate``."""
-    from parallelisms.cli import estimate_result
+    from parallelisms.cli_results import estimate_result
 
     return estimate_result(_args("estimate", options))
 
@@ -68,7 +68,7 @@ def estimate(**options) -> dict:
 def plan(**options) -> dict:
     """The fastest layouts of ``gpus=N`` GPUs that fit, best first, as ``parallelisms plan`` (the layout options
     given stay fixed): ``{"plans": [...]}``."""
-    from parallelisms.cli import plan_result
+    from parallelisms.cli_results import plan_result
 
     return plan_result(_args("plan", options))
 
@@ -92,14 +92,14 @@ def configure(argv: list[str] = (), **options) -> Configs:
     """The model, training and layout configs of ``parallelisms train`` with these options and then the flags in
     ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
     ``torchrun``: against the world size too)."""
-    from parallelisms.cli import build_configs
+    from parallelisms.cli_configs import build_configs
 
     return Configs(*build_configs(_args("train", options, argv)))
 
 
 def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str = "auto"):
     """Apply ``layout`` to the full seeded ``model`` (from :func:`build_model`) on this rank and return its
-    :class:`~parallelisms.train.Trainer`. Starts the process group if none is (NCCL on CUDA, gloo on the CPU;
+    :class:`~parallelisms.trainer.Trainer`. Starts the process group if none is (NCCL on CUDA, gloo on the CPU;
     ``device`` as ``--device``) and moves the model to this rank's device. One process without ``torchrun``
     runs the single-process layout."""
     from datetime import timedelta
@@ -107,7 +107,7 @@ def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str =
     import torch.distributed as dist
 
     from parallelisms.comm import CommLedger, Comms, Timeline
-    from parallelisms.train import parallelize as apply_layout
+    from parallelisms.train_setup import parallelize as apply_layout
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = layout.dims.check_world_size(world)

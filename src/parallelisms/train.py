@@ -1,56 +1,34 @@
 """The training loop, run on every rank: build the full seeded model, parallelize it, train, report.
 
-:func:`parallelize` applies a layout to the full model in one straight line (tensor/sequence parallelism,
-context parallelism, expert parallelism, recomputation, then the pipeline cut, then the gradient sync) and
-returns a :class:`Trainer`. The :class:`Trainer` does the same step for every layout: zero grad ->
-forward/backward (the microbatch loop, or the pipeline executor running the schedule) -> finish the gradient
-sync -> global gradient norm -> clip -> optimizer step -> after-step. What differs between layouts is the
-gradient sync (a :class:`parallelisms.parallel.grad_sync.GradSync`) and the forward/backward strategy.
-:func:`train_rank` is the per-rank entry point for ``launch``.
+:func:`parallelisms.train_setup.parallelize` applies the layout and returns the
+:class:`parallelisms.trainer.Trainer` that does the same step for every layout; this module runs the steps
+(data, evaluation, checkpoints, metrics, stragglers) and assembles rank 0's report. :func:`train_rank` is the
+per-rank entry point for ``launch``, :func:`run_layout` launches it.
 """
 
 from __future__ import annotations
 
 import statistics
 from array import array
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from parallelisms.comm import CommLedger, Comms, Timeline
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data import BatchLoader
 from parallelisms.data.sources import train_and_eval_tokens
-from parallelisms.data.loader import microbatches
 from parallelisms.launch import RankInfo, launch, under_torchrun
 from parallelisms.model import build_model
-from parallelisms.model.numerics import upcast
-from parallelisms.lr_schedule import make_scheduler
 from parallelisms.metrics import MetricsWriter
-from parallelisms.optim import sharded_optimizer
-from parallelisms.parallel.common import clip_grad_norm_
-from parallelisms.parallel.context import apply_context_parallel
-from parallelisms.parallel.data import DataParallel
 from parallelisms.parallel.dp_balance import DataBalance
-from parallelisms.parallel.ep_balance import ExpertBalance, apply_balanced_experts
 from parallelisms.parallel.expert_load import ExpertLoad
-from parallelisms.parallel.expert import apply_expert_parallel
-from parallelisms.parallel.fsdp2 import PerParamSharding
-from parallelisms.parallel.grad_sync import GradSync, LocalGradients
-from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
-from parallelisms.parallel.pipeline.pipedream import WeightStashing
-from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
-from parallelisms.parallel.pipeline.sharded import StageSharding
-from parallelisms.parallel.recompute import apply_recompute
 from parallelisms.step_log import LossLog
-from parallelisms.parallel.tensor_plan import apply_tensor_parallel
-from parallelisms.parallel.tied import TiedEmbeddings, untie
-from parallelisms.parallel.yafsdp import ReuseSharding
-from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.resume import CheckpointOptions
 from parallelisms.stragglers import StragglerWatch
+from parallelisms.train_setup import parallelize
+from parallelisms.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -69,227 +47,6 @@ class RunSpec:
     poison_fresh_memory: bool = False    # verify: fresh memory (torch.empty, buffers) filled with NaN (_poisoned)
     keep_spans: bool = True              # the report carries every span (--trace, --predict); else summed per step
     straggler_report: bool = True        # False: no arrival notes nor report (its cost's A/B, bench straggler-cost)
-
-
-class MicrobatchLoop:
-    """Forward and backward of a step without a pipeline: ``grad_accum`` microbatches of this rank's rows,
-    each loss divided by their count, all but the last inside the gradient sync's ``no_sync``. Context
-    parallelism: each rank feeds the sequence ``positions`` it holds. Returns the local mean loss."""
-
-    def __init__(self, model: nn.Module, comms: Comms, grad_accum: int, positions: torch.Tensor | None = None):
-        self.model, self.comms, self.grad_accum, self.positions = model, comms, grad_accum, positions
-        self.weight = 1.0    # the factor on this rank's loss (--dp-balance measured: its share of the batch)
-        self.compute_ns = 0  # the last call's forward and backward time, waits left out (--dp-balance measured)
-
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, grad_sync: GradSync) -> torch.Tensor:
-        ledger, timeline = self.comms.ledger, self.comms.timeline
-        micro = microbatches(inputs, targets, self.grad_accum)
-        total, start, waited = None, Timeline.now(), ledger.waited_ns
-        scale = self.weight / len(micro)
-        for i, (x, y) in enumerate(micro):
-            with (grad_sync.no_sync() if i < len(micro) - 1 else nullcontext()):
-                with ledger.in_phase("forward"), timeline.span("forward"):
-                    if self.positions is None:
-                        loss = self.model(x, y) * scale
-                    else:
-                        pos = self.positions.to(x.device)
-                        loss = self.model(x[:, pos], y[:, pos], positions=pos) * scale
-                with ledger.in_phase("backward"), timeline.span("backward"):
-                    loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        self.compute_ns = Timeline.now() - start - (ledger.waited_ns - waited)
-        return upcast(total).cpu()
-
-    @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The local mean loss of this rank's rows, forward only (sharded engines gather and free as usual)."""
-        total = None
-        for x, y in microbatches(inputs, targets, self.grad_accum):
-            if self.positions is None:
-                loss = self.model(x, y)
-            else:
-                pos = self.positions.to(x.device)
-                loss = self.model(x[:, pos], y[:, pos], positions=pos)
-            total = upcast(loss) if total is None else total + upcast(loss)
-        return (total / self.grad_accum).cpu()
-
-    def report(self) -> dict:
-        return {}
-
-
-class Trainer:
-    """One training step for every layout (see the module docstring). ``optimizer`` None: the schedule
-    updates the weights itself (PipeDream's per-microbatch updates), so the step has no clip or step of its
-    own and no single gradient norm."""
-
-    def __init__(self, grad_sync: GradSync, forward_backward, comms: Comms, cfg: TrainConfig,
-                 optimizer: torch.optim.Optimizer | None, stage_optimizers=()):
-        self.grad_sync, self.forward_backward, self.comms, self.cfg = grad_sync, forward_backward, comms, cfg
-        self.optimizer = optimizer
-        self.optimizers = [optimizer] if optimizer is not None else list(stage_optimizers)  # for the memory report
-        self.schedulers = [make_scheduler(o, cfg) for o in self.optimizers]  # one learning rate step per step
-        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
-        self.skipped = False  # the last step's update was left out: its gradient norm was not finite
-        self.lr = cfg.lr  # the learning rate of the last step
-        self.ep_balance: ExpertBalance | None = None  # --ep-balance measured: the placement (set by parallelize)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.grad_sync.zero_grad()
-        loss = self.forward_backward(inputs, targets, self.grad_sync)
-        with self.comms.ledger.in_phase("backward"):
-            self.grad_sync.finish()
-        if self.optimizer is not None:
-            self.optimizer_step()
-        self.lr = self.optimizers[0].param_groups[0]["lr"]
-        for scheduler in self.schedulers:
-            scheduler.step()
-        return loss
-
-    def close(self) -> None:
-        """After the run, on every rank: the gradient sync's hooks out of the model, the process groups and
-        transports released (:meth:`parallelisms.comm.Comms.close`)."""
-        self.grad_sync.remove()
-        self.comms.close()
-
-    def evaluate(self, batches) -> torch.Tensor:
-        """The mean loss over ``batches`` (this rank's rows of each), averaged over every rank that holds
-        other tokens (dp x cp); no gradient, no update. Its collectives are ledger phase ``eval``."""
-        with self.comms.ledger.in_phase("eval"):
-            local = torch.stack([self.forward_backward.evaluate(x, y) for x, y in batches]).mean()
-            return self.comms["dp_cp"].all_reduce(local.reshape(1)) / self.comms["dp_cp"].size
-
-    def optimizer_step(self) -> None:
-        """Measure the global gradient norm (reported every step, clipping or not), clip by it when asked,
-        step the optimizer, then the gradient sync's after-step (sharded engines refresh parameters)."""
-        with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
-            self.grad_norm = self.grad_sync.grad_norm()
-            # the same on every rank: under --skip-nonfinite or stop-on-non-finite, no rank applies the update
-            self.skipped = self.cfg.nonfinite != "continue" and not bool(torch.isfinite(self.grad_norm))
-            if self.skipped:
-                return
-            if self.cfg.grad_clip > 0:
-                clip_grad_norm_(self.grad_sync.parameters(), self.cfg.grad_clip, self.comms, norm=self.grad_norm)
-            self.optimizer.step()
-            self.grad_sync.after_step()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) parameters by the plain model's names; every rank must call it. The gradient
-        sync gathers this rank's stages over every dimension but the pipeline's; stages are then joined."""
-        with self.comms.ledger.in_phase("report"):
-            state = self.grad_sync.full_state_dict()
-            if self.comms["pp"].size > 1:
-                state = {name: t for part in self.comms["pp"].all_gather_object(state) for name, t in part.items()}
-        return state
-
-    def memory_report(self) -> dict:
-        """Persistent bytes of parameters, gradients and optimizer state on this rank, and peaks."""
-        return self.grad_sync.memory(self.optimizers)
-
-    def report(self) -> dict:
-        """Layout-specific figures merged into rank 0's report (the pipeline bubble); every rank calls it."""
-        return self.forward_backward.report()
-
-
-def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                bounds: list[int] | None = None) -> Trainer:
-    """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
-    parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
-    cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
-    step's forward/backward strategy (a microbatch loop, PipeDream's stashing schedule, or another schedule).
-    Each parallelism's transform lives in its own module. ``bounds``
-    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
-    dims = parallel.dims
-    if dims.tp > 1:
-        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
-                              overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
-    positions = None
-    if dims.cp > 1:
-        positions = apply_context_parallel(model, comms, parallel, train.seq_len)
-    if dims.ep > 1 and parallel.ep_balance == "measured":
-        apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
-    elif dims.ep > 1:
-        apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
-    if parallel.recompute != "none":
-        apply_recompute(model, parallel.recompute)
-    schedule, stages, copies = None, {0: model}, set()
-    if not parallel.one_tied_parameter():  # the last stage, a sharding engine's head unit: a copy of the tied weight
-        untie(model)
-    if dims.pp > 1:
-        schedule = schedule_for(parallel)
-        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
-    store = WeightGradStore()
-    if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
-        for stage in stages.values():
-            split_linears(stage, store)
-    grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
-    balance = None
-    if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
-        grad_sync = balance = ExpertBalance(grad_sync, model, comms, parallel.ep_redundant, parallel.ep_rebalance_every)
-    if model.cfg.tie_embeddings:
-        grad_sync = TiedEmbeddings(grad_sync, comms)
-    compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
-    if schedule is None:
-        trainer = Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
-                          _optimizer(grad_sync, model.cfg, train))
-        trainer.ep_balance = balance
-        return trainer
-    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
-        stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
-                                  compute_dtype=compute_dtype)
-        pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
-                                    before_step=stashing.start_window, positions=positions,
-                                    forward_fn=stashing.forward, on_optimizer=stashing.update, dtype=compute_dtype)
-        return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
-    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
-                                on_stage_done=grad_sync.stage_done, dtype=compute_dtype)
-    return Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
-
-
-def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the gradient sync's parameters, weight decay on the elements of weight matrices
-    (:mod:`parallelisms.optim`); a tied weight is one entry (:mod:`parallelisms.parallel.tied`)."""
-    return sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
-
-
-def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
-               comms: Comms) -> GradSync:
-    """How gradients reach the optimizer: a sharding engine per pipeline stage held through the step (--zero,
-    --fsdp), the pipeline's stage buffers, a sharding engine (ZeRO, FSDP flat, per-parameter FSDP or buffer
-    reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
-    local gradients."""
-    dims = parallel.dims
-    if dims.pp > 1 and parallel.schedule == "pipedream":  # it averages and updates per microbatch itself
-        return StageGradients(stages, copies, comms, None)
-    # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
-    # fp32 master weights and gradients, all-reduced
-    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
-    if dims.pp > 1 and sharded:
-        return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
-                              for s, stage in stages.items()}, copies, comms)
-    if dims.pp > 1:  # context-parallel ranks hold different tokens too
-        return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
-    if sharded:
-        return _sharding_engine(model, parallel, train, comms)
-    if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
-        replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None
-        return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
-                            find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
-    return LocalGradients(model, comms)
-
-
-def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                     hold_through_step: bool = False):
-    """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage held through the step):
-    flat, per-parameter (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and
-    with context parallelism over dp_shard x cp (those ranks hold different tokens of the same model)."""
-    dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
-    compute = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
-    if parallel.fsdp and parallel.fsdp_style == "reuse":
-        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step, compute_dtype=compute)
-    if parallel.fsdp and parallel.fsdp_style == "per_param":
-        return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
-                                hold_through_step=hold_through_step, compute_dtype=compute)
-    return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
 
 
 @contextmanager

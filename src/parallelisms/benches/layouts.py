@@ -22,7 +22,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.launch import RankInfo
 from parallelisms.model import build_model
-from parallelisms.train import parallelize
+from parallelisms.train_setup import parallelize
 
 PHASES = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s")
 ONE_PROCESS = "one_process"

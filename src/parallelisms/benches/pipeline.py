@@ -43,7 +43,7 @@ def _layout(world: int, schedule: str, microbatches: int) -> ParallelConfig:
 
 def _ours(info: RankInfo, model_cfg: ModelConfig, train_cfg: TrainConfig, parallel: ParallelConfig,
           comms: Comms, bounds=None):
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
 
     trainer = parallelize(build_model(model_cfg, train_cfg.seed), parallel, train_cfg, comms, bounds)
     inputs, targets = BatchLoader(load_corpus(), train_cfg.global_batch, train_cfg.seq_len).batch(0)

@@ -45,7 +45,7 @@ from parallelisms.model import build_model
 from parallelisms.model.transformer import Block
 from parallelisms.optim import make_optimizer
 from parallelisms.parallel.flat import module_units
-from parallelisms.train import parallelize
+from parallelisms.train_setup import parallelize
 
 
 # -- implementations ----------------------------------------------------------------------------------------

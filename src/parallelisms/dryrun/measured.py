@@ -91,7 +91,7 @@ def _train(model_cfg, train, parallel, comms, steps: int):
     from parallelisms.api import batches
     from parallelisms.dryrun.fake import balance_routing
     from parallelisms.model import build_model
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
 
     model = build_model(model_cfg, train.seed, "cpu", train.torch_dtype)
     balance_routing(model)

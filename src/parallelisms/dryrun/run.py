@@ -72,7 +72,7 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
                  memory: bool = True, replay: bool = True) -> RankRun:
     """Rank ``rank``'s setup and first training step through the real code (see the module docstring);
     ``replay``: a pipeline stage's middle microbatches are replayed from the first one (:mod:`.replay`)."""
-    from parallelisms.train import parallelize
+    from parallelisms.train_setup import parallelize
 
     began = time.perf_counter()
     dims = parallel.dims

@@ -1,6 +1,6 @@
 """The one interface through which a layout's gradients reach the optimizer, and its simplest implementation.
 
-Every layout's training step is the same (``parallelisms.train.Trainer``): ``zero_grad`` -> forward and
+Every layout's training step is the same (``parallelisms.trainer.Trainer``): ``zero_grad`` -> forward and
 backward over the microbatches (all but the last inside ``no_sync``) -> ``finish`` -> global gradient norm
 -> clip -> optimizer step over ``parameters()`` -> ``after_step``. What differs between DDP, ZeRO/FSDP
 (flat, per-parameter, buffer reuse) and the pipeline's data-parallel sync is only how gradients are reduced

@@ -1,0 +1,131 @@
+"""How a layout is applied: :func:`parallelize` turns the full seeded model into this rank's part in one
+straight line (tensor/sequence parallelism, context parallelism, expert parallelism, recomputation, then the
+pipeline cut, then the gradient sync) and returns the :class:`parallelisms.trainer.Trainer` that steps it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallelisms.comm import Comms
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.optim import sharded_optimizer
+from parallelisms.parallel.context import apply_context_parallel
+from parallelisms.parallel.data import DataParallel
+from parallelisms.parallel.ep_balance import ExpertBalance, apply_balanced_experts
+from parallelisms.parallel.expert import apply_expert_parallel
+from parallelisms.parallel.fsdp2 import PerParamSharding
+from parallelisms.parallel.grad_sync import GradSync, LocalGradients
+from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
+from parallelisms.parallel.pipeline.pipedream import WeightStashing
+from parallelisms.parallel.pipeline.runner import PipelineSchedule, StageGradients, cut_stages, schedule_for
+from parallelisms.parallel.pipeline.sharded import StageSharding
+from parallelisms.parallel.recompute import apply_recompute
+from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+from parallelisms.parallel.tied import TiedEmbeddings, untie
+from parallelisms.parallel.yafsdp import ReuseSharding
+from parallelisms.parallel.zero import sharded_grad_sync
+from parallelisms.trainer import MicrobatchLoop, Trainer
+
+
+def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+                bounds: list[int] | None = None) -> Trainer:
+    """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
+    parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
+    cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
+    step's forward/backward strategy (a microbatch loop, PipeDream's stashing schedule, or another schedule).
+    Each parallelism's transform lives in its own module. ``bounds``
+    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
+    dims = parallel.dims
+    if dims.tp > 1:
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
+                              overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
+    positions = None
+    if dims.cp > 1:
+        positions = apply_context_parallel(model, comms, parallel, train.seq_len)
+    if dims.ep > 1 and parallel.ep_balance == "measured":
+        apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
+    elif dims.ep > 1:
+        apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
+    if parallel.recompute != "none":
+        apply_recompute(model, parallel.recompute)
+    schedule, stages, copies = None, {0: model}, set()
+    if not parallel.one_tied_parameter():  # the last stage, a sharding engine's head unit: a copy of the tied weight
+        untie(model)
+    if dims.pp > 1:
+        schedule = schedule_for(parallel)
+        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
+    store = WeightGradStore()
+    if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
+        for stage in stages.values():
+            split_linears(stage, store)
+    grad_sync = _grad_sync(model, stages, copies, parallel, train, comms)
+    balance = None
+    if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
+        grad_sync = balance = ExpertBalance(grad_sync, model, comms, parallel.ep_redundant, parallel.ep_rebalance_every)
+    if model.cfg.tie_embeddings:
+        grad_sync = TiedEmbeddings(grad_sync, comms)
+    compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
+    if schedule is None:
+        trainer = Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
+                          _optimizer(grad_sync, model.cfg, train))
+        trainer.ep_balance = balance
+        return trainer
+    if schedule.name == "pipedream":  # the schedule's OPTIMIZER actions update each stage: no step of its own
+        stashing = WeightStashing(stages, train, comms, data_dim="dp_cp" if dims.cp > 1 else "dp",
+                                  compute_dtype=compute_dtype)
+        pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, loss_scale=1.0,
+                                    before_step=stashing.start_window, positions=positions,
+                                    forward_fn=stashing.forward, on_optimizer=stashing.update, dtype=compute_dtype)
+        return Trainer(grad_sync, pipeline, comms, train, None, stashing.optimizers.values())
+    pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, positions=positions,
+                                on_stage_done=grad_sync.stage_done, dtype=compute_dtype)
+    return Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
+
+
+def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the gradient sync's parameters, weight decay on the elements of weight matrices
+    (:mod:`parallelisms.optim`); a tied weight is one entry (:mod:`parallelisms.parallel.tied`)."""
+    return sharded_optimizer(grad_sync.placements(), train, model_cfg.tie_embeddings)
+
+
+def _grad_sync(model: nn.Module, stages: dict, copies: set, parallel: ParallelConfig, train: TrainConfig,
+               comms: Comms) -> GradSync:
+    """How gradients reach the optimizer: a sharding engine per pipeline stage held through the step (--zero,
+    --fsdp), the pipeline's stage buffers, a sharding engine (ZeRO, FSDP flat, per-parameter FSDP or buffer
+    reuse), DDP over every rank that saw other tokens (dp x cp; expert weights over their replicas), or plain
+    local gradients."""
+    dims = parallel.dims
+    if dims.pp > 1 and parallel.schedule == "pipedream":  # it averages and updates per microbatch itself
+        return StageGradients(stages, copies, comms, None)
+    # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
+    # fp32 master weights and gradients, all-reduced
+    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
+    if dims.pp > 1 and sharded:
+        return StageSharding({s: _sharding_engine(stage, parallel, train, comms, hold_through_step=True)
+                              for s, stage in stages.items()}, copies, comms)
+    if dims.pp > 1:  # context-parallel ranks hold different tokens too
+        return StageGradients(stages, copies, comms, "dp_cp" if dims.cp > 1 else "dp")
+    if sharded:
+        return _sharding_engine(model, parallel, train, comms)
+    if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
+        replica_comms = {"ep": comms["ep_replicate"]} if dims.ep > 1 else None
+        return DataParallel(model, comms, "dp_cp", bucket_cap_mb=train.bucket_mb,
+                            find_unused_parameters=parallel.find_unused_parameters, replica_comms=replica_comms)
+    return LocalGradients(model, comms)
+
+
+def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
+                     hold_through_step: bool = False):
+    """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage held through the step):
+    flat, per-parameter (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and
+    with context parallelism over dp_shard x cp (those ranks hold different tokens of the same model)."""
+    dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
+    compute = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
+    if parallel.fsdp and parallel.fsdp_style == "reuse":
+        return ReuseSharding(module, comms, dim, hold_through_step=hold_through_step, compute_dtype=compute)
+    if parallel.fsdp and parallel.fsdp_style == "per_param":
+        return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
+                                hold_through_step=hold_through_step, compute_dtype=compute)
+    return sharded_grad_sync(module, parallel, train, comms, hold_through_step=hold_through_step)
