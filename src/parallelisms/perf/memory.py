@@ -225,6 +225,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
     if parallel.recompute == "full":  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
+        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision == "bf16" else e) * block_params(
+            cfg, dims.tp)  # beside a block's backward than the default's one ahead
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
     best = None
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True)):

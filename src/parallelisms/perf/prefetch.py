@@ -27,3 +27,37 @@ def exposed_gathers(gathers: list[float], compute: list[float], depth: int = 1) 
         starts.append(start)
         end = start + c
     return end - sum(compute)
+
+
+def shared_link(traffic, m: int, t_f: float, t_bw: float, behind, units: list | None = None, depth: int = 1) -> dict:
+    """Exposed seconds of a fully sharded engine's parameter gathers and gradient reduce-scatters (one group, one
+    link): each pass's collectives run back to back on the link under that pass's compute, so a pass exposes
+    what their sum outlasts it by (not each alone), or, where more, what its gathers stall it unit by unit at
+    the prefetch ``depth`` (:func:`exposed_gathers`; ``units``: (parameters, forward s, backward s) of each
+    wrapped unit in order; without them, one unit's gather a microbatch), split between them by their seconds; each microbatch's
+    last reduce-scatter bucket stays exposed. ``traffic``: (name, role, seconds, calls) of the step's
+    data-parallel collectives, ``m`` microbatches of ``t_f`` forward and ``t_bw`` backward seconds, ``behind(t,
+    window)`` a collective's exposed seconds under a window of compute. {} where there are no such gathers."""
+    gathers = [(name, t, calls) for name, role, t, calls in traffic if role == "gather"]
+    scatters = [(name, t, calls) for name, role, t, calls in traffic
+                if role in ("reduce", "reduce_each") and name.startswith("reduce_scatter/")]
+    if not gathers:
+        return {}
+    gather_s = sum(t for _, t, _ in gathers) / 2 / m  # one pass of one microbatch
+    stalls = [m * sum(t / calls for _, t, calls in gathers)] * 2
+    if units:
+        params = sum(p for p, _, _ in units)
+        share = [gather_s * p / params for p, _, _ in units]
+        stalls = [m * exposed_gathers(share, [f for _, f, _ in units], depth),
+                  m * exposed_gathers(share[::-1], [b for _, _, b in units][::-1], depth)]
+    forward = {name: t / 2 for name, t, _ in gathers}  # the flat engine gathers each unit for both passes
+    backward = {**forward, **{name: t for name, t, _ in scatters}}
+    out = {}
+    for load, window, stall in ((forward, m * t_f, stalls[0]), (backward, m * t_bw, stalls[1])):
+        total = sum(load.values())
+        exposed = max(behind(total, window), stall)
+        for name, t in load.items():
+            out[name] = out.get(name, 0.0) + exposed * t / total
+    for name, t, calls in scatters:
+        out[name] += m * t / calls  # each microbatch's last bucket
+    return out

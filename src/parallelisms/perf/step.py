@@ -12,8 +12,9 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   all-reduce exposed, plus the chunking's cost: C smaller GEMMs and C latencies);
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
-  costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
-  parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
+  costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each unit's
+  parameters ``--fsdp-prefetch`` units ahead (perf.prefetch), and without a pipeline the gathers and the
+  gradient reduce-scatters share the group's link (perf.prefetch.shared_link). ZeRO-1/2 gather
   the updated parameters after the optimizer, exposed, or with ``--overlap-param-gather`` (Megatron-LM's
   distributed optimizer) bucket by bucket under the next step's first forward: the first bucket, and what
   outlasts that forward, exposed;
@@ -52,6 +53,7 @@ from parallelisms.perf.model import (activation_bytes_per_layer, block_params, c
                                      rank0_params)
 from parallelisms.perf.network import collective_time
 from parallelisms.perf.context import context_calls, context_times
+from parallelisms.perf.prefetch import shared_link
 from parallelisms.perf.stages import busiest_rank, pipeline_ranks
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
@@ -417,8 +419,8 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int =
     """Exposed seconds of each data-parallel collective (see the module docstring). Without a pipeline, a fully
     sharded engine's gathers and gradient reduce-scatters run over one group, so they share its link (each
     GPU's one NIC across nodes): half the gathers (the forward's) fill the forward, the other half and the
-    reduce-scatters the backward together (:func:`_shared_link`)."""
-    shared = _shared_link(traffic, lay, t_f, t_bw, hw, units, depth) if pp == 1 else {}
+    reduce-scatters the backward together (:func:`parallelisms.perf.prefetch.shared_link`)."""
+    shared = shared_link(traffic, lay.m, t_f, t_bw, lambda t, w: _behind(hw, t, w), units, depth) if pp == 1 else {}
     out = {}
     for name, role, t, calls in traffic:
         if name in shared:
@@ -434,40 +436,6 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int =
         else:
             exposed = t
         out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)
-    return out
-
-
-def _shared_link(traffic, lay, t_f, t_bw, hw: Hardware, units: list | None = None, depth: int = 1) -> dict:
-    """Exposed seconds of a fully sharded engine's parameter gathers and gradient reduce-scatters (one group, one
-    link): each pass's collectives run back to back on the link under that pass's compute, so a pass exposes
-    what their sum outlasts it by (not each alone), or, where more, what its gathers stall it unit by unit at
-    the prefetch ``depth`` (perf.prefetch; ``units``: (parameters, forward s, backward s) of each wrapped unit in
-    order; without them, one unit's gather a microbatch), split between them by their seconds; each microbatch's
-    last reduce-scatter bucket stays exposed. {} where there are no such gathers."""
-    from parallelisms.perf.prefetch import exposed_gathers
-
-    gathers = [(name, t, calls) for name, role, t, calls in traffic if role == "gather"]
-    scatters = [(name, t, calls) for name, role, t, calls in traffic
-                if role in ("reduce", "reduce_each") and name.startswith("reduce_scatter/")]
-    if not gathers:
-        return {}
-    gather_s = sum(t for _, t, _ in gathers) / 2 / lay.m  # one pass of one microbatch
-    stalls = [lay.m * sum(t / calls for _, t, calls in gathers)] * 2
-    if units:
-        params = sum(p for p, _, _ in units)
-        share = [gather_s * p / params for p, _, _ in units]
-        stalls = [lay.m * exposed_gathers(share, [f for _, f, _ in units], depth),
-                  lay.m * exposed_gathers(share[::-1], [b for _, _, b in units][::-1], depth)]
-    forward = {name: t / 2 for name, t, _ in gathers}  # the flat engine gathers each unit for both passes
-    backward = {**forward, **{name: t for name, t, _ in scatters}}
-    out = {}
-    for load, window, stall in ((forward, lay.m * t_f, stalls[0]), (backward, lay.m * t_bw, stalls[1])):
-        total = sum(load.values())
-        exposed = max(_behind(hw, total, window), stall)
-        for name, t in load.items():
-            out[name] = out.get(name, 0.0) + exposed * t / total
-    for name, t, calls in scatters:
-        out[name] += lay.m * t / calls  # each microbatch's last bucket
     return out
 
 
