@@ -36,16 +36,20 @@ def test_each_unit_runs_with_the_next_depth_units_already_gathering(depth):
     unshard = engine._unshard
     engine._unshard = lambda unit: (issued.append(engine.units.index(unit)), unshard(unit))[1]
     last = len(engine.units) - 1
+    def record(key):  # a hook that returns nothing (a hook's result would replace its input or gradient)
+        def hook(*_):
+            seen.setdefault(key, set(issued))
+        return hook
+
     for index, unit in enumerate(engine.units):  # after the engine's own pre-forward hook
-        unit.modules[0].register_forward_pre_hook(lambda *_, i=index: seen.setdefault(("forward", i), set(issued)))
+        unit.modules[0].register_forward_pre_hook(record(("forward", index)))
+    for index, block in enumerate(model.layers.values()):  # block b is unit b + 1; its attention's backward
+        block.attention.register_full_backward_pre_hook(record(("backward", index + 1)))
     tokens = torch.randint(0, MODEL.vocab_size, (2, 16))
     loss = model(tokens, tokens)
     for i in range(last + 1):
         assert seen[("forward", i)] == set(range(min(i + depth, last) + 1)), (i, seen[("forward", i)])
     issued.clear()
-    for index, block in enumerate(model.layers.values()):  # block b is unit b + 1; its attention's backward
-        block.attention.register_full_backward_pre_hook(lambda *_, i=index + 1: seen.setdefault(("backward", i),
-                                                                                                set(issued)))
     loss.backward()
     for i in range(1, last):
         assert seen[("backward", i)] >= set(range(max(0, i - depth), last + 1)), (i, seen[("backward", i)])

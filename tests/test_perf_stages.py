@@ -72,7 +72,9 @@ def test_sharded_gathers_and_reduce_scatters_share_one_link():
     staged = _data_parallel_exposed(traffic, cfg, lay, 1.5, 4.0, H100, pp=1, units=units, depth=1)
     stall = exposed_gathers([0.25, 0.25, 0.25, 0.25, 1.0], [0.0, 0.5, 0.5, 0.5, 0.0], 1)
     assert stall == pytest.approx(0.25 + 0.25 + (1.0 - 0.5))  # the first two on demand; the head behind one block
-    assert staged["all_gather/dp"] == pytest.approx(stall + backward * 2 / 5)
+    back = max(backward, exposed_gathers([1.0, 0.25, 0.25, 0.25, 0.25], [0.0, 1.0, 1.0, 1.0, 0.0], 1))
+    assert back == pytest.approx(1.0 + 0.25)  # backward: the head's gather on demand, then one block's behind it
+    assert staged["all_gather/dp"] == pytest.approx(stall + back * 2 / 5)
 
 
 def test_prefetch_depth_against_its_closed_forms():
