@@ -13,14 +13,15 @@ BASE = ParallelConfig(mixed_precision="bf16", tp_overlap=True)
 
 def test_llama31_8b_on_8_to_64_h100s_is_sharded_data_parallel_as_torchtitan_ran_it():
     """torchtitan runs Llama 3.1 8B on 8-128 H100s with FSDP alone (tp 1): the pick is pure data parallelism
-    with sharded states, and FSDP's full shard (ZeRO-3) within 1% of it."""
+    with sharded states, and FSDP's full shard (ZeRO-3) within 2% of it (what separates them: ZeRO-3 gathers
+    every microbatch, its first units' gathers exposed, priced unit by unit)."""
     hw, cfg = HARDWARE["h100-500w"], PRESETS["llama3-8b"]
     for gpus in (8, 64):
         plans = plan(cfg, TrainConfig(global_batch=2 * gpus, seq_len=8192), BASE, hw, gpus, Fixed(), top=10)
         best = plans[0]
         assert (best["dp"], best["tp"], best["pp"], best["cp"]) == (gpus, 1, 1, 1) and best["zero"] >= 1
         fsdp = min(p["step_s"] for p in plans if p["zero"] == 3 and p["dp"] == gpus)
-        assert fsdp <= 1.01 * best["step_s"]
+        assert fsdp <= 1.02 * best["step_s"]
 
 
 def test_llama3_70b_on_512_h100s_within_5_percent_of_nemos_layout():
