@@ -78,10 +78,12 @@ def test_lower_layers_do_not_import_higher_ones():
 # the ZeRO formulas, the ledger's ring bytes), never from the running engines: it predicts layouts nothing runs.
 STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
-              "parallelisms.perf.collectives", "parallelisms.perf.vtrain")
+              "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
+              "parallelisms.perf.prefetch")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
                 "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
-                "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate", "parallelisms.perf")
+                "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",
+                "parallelisms.parallel.pipeline.partition", "parallelisms.perf")  # partition: the runtime's stage cut
 
 
 def test_the_step_model_imports_only_configs_and_plan_objects():

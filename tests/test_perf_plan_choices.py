@@ -13,28 +13,43 @@ BASE = ParallelConfig(mixed_precision="bf16", tp_overlap=True)
 
 def test_llama31_8b_on_8_to_64_h100s_is_sharded_data_parallel_as_torchtitan_ran_it():
     """torchtitan runs Llama 3.1 8B on 8-128 H100s with FSDP alone (tp 1): the pick is pure data parallelism
-    with sharded states, and FSDP's full shard (ZeRO-3) within 1% of it."""
+    with sharded states, and FSDP's full shard (ZeRO-3) within 2% of it (what separates them: ZeRO-3 gathers
+    every microbatch, its first units' gathers exposed, priced unit by unit)."""
     hw, cfg = HARDWARE["h100-500w"], PRESETS["llama3-8b"]
     for gpus in (8, 64):
         plans = plan(cfg, TrainConfig(global_batch=2 * gpus, seq_len=8192), BASE, hw, gpus, Fixed(), top=10)
         best = plans[0]
         assert (best["dp"], best["tp"], best["pp"], best["cp"]) == (gpus, 1, 1, 1) and best["zero"] >= 1
         fsdp = min(p["step_s"] for p in plans if p["zero"] == 3 and p["dp"] == gpus)
-        assert fsdp <= 1.01 * best["step_s"]
+        assert fsdp <= 1.02 * best["step_s"]
 
 
-def test_llama3_70b_on_512_h100s_within_10_percent_of_nemos_layout():
+def test_llama3_70b_on_512_h100s_within_5_percent_of_nemos_layout():
     """NeMo's Llama 3 70B pre-training recipe: tp 4 x pp 4 (5 virtual stages) x cp 2, sequence parallel, the
-    distributed optimizer, sequences of 8,192. The pick uses no context parallelism at 8,192 tokens and is
-    priced within 10% of that layout (faster: this runtime leaves the forward's SP collectives exposed, which
-    favours less tp than Megatron with Transformer Engine's overlap)."""
+    distributed optimizer, sequences of 8,192. The pick uses no context parallelism at 8,192 tokens (searched only
+    where nothing fits without it) and is priced within 5% of that layout."""
     cfg, hw, train = PRESETS["llama3-70b"], HARDWARE["h100"], TrainConfig(global_batch=1024, seq_len=8192)
     best = plan(cfg, train, BASE, hw, 512, Fixed(), top=1)[0]
     nemo = BASE.replace(dims=ParallelDims(dp_shard=16, tp=4, pp=4, cp=2), sequence_parallel=True, zero=1,
                         schedule="interleaved", chunks=5, microbatches=64)
     published = predict_step(cfg, nemo, train, hw)["step_s"]
     assert best["cp"] == 1
-    assert 0.9 * published <= best["step_s"] <= published
+    assert 0.95 * published <= best["step_s"] <= 1.05 * published
+
+
+def test_llama3_405b_on_16k_h100s_within_5_percent_of_metas_layout():
+    """The Llama 3 report's 16,384-GPU layout: tp 8 x pp 16 x dp 128, interleaved, 126 layers on 16 stages
+    (uneven: this runtime's cut gives the last two stages 7 layers, the head's among them, as Meta shortened the
+    first and last). The runtime holds that stage in 80 GB with full recompute only; so priced, it is within 5% of
+    the pick, and ZeRO-3 over 2,048 data-parallel ranks (each GPU gathering its 50B parameters twice a step and
+    reduce-scattering their fp32 gradients over one NIC) is not the pick."""
+    cfg, hw, train = PRESETS["llama3-405b"], HARDWARE["h100"], TrainConfig(global_batch=2048, seq_len=8192)
+    plans = plan(cfg, train, BASE, hw, 16384, Fixed(), top=5)
+    meta = BASE.replace(dims=ParallelDims(dp_shard=128, tp=8, pp=16), sequence_parallel=True, zero=1,
+                        schedule="interleaved", chunks=4, microbatches=16, recompute="full")
+    published = predict_step(cfg, meta, train, hw)["step_s"]
+    assert plans[0]["pp"] > 1 and any(p["pp"] == 16 and p["tp"] == 8 for p in plans)
+    assert 0.95 * published <= plans[0]["step_s"] <= published
 
 
 def test_context_parallelism_only_where_nothing_fits_without_it():

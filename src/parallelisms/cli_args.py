@@ -87,6 +87,8 @@ def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g = p.add_argument_group("sharded data parallelism")
     g.add_argument("--zero", type=integer(0, 3), default=0, help="ZeRO stage 1, 2 or 3")
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
+    g.add_argument("--fsdp-prefetch", type=integer(1, 64), default=1,
+                   help="ZeRO-3 / flat FSDP: units whose parameters are gathered ahead of the running one")
     g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
     g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
     g = p.add_argument_group("data-parallel balance")

@@ -340,6 +340,7 @@ class ParallelConfig:
     fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
     fsdp_style: str = "flat"           # flat, per_param, reuse
     overlap_param_gather: bool = False  # ZeRO-1/2: the updated parameters' all-gather under the next forward
+    fsdp_prefetch: int = 1             # ZeRO-3 / flat FSDP: units gathered ahead of the running one
     mixed_precision: str = "fp32"      # fp32, bf16
     # pipeline parallelism (issue: pipeline)
     schedule: str = "1f1b"
@@ -377,6 +378,7 @@ class ParallelConfig:
             f"zero{self.zero}" if self.zero else "", "+overlap-param-gather" if self.overlap_param_gather else "",
             f"fsdp {self.fsdp}" if self.fsdp else "",
             self.fsdp_style if self.fsdp and self.fsdp_style != "flat" else "",
+            f"prefetch {self.fsdp_prefetch}" if self.fsdp_prefetch > 1 else "",
             self.cp_attention if d.cp > 1 else "",
             self.schedule if d.pp > 1 else "",
             f"{self.microbatches} microbatches" if d.pp > 1 and self.microbatches else "",

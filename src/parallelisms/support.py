@@ -181,6 +181,13 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
             f"--overlap-param-gather overlaps ZeRO-1/2's gather of the updated parameters with the next forward: it "
             f"needs --zero 1 or 2 without --pp (got --zero {parallel.zero}, --pp {parallel.dims.pp})")
     dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
+    require(parallel.fsdp_prefetch >= 1, f"--fsdp-prefetch {parallel.fsdp_prefetch}: give 1 or more units")
+    require(parallel.fsdp_prefetch == 1 or ((zero == 3 or fsdp not in (None, "no_shard")) and parallel.fsdp_style == "flat"
+                                            and dims.pp == 1),
+            f"--fsdp-prefetch {parallel.fsdp_prefetch} gathers that many units ahead: it needs sharded parameters on "
+            f"the flat engine without a pipeline (--zero 3 or --fsdp full_shard/shard_grad_op/hybrid_shard, "
+            f"--fsdp-style flat, no --pp; got --zero {zero}, --fsdp {fsdp}, --fsdp-style {parallel.fsdp_style}, "
+            f"--pp {dims.pp})")
     two_d = dims.dp_replicate > 1 and dims.dp_shard > 1
     require(not (zero and fsdp), f"--zero {zero} and --fsdp {fsdp} both shard data parallelism; pick one "
                                  f"(--zero 3 is --fsdp full_shard, --zero 2 is close to shard_grad_op)")

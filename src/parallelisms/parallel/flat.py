@@ -202,8 +202,9 @@ class ShardedEngine:
     ``GradSync`` whose optimizer parameters are the flat fp32 shards."""
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], plan: ShardingPlan,
-                 comms: Comms, overlap_param_gather: bool = False):
+                 comms: Comms, overlap_param_gather: bool = False, prefetch: int = 1):
         self.model, self.plan, self.comms = model, plan, comms
+        self.prefetch = prefetch          # units gathered ahead of the one running (FSDP's forward/backward prefetch)
         self.overlap_param_gather = overlap_param_gather and not plan.shard_params
         self._updates = {}                # unit index: (Pending, source) of an overlapped after-step gather
         alone = Comm("none", None, comms.ledger, comms.timeline)
@@ -233,7 +234,7 @@ class ShardedEngine:
             self._hooks.append(unit.modules[0].register_forward_pre_hook(self._pre_forward_hook(index)))
             self._hooks.append(unit.modules[-1].register_forward_hook(self._post_forward_hook(index)))
             self._hooks.append(unit.full.register_post_accumulate_grad_hook(self._post_backward_hook(index)))
-            late = (after_last_child_backward(unit.modules, lambda i=index: self._unshard(self.units[i - 1]))
+            late = (after_last_child_backward(unit.modules, lambda i=index: self._prefetch(i, -1))
                     if plan.shard_params and index > 0 else None)
             if late is not None:
                 self._hooks.append(late)
@@ -256,6 +257,13 @@ class ShardedEngine:
         self._track("params", _nbytes(unit.full))
         src = unit.shard.detach().to(self.plan.compute_dtype)
         unit.pending_gather = (_gather_into(unit.comm, src, unit.full.data, async_op=True), src)
+
+    def _prefetch(self, index: int, direction: int) -> None:
+        """Launch the gathers of the ``prefetch`` units after unit ``index`` in the pass's order (``direction``
+        +1 forward, -1 backward); those already gathered or in flight are left as they are."""
+        for k in range(1, self.prefetch + 1):
+            if 0 <= index + direction * k < len(self.units):
+                self._unshard(self.units[index + direction * k])
 
     def _wait_unshard(self, unit: FlatUnit) -> None:
         if not unit.gathered:
@@ -291,8 +299,8 @@ class ShardedEngine:
             self._finish_update(index)                        # overlap_param_gather: its update has landed
             self._wait_unshard(unit)
             unit.attach()
-            if self.plan.shard_params and index + 1 < len(self.units):
-                self._unshard(self.units[index + 1])          # prefetch: overlaps this unit's forward
+            if self.plan.shard_params:
+                self._prefetch(index, +1)                     # overlaps this unit's forward
         return hook
 
     def _post_forward_hook(self, index: int):
@@ -332,8 +340,8 @@ class ShardedEngine:
         self._queue_final_callback()
         if self.plan.shard_params:
             self._wait_unshard(self.units[index])
-            if index > 0 and index not in self._late_prefetch:
-                self._unshard(self.units[index - 1])          # overlaps this unit's backward
+            if index not in self._late_prefetch:
+                self._prefetch(index, -1)                     # overlaps this unit's backward
 
     def _post_backward_hook(self, index: int):
         def hook(full: torch.Tensor):

@@ -53,4 +53,4 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block
     cap = int(train.bucket_mb * 2**20) if parallel.zero in (1, 2) else None
     return ShardedEngine(model, module_units(model, cap), plan, comms,
-                         overlap_param_gather=parallel.overlap_param_gather)
+                         overlap_param_gather=parallel.overlap_param_gather, prefetch=parallel.fsdp_prefetch)

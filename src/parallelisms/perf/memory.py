@@ -32,9 +32,9 @@ first backward on (with as many microbatches as stages, the first stage peaks at
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.perf.stages import schedule_of, stage_bounds
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 
@@ -106,20 +106,12 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
     return layers * block + embedding * table + head * (table + d)
 
 
-@lru_cache(maxsize=256)
-def _schedule_of(name: str, pp: int, m: int, chunks: int):
-    """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
-    from parallelisms.parallel.pipeline.schedules import build_schedule
-
-    return build_schedule(name, pp, m, chunks if name == "interleaved" else None)
-
-
-def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float], moment: tuple[float, float],
-                 head_kept: float, grads: float = 0.0) -> float:
+def held_at_peak(schedule, rank: int, full: list[float], partial: tuple[list[float], float],
+                 moment: tuple[float, float], head_kept: float, grads: float = 0.0) -> float:
     """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
-    of ``full`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what is
-    held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it; a
-    split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
+    of ``full[stage]`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what
+    is held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it;
+    a split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
     last stage's head)), which the weight pass frees. The stage's gradients (``grads``) exist from the rank's first
     backward on: with as many microbatches as stages the first stage peaks before it, at the end of warm-up."""
     from parallelisms.parallel.pipeline.schedules import Kind
@@ -129,15 +121,15 @@ def held_at_peak(schedule, rank: int, full: float, partial: tuple[float, float],
     for a in schedule.compute(rank):
         on_last = a.stage == last
         if a.kind is Kind.FORWARD:
-            held += full + head_kept * on_last
+            held += full[a.stage] + head_kept * on_last
             best = max(best, held + moment[on_last] - head_kept * on_last)
             continue
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            held -= full + head_kept * on_last
+            held -= full[a.stage] + head_kept * on_last
             if a.kind is Kind.BACKWARD_INPUT:
-                held += partial[0] + partial[1] * on_last
+                held += partial[0][a.stage] + partial[1] * on_last
         elif a.kind is Kind.BACKWARD_WEIGHT:
-            held -= partial[0] + partial[1] * on_last
+            held -= partial[0][a.stage] + partial[1] * on_last
         if grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
             held, grads = held + grads, 0.0
             best = max(best, held + moment[0])  # the first backward's end: its gradients made, its microbatch freed
@@ -164,17 +156,20 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
         return [{"layers": cfg.n_layers, "peak": cfg.n_layers * block + moment[1], "embedding": True, "head": True,
                  "stages": 1}]
     m = microbatches_per_step(parallel, train)
-    schedule = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
-    per_stage = cfg.n_layers / schedule.num_stages
-    partial = (per_stage * weight_pass_bytes(cfg, tokens, parallel, e),
+    schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
+    bounds = stage_bounds(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
+    sizes = [bounds[s + 1] - bounds[s] for s in range(schedule.num_stages)]
+    weight_pass = weight_pass_bytes(cfg, tokens, parallel, e)
+    partial = ([n * weight_pass for n in sizes],
                e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
-        held = {"layers": per_stage * len(stages), "stages": len(stages), "embedding": 0 in stages,
+        held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
                 "head": schedule.num_stages - 1 in stages}
         grads = grads_of(**held) if grads_of else 0.0
-        out.append({**held, "peak": held_at_peak(schedule, r, per_stage * block, partial, moment, head_kept, grads)})
+        out.append({**held, "peak": held_at_peak(schedule, r, [n * block for n in sizes], partial, moment,
+                                                 head_kept, grads)})
     return out
 
 
@@ -299,6 +294,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
     if parallel.recompute == "full":  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
+        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision == "bf16" else e) * block_params(
+            cfg, dims.tp)  # beside a block's backward than the default's one ahead
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
@@ -314,7 +312,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         params, _, states = states_of(layers, embedding, head, stages)
         full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
         # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
-        split = _schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
+        split = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         fresh = 4 * params * (2 if full_shard or (split and parallel.mixed_precision == "bf16") else 1) / (
             1 if parallel.schedule == "interleaved" else stages)
         return states["grads"] / (stages if parallel.schedule == "dualpipev" else 1) + fresh

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.perf.context import context_volumes
+from parallelisms.perf.stages import rank0_layers
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 
 
@@ -186,7 +187,7 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     if parallel.fsdp_style == "flat" or parallel.zero:
         return 2 * params
     block = block_params(cfg, parallel.dims.tp) * dtype_bytes
-    blocks = cfg.n_layers // parallel.dims.pp * block
+    blocks = rank0_layers(cfg, parallel) * block
     return params + blocks - (block if parallel.fsdp_style == "reuse" else 0)
 
 
@@ -196,7 +197,7 @@ def _context_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train:
     modes' registry (:mod:`parallelisms.perf.context`), with recomputed forwards' re-sends and the K/V heads
     Ulysses repeats, for the local queries and K (or V) of its tokens."""
     dims = parallel.dims
-    layers = cfg.n_layers // dims.pp
+    layers = rank0_layers(cfg, parallel)
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
     q = tokens * cfg.q_dim // dims.tp * dtype_bytes
     kv = tokens * cfg.n_kv_heads // dims.tp * cfg.head_dim * dtype_bytes
@@ -229,7 +230,7 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
     head = rank0_holds_head(parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    return cfg.n_layers // dims.pp * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
+    return rank0_layers(cfg, parallel) * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -247,7 +248,7 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
     elem = 8 if train.dtype == "float64" else 4
-    layers, head = cfg.n_layers // dims.pp, rank0_holds_head(parallel)
+    layers, head = rank0_layers(cfg, parallel), rank0_holds_head(parallel)
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two

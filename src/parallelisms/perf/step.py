@@ -12,8 +12,9 @@ Where each collective goes (spec: "Critical path and latency hiding"):
   all-reduce exposed, plus the chunking's cost: C smaller GEMMs and C latencies);
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
-  costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each layer's
-  parameters one layer ahead (prefetch): a gather is exposed only beyond the layer it precedes. ZeRO-1/2 gather
+  costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each unit's
+  parameters ``--fsdp-prefetch`` units ahead (perf.prefetch), and without a pipeline the gathers and the
+  gradient reduce-scatters share the group's link (perf.prefetch.shared_link). ZeRO-1/2 gather
   the updated parameters after the optimizer, exposed, or with ``--overlap-param-gather`` (Megatron-LM's
   distributed optimizer) bucket by bucket under the next step's first forward: the first bucket, and what
   outlasts that forward, exposed;
@@ -38,6 +39,7 @@ and the fp32 logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -51,6 +53,8 @@ from parallelisms.perf.model import (activation_bytes_per_layer, block_params, c
                                      rank0_params)
 from parallelisms.perf.network import collective_time
 from parallelisms.perf.context import context_calls, context_times
+from parallelisms.perf.prefetch import shared_link
+from parallelisms.perf.stages import busiest_rank, pipeline_ranks
 
 CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
 
@@ -74,7 +78,8 @@ def group(parallel: ParallelConfig, dim: str) -> tuple[int, int]:
     """(ranks, stride) of a mesh dimension's group (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
     d = parallel.dims
     table = {"tp": (d.tp, 1), "cp": (d.cp, d.tp), "dp": (d.dp * d.cp, d.tp), "dp_cp": (d.dp * d.cp, d.tp),
-             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp),
+             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp), "dp_shard_cp": (d.dp_shard * d.cp, d.tp),
+             "dp_replicate": (d.dp_replicate, d.dp_shard * d.cp * d.tp),
              "ep_replicate": (d.dp * d.cp // d.ep, d.ep * d.tp), "pp": (d.pp, d.dp * d.cp * d.tp)}
     return table[dim]
 
@@ -221,11 +226,14 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
     head_f, head_b = _head_comm(cfg, parallel, hw, shape)
-    n = lay.layers  # the busiest stage: L/p layers and the head
-    t_f = n * (layer.forward + comm_f) + head.forward + head_f
-    t_b = (n * (layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)) + head.input_grad
-           + head_b)
-    t_w = n * layer.weight_grad + head.weight_grad
+    layer_b = layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)
+    busiest = busiest_rank(pipeline_ranks(cfg, parallel, lay.m), layer.forward + comm_f + layer_b + layer.weight_grad,
+                           head.forward + head_f + head.input_grad + head_b + head.weight_grad)
+    n, ends = busiest.layers, busiest.head  # the busiest stage: its layers, and the head where it holds it
+    lay = dataclasses.replace(lay, layers=n)
+    t_f = n * (layer.forward + comm_f) + ends * (head.forward + head_f)
+    t_b = n * layer_b + ends * (head.input_grad + head_b)
+    t_w = n * layer.weight_grad + ends * head.weight_grad
     if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones (the
         # embedding's too where the rank holds both ends; sharded gradients: the reduced 1/N shards)
         tables = 1 + rank0_holds_head(parallel)
@@ -236,12 +244,15 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
 
     exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
-    if head_f + head_b:
+    if ends and head_f + head_b:
         exposed["all_reduce/tp"] = exposed.get("all_reduce/tp", 0.0) + lay.m * (head_f + head_b)
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
                               parallel.overlap_param_gather, train.bucket_mb, train.dtype),
                       lambda: _data_parallel_traffic(cfg, parallel, train, hw))
-    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw))
+    table = cfg.vocab_size * cfg.dim / dims.tp  # the wrapped units: the embedding, the blocks, the head
+    units = ([(table, 0.0, 0.0)] + [(block_params(cfg, dims.tp), layer.forward + comm_f, layer_b + layer.weight_grad)] * n
+             + [(table + cfg.dim, head.forward + head_f, head.input_grad + head_b + head.weight_grad)])
+    exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw, dims.pp, units, parallel.fsdp_prefetch))
     optimizer_s = _optimizer_time(cfg, parallel, train, hw, kernels)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))
@@ -332,7 +343,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
         if v.dim in ("tp", "ep", "pp") or v.dim.startswith("cp") or v.bytes_per_rank <= 0:  # per layer: cp_inner too
             continue
-        n, stride = group(parallel, v.dim)
+        n, stride = group(parallel, _link_dim(parallel, v))
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
@@ -344,6 +355,14 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
                 else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
     return out
+
+
+def _link_dim(parallel: ParallelConfig, v) -> str:
+    """The group a data-parallel collective runs over: HSDP gathers and reduce-scatters within its shard group
+    (a node's NVLink where it fits one) and all-reduces across the replicas; the others over ``v.dim``."""
+    if parallel.fsdp not in ("hybrid_shard", "hybrid_shard_zero2") or parallel.dims.dp_replicate == 1 or v.dim != "dp":
+        return v.dim
+    return "dp_replicate" if v.kind == "all_reduce" else "dp_shard_cp"
 
 
 def _gradient_shards(parallel: ParallelConfig) -> int:
@@ -395,11 +414,18 @@ def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
         else 0.0
 
 
-def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware) -> dict:
-    """Exposed seconds of each data-parallel collective (see the module docstring)."""
+def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int = 1, units: list | None = None,
+                           depth: int = 1) -> dict:
+    """Exposed seconds of each data-parallel collective (see the module docstring). Without a pipeline, a fully
+    sharded engine's gathers and gradient reduce-scatters run over one group, so they share its link (each
+    GPU's one NIC across nodes): half the gathers (the forward's) fill the forward, the other half and the
+    reduce-scatters the backward together (:func:`parallelisms.perf.prefetch.shared_link`)."""
+    shared = shared_link(traffic, lay.m, t_f, t_bw, lambda t, w: _behind(hw, t, w), units, depth) if pp == 1 else {}
     out = {}
     for name, role, t, calls in traffic:
-        if role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
+        if name in shared:
+            exposed = shared[name]
+        elif role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
             exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
             exposed = t / calls + _behind(hw, t, t_bw)
