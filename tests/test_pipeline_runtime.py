@@ -21,8 +21,10 @@ from parallelisms.verify import Run, compare, reference_train
 
 from _launching import assert_pipeline_report, settled
 
-MODEL = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
-TRAIN = TrainConfig(steps=3, global_batch=8, seq_len=16)
+# a layer per virtual stage of the two-stage schedules (interleaved 2 chunks, DualPipe's two directions, V shapes);
+# two steps: the second runs on the first's update and optimizer state
+MODEL = ModelConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+TRAIN = TrainConfig(steps=2, global_batch=8, seq_len=16)
 M = 8  # microbatches of one row (pp 2 x dp 2: four of one row per data-parallel rank)
 
 
