@@ -208,7 +208,7 @@ def test_dryrun_command_json_and_summary(capsys):
     assert code == 0 and result["precheck"]["ok"] and result["world_size"] == 4
     assert [c["ranks"] for c in result["rank_classes"]] == [2, 2]
     assert all(m["peak_bytes"] > m["persistent_bytes"] > 0 and m["fits"] for m in result["memory_per_rank"])
-    assert {(c["group"], c["kind"]) for c in result["collectives"]} >= {("dp", "all_reduce"), ("pp", "send")}
+    assert {(c["group"], c["kind"]) for c in result["collectives"]} >= {("dp_cp", "all_reduce"), ("pp", "send")}
     assert "collective-order proof" in out and "rank class" in out
 
 
