@@ -48,3 +48,12 @@ def layout_with(names) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
     if dims.get("ep") and dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) * dims.get("cp", 1) < 2:
         dims["dp_shard" if (opts.get("zero") or opts.get("fsdp")) else "dp_replicate"] = 2
     return model, train, ParallelConfig(ParallelDims(**dims), **opts)
+
+
+def assert_same_dry_runs(expected: dict, got: dict) -> None:
+    """Two dry runs of one layout agree: the precheck (passing), and per rank class the ledger, events and memory."""
+    assert got["precheck"] == expected["precheck"] and expected["precheck"]["ok"], expected["precheck"]
+    for rank, run in expected["runs"].items():
+        assert got["runs"][rank].records == run.records, rank
+        assert got["runs"][rank].events == run.events, rank
+        assert got["runs"][rank].memory == run.memory, rank

@@ -157,6 +157,8 @@ def test_commands_in_code_blocks_run(page, tmp_path, monkeypatch):
     """Each page's commands in order, in one directory (a later command reads what an earlier one wrote);
     ``verify`` validated, ``verify-resume`` and ``bench`` parsed (VALIDATED_ONLY, PARSED_ONLY)."""
     monkeypatch.chdir(tmp_path)
+    for toml in re.findall(r"^```toml\n(.*?)^```", page.read_text(), flags=re.S | re.M):
+        (tmp_path / "run.toml").write_text(toml)  # the page's example run file, read by its --config-file lines
     problems = []
     for line, marker in commands(page):
         problem, argv = _check_command(line, marker)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from parallelisms.config import ModelConfig
 from parallelisms.errors import ConfigError
-from parallelisms.model import build_model
 
 
 def equal_bounds(n_layers: int, stages: int) -> list[int]:
@@ -74,6 +71,10 @@ def profile_costs(cfg: ModelConfig, rows: int, seq_len: int, repeats: int = 5, s
                   ) -> tuple[list[float], float, float]:
     """Measured forward + backward seconds of each block, of the embedding, and of norm + head + loss,
     on one microbatch of ``rows`` x ``seq_len`` tokens (medians over ``repeats``; one warm-up)."""
+    import torch  # the cut itself is torch-free: ``plan`` and ``estimate`` price the runtime's stages with it
+
+    from parallelisms.model import build_model
+
     model = build_model(cfg, seed)
     tokens = torch.randint(0, cfg.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]

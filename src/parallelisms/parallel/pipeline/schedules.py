@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -94,8 +95,8 @@ class Schedule:
         """The rank's compute and optimizer actions, communication left out."""
         return [a for a in self.ranks[rank] if a.kind not in COMM]
 
-    @property
-    def split_backward(self) -> bool:
+    @functools.cached_property
+    def split_backward(self) -> bool:  # read per rank and layout by ``plan``: computed once
         return any(a.kind is Kind.BACKWARD_WEIGHT for acts in self.ranks for a in acts)
 
     @property
