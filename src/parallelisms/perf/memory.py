@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.stages import schedule_of, stage_bounds
+from parallelisms.perf.stages import schedule_of, stage_sizes
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 
@@ -157,8 +157,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
                  "stages": 1}]
     m = microbatches_per_step(parallel, train)
     schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
-    bounds = stage_bounds(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
-    sizes = [bounds[s + 1] - bounds[s] for s in range(schedule.num_stages)]
+    sizes = stage_sizes(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
     weight_pass = weight_pass_bytes(cfg, tokens, parallel, e)
     partial = ([n * weight_pass for n in sizes],
                e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
@@ -185,8 +184,7 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
     full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
     sharded = bool(parallel.zero) or parallel.fsdp not in (None, "no_shard")
     shard = _shard_degree(parallel) if sharded else 1
-    # of which ``experts`` (expert-parallel weights) are sharded over the ranks holding the same experts, ep_replicate
-    per_shard = (params - experts) / shard + experts / max(1, shard // dims.ep)
+    per_shard = _per_shard(params, experts, shard, dims.ep)
     master = 4 * (per_shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else params)
     held_grads = 0.0
     if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule != "gpipe":  # (GPipe peaks before the first
@@ -236,10 +234,11 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     ``None`` where the engine frees gradients as it reduces them (ZeRO-2/3, FSDP) or a pipeline holds them."""
     from parallelisms.perf.model import block_params
 
-    if parallel.dims.pp > 1 or not (parallel.zero == 1 or (not parallel.zero and parallel.fsdp == "no_shard")
-                                    or (not parallel.zero and not parallel.fsdp and parallel.mixed_precision == "bf16")):
-        return None
     bf16, n = parallel.mixed_precision == "bf16", (_shard_degree(parallel) if parallel.zero == 1 else 1)
+    plain = not parallel.zero and (parallel.fsdp == "no_shard" or (not parallel.fsdp and bf16))
+    keeps_full = parallel.zero == 1 or plain
+    if parallel.dims.pp > 1 or not keeps_full:
+        return None
     if n == 1 and not bf16:
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
     compute = 2 if bf16 else 4
@@ -248,7 +247,7 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
                   block_params(cfg, parallel.dims.tp))
     in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
     held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
-    per_shard = (params - experts) / n + experts / max(1, n // parallel.dims.ep)  # (:func:`model_states`)
+    per_shard = _per_shard(params, experts, n, parallel.dims.ep)
     return {"params": 4 * per_shard if bf16 else 4 * params, "grads": 4 * per_shard if bf16 else 4 * params,
             "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
 
@@ -269,6 +268,12 @@ def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) 
             break
         unit += size
     return unit
+
+
+def _per_shard(params: float, experts: float, shard: int, ep: int) -> float:
+    """A rank's share of ``params`` sharded ``shard`` ways, of which the ``experts`` (expert-parallel weights) are
+    sharded only over the ranks holding the same experts (``ep_replicate``: ``split_expert_units``)."""
+    return (params - experts) / shard + experts / max(1, shard // ep)
 
 
 def _shard_degree(parallel: ParallelConfig) -> int:
@@ -307,8 +312,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:
         """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
         fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
-        is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and DualPipe: one of the rank's two stages at a
-        time; DualPipeV peaks before the second chunk's buffers exist."""
+        is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and
+        DualPipe: one of the rank's two stages at a time; DualPipeV peaks before the second chunk's buffers exist."""
         params, _, states = states_of(layers, embedding, head, stages)
         full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
         # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
@@ -323,7 +328,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         params, experts, states = states_of(rank["layers"], rank["embedding"], rank["head"], rank["stages"])
         if dims.pp > 1:  # the stage's gradients are in the walk's peak (:func:`held_at_peak`)
             states["grads"] = 0.0
-        rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"] if dims.pp > 1 else 4 * cfg.max_seq_len * cfg.head_dim
+        rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"]  # a table per stage module
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
                "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"]
                + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}

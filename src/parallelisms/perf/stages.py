@@ -32,11 +32,12 @@ class RankStages:
     head: bool
 
 
-def stage_bounds(cfg: ModelConfig, stages: int) -> list[int]:
-    """The runtime's layer bounds for ``stages`` stages (one line where the layers cannot fill them)."""
+def stage_sizes(cfg: ModelConfig, stages: int) -> list[int]:
+    """Layers in each of ``stages`` stages as the runtime cuts them (one line where the layers cannot fill them)."""
     from parallelisms.parallel.pipeline.partition import equal_bounds
 
-    return equal_bounds(cfg.n_layers, stages)
+    bounds = equal_bounds(cfg.n_layers, stages)
+    return [bounds[s + 1] - bounds[s] for s in range(stages)]
 
 
 def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[RankStages]:
@@ -45,8 +46,7 @@ def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[R
     if pp == 1:
         return [RankStages(cfg.n_layers, (cfg.n_layers,), True, True)]
     schedule = schedule_of(parallel.schedule, pp, m, parallel.chunks)
-    bounds = stage_bounds(cfg, schedule.num_stages)
-    size = [bounds[s + 1] - bounds[s] for s in range(schedule.num_stages)]
+    size = stage_sizes(cfg, schedule.num_stages)
     last = schedule.num_stages - 1
     out = []
     for rank in range(pp):
