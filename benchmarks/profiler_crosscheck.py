@@ -19,7 +19,7 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.optim import make_optimizer
-from parallelisms.train import MicrobatchLoop, Trainer
+from parallelisms.training import MicrobatchLoop, Trainer
 from parallelisms.parallel.data import DataParallel
 
 

@@ -218,7 +218,7 @@ MUTANTS = [
                   "ranks' equal-size losses still average to the mean; only the causal load balance changes"),
     mutant("cp-positions-dropped", "context parallel: rotary angles of positions 0..S/N-1 instead of the held ones",
            "--cp 2",
-           ("train.py", "loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)",
+           ("training.py", "loss = self.model(x[:, pos], y[:, pos], positions=pos) / len(micro)",
             "loss = self.model(x[:, pos], y[:, pos]) / len(micro)")),
     mutant("ulysses-wrong-dim", "Ulysses all-to-all splits head_dim instead of the heads",
            "--cp 2 --cp-attention ulysses",
@@ -226,7 +226,7 @@ MUTANTS = [
             "send = x.unflatten(3, (n, -1)).movedim(3, 0)")),
     mutant("loss-report-dp-only", "reported loss averaged over dp only, not dp x cp (training itself right)",
            "--cp 2",
-           ("train.py", "all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)", "all_reduce(torch.stack(losses)) / dims.dp")),
+           ("training.py", "all_reduce(torch.stack(losses)) / (dims.dp * dims.cp)", "all_reduce(torch.stack(losses)) / dims.dp")),
     # -- expert parallelism and MoE ------------------------------------------------------------------------------------
     mutant("ep-expert-grad-not-reduced", "expert gradients not reduced over the ranks holding the same experts",
            "--preset tiny-moe --dp 4 --ep 2",
@@ -263,10 +263,10 @@ MUTANTS = [
     # -- checkpoints (verify-resume: save in one layout, resume in another) --------------------------------------------
     mutant("resume-data-position-lost", "resume: the data loader's position not restored (the resumed run trains on "
            "the first batches again)", '--save-layout "--dp 2" --resume-layout "--dp 2 --zero 1"',
-           ("train.py", "loader.load_state_dict(resumed.data_state)", "pass"), verb="verify-resume"),
+           ("training.py", "loader.load_state_dict(resumed.data_state)", "pass"), verb="verify-resume"),
     mutant("grad-accum-not-scaled", "plain runner: microbatch loss not divided by the accumulation count",
            "--dp 2 --grad-accum 2",
-           ("train.py", "loss = self.model(x, y) / len(micro)", "loss = self.model(x, y)")),
+           ("training.py", "loss = self.model(x, y) / len(micro)", "loss = self.model(x, y)")),
 ]
 
 

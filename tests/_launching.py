@@ -7,8 +7,8 @@ import contextlib
 import torch
 
 from parallelisms.launch import launch
-from parallelisms.train import train_rank
-from parallelisms.verify import TOLERANCE, compare, compare_settled, reference_train
+from parallelisms.training import train_rank
+from parallelisms.equivalence import TOLERANCE, compare, compare_settled, reference_train
 
 
 def launch_once_per_world(entry, threads: int = 1):
@@ -42,7 +42,7 @@ def train_each(info, world: int, specs: dict) -> dict:
 def settled(report: dict, model, train, reference=None, splits: int = 1, tolerance: float = TOLERANCE) -> dict:
     """``report`` compared with single-process training on ``splits`` batch slices (``reference``, else trained
     here), fp32 parameters beyond ``tolerance`` settled against float64 training as ``verify`` does
-    (:func:`parallelisms.verify.compare_settled`)."""
+    (:func:`parallelisms.equivalence.compare_settled`)."""
     reference = reference or reference_train(model, train, splits=splits)
     return compare_settled(report, reference, lambda: reference_train(model, train.replace(dtype="float64"), splits=splits),
                            tolerance)

@@ -85,7 +85,7 @@ def test_example_script_under_torchrun():
 
 def test_import_is_light_and_names_resolve():
     code = ("import sys, parallelisms; assert 'torch' not in sys.modules, 'torch imported'; "
-            "from parallelisms.train import RunSpec; import parallelisms.verify; "
+            "from parallelisms.training import RunSpec; import parallelisms.equivalence, parallelisms.training; "
             "assert callable(parallelisms.train) and callable(parallelisms.verify), 'submodule shadowed the API'; "
             "print(sorted(set(parallelisms.__all__) - set(dir(parallelisms))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={

@@ -27,8 +27,8 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.resume import CheckpointOptions, latest, layout_meta
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64
 
 from _launching import launch_reports
 

@@ -108,7 +108,7 @@ def test_fp32_rounding_amplified_by_adam_is_not_a_mismatch(capsys):
     tolerance below that spread (5e-6, so the path runs on any CPU), verify settles each tensor beyond it
     against float64 training, names it, and says ok only where each is within ROUNDING_FACTOR of the
     reference's own distance (measured here: 0.6-1.7)."""
-    from parallelisms.verify import ROUNDING_FACTOR
+    from parallelisms.equivalence import ROUNDING_FACTOR
 
     argv = ["--preset", "small", "--global-batch", "8", "--steps", "2", "--cp", "2", "--cp-attention", "ulysses",
             "--tolerance", "5e-6"]

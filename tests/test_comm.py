@@ -182,7 +182,7 @@ def _train_three_times(info):
 
     from parallelisms.config import ParallelConfig, TrainConfig, preset
     from parallelisms.support import validate_layout
-    from parallelisms.train import RunSpec, train_rank
+    from parallelisms.training import RunSpec, train_rank
 
     model, train = preset("tiny"), TrainConfig(steps=2, global_batch=8, seq_len=16)
     spec = RunSpec(model, train, validate_layout(model, train, ParallelConfig(ParallelDims(dp_shard=2, pp=2), zero=1,

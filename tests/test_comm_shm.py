@@ -19,7 +19,7 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.data import DataParallel
-from parallelisms.train import RunSpec, train_rank
+from parallelisms.training import RunSpec, train_rank
 
 from _launching import settled
 

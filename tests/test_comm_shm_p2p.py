@@ -13,8 +13,8 @@ from parallelisms.comm.ops import Comm, CommError
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import reference_train
 
 from _launching import settled
 

@@ -11,8 +11,8 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.context import RingAttentionCore, UlyssesAttentionCore, block_plan, shard_sequence
 from parallelisms.model.transformer import CausalAttentionCore
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import reference_train
 
 from _launching import settled
 

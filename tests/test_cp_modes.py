@@ -13,9 +13,9 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model.transformer import CausalAttentionCore
 from parallelisms.parallel.cp_modes import MODES, Shape
-from parallelisms.verify import TOLERANCE_FLOAT64, batch_slices, compare, reference_train
+from parallelisms.equivalence import TOLERANCE_FLOAT64, batch_slices, compare, reference_train
 
-from parallelisms.train import RunSpec
+from parallelisms.training import RunSpec
 
 from _launching import launch_reports, one_thread
 

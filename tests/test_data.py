@@ -16,7 +16,7 @@ from parallelisms.data.sources import check_data, load_tokens, split_tokens, tra
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.train import RunSpec
+from parallelisms.training import RunSpec
 
 from _launching import assert_reproduces, launch_reports, one_thread
 

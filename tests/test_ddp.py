@@ -14,8 +14,8 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.data import DataParallel
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import reference_train
 
 from _launching import settled
 

@@ -11,8 +11,8 @@ from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.dp_balance import DataBalance, proportional_split
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64
 
 from _launching import launch_reports, settled
 

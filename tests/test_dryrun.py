@@ -53,7 +53,7 @@ def _real_records(info, world: int) -> dict:
     """name -> this rank's ledger records of the setup and one real training step, for every layout of ``world``
     ranks (gloo, real data; MoE routing balanced as in the dry run)."""
     from parallelisms.api import batches
-    from parallelisms.train import parallelize
+    from parallelisms.training import parallelize
 
     out = {}
     for name in LAYOUTS:

@@ -18,8 +18,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.ep_placement import canonical, max_redundant, place, rank_loads, valid
 from parallelisms.resume import CheckpointOptions, layout_meta
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64
 
 from _launching import launch_reports, settled
 from test_bad_input import _one_line, tripwire  # noqa: F401 (a fixture)

@@ -15,7 +15,7 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.model.moe import MoE, grouped_swiglu
-from parallelisms.train import RunSpec, train_rank
+from parallelisms.training import RunSpec, train_rank
 
 from _launching import settled
 

@@ -17,8 +17,8 @@ import pytest
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64, batch_slices
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64, batch_slices
 
 from _launching import assert_reproduces, launch_reports
 

@@ -10,8 +10,8 @@ import pytest
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.memory import zero_formula
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import reference_train
 
 from _launching import launch_once_per_world, settled
 

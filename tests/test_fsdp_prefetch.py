@@ -12,7 +12,7 @@ from parallelisms.model import build_model
 from parallelisms.parallel.flat import ShardedEngine, module_units
 from parallelisms.parallel.zero import zero_plan
 from parallelisms.support import validate_layout
-from parallelisms.verify import compare, reference_train
+from parallelisms.equivalence import compare, reference_train
 
 
 MODEL = preset("tiny")
@@ -57,7 +57,7 @@ def test_each_unit_runs_with_the_next_depth_units_already_gathering(depth):
 
 
 def _run(info, world):
-    from parallelisms.train import RunSpec, train_rank
+    from parallelisms.training import RunSpec, train_rank
 
     return {name: train_rank(info, RunSpec(MODEL, FLOAT64, _parallel(*spec), collect_state=True))
             for name, spec in SPECS.items()}

@@ -24,8 +24,8 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec, parallelize
-from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64, batch_slices, compare, reference_train, reference_train_bf16
+from parallelisms.training import RunSpec, parallelize
+from parallelisms.equivalence import TOLERANCE, TOLERANCE_FLOAT64, batch_slices, compare, reference_train, reference_train_bf16
 
 from _launching import assert_reproduces, launch_reports, one_thread
 

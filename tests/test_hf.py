@@ -16,7 +16,7 @@ from parallelisms.hf import export_hf, load_hf  # noqa: E402
 from parallelisms.launch import launch  # noqa: E402
 from parallelisms.mesh import ParallelDims  # noqa: E402
 from parallelisms.model import build_model  # noqa: E402
-from parallelisms.train import RunSpec, train_rank  # noqa: E402
+from parallelisms.training import RunSpec, train_rank  # noqa: E402
 
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
 

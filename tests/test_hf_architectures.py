@@ -26,8 +26,8 @@ from parallelisms.mesh import ParallelDims  # noqa: E402
 from parallelisms.model import build_model  # noqa: E402
 from parallelisms.optim import decays  # noqa: E402
 from parallelisms.support import validate_layout  # noqa: E402
-from parallelisms.train import RunSpec  # noqa: E402
-from parallelisms.verify import TOLERANCE_FLOAT64, compare, reference_train  # noqa: E402
+from parallelisms.training import RunSpec  # noqa: E402
+from parallelisms.equivalence import TOLERANCE_FLOAT64, compare, reference_train  # noqa: E402
 
 from _launching import launch_once_per_world, one_thread, train_each  # noqa: E402
 

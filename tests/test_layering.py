@@ -10,8 +10,8 @@ import pytest
 pytestmark = pytest.mark.fast  # pure functions: no process starts (tests/conftest.py)
 
 SRC = pathlib.Path(parallelisms.__file__).parent
-ABOVE_THE_PARALLELISMS = ("parallelisms.train", "parallelisms.train_setup", "parallelisms.trainer",
-                          "parallelisms.verify", "parallelisms.cli", "parallelisms.cli_args", "parallelisms.cli_configs",
+ABOVE_THE_PARALLELISMS = ("parallelisms.training", "parallelisms.train_setup", "parallelisms.trainer",
+                          "parallelisms.equivalence", "parallelisms.cli", "parallelisms.cli_args", "parallelisms.cli_configs",
                           "parallelisms.cli_results", "parallelisms.bench", "parallelisms.support")
 
 

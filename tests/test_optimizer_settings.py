@@ -16,8 +16,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.optim import decays, sharded_optimizer
 from parallelisms.parallel.placement import flat_pieces
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64, reference_train
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64, reference_train
 
 MODEL = ModelConfig()
 TRAIN = TrainConfig(steps=3, global_batch=4, seq_len=32, dtype="float64", weight_decay=0.1, betas=(0.8, 0.99),

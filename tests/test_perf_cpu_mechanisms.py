@@ -415,7 +415,7 @@ def _optimizer_tensor_counts(info, layouts):
     """Per layout: the parameter tensors this rank's optimizers step (the trainer :func:`parallelize` builds)."""
     from parallelisms.comm import Comms
     from parallelisms.model import build_model
-    from parallelisms.train import parallelize
+    from parallelisms.training import parallelize
 
     out = []
     for parallel in layouts:

@@ -16,8 +16,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, stage_costs
 from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import Run, compare, reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import Run, compare, reference_train
 
 from _launching import assert_pipeline_report, settled
 

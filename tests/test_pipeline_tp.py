@@ -15,8 +15,8 @@ from parallelisms.support import validate_layout
 from parallelisms.config import PRESETS, ConfigError, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.model import comm_per_step
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE, TOLERANCE_FLOAT64
 
 from _launching import assert_reproduces, launch_once_per_world, train_each
 

@@ -22,8 +22,8 @@ from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.tensor import Region, _ColumnParallel, _RowParallel
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64, Run, compare, reference_train
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64, Run, compare, reference_train
 
 from _launching import launch_once_per_world, one_thread, train_each
 

@@ -58,7 +58,7 @@ def test_every_fsdp_style_recomputes_when_asked(style, recompute, monkeypatch):
 
     from parallelisms.comm import Comms
     from parallelisms.config import ParallelConfig, TrainConfig, preset
-    from parallelisms.train import parallelize
+    from parallelisms.training import parallelize
 
     calls, attention = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
@@ -82,7 +82,7 @@ def _recompute_specs():
     from parallelisms.config import ParallelConfig, TrainConfig
     from parallelisms.mesh import ParallelDims
     from parallelisms.support import validate_layout
-    from parallelisms.train import RunSpec
+    from parallelisms.training import RunSpec
 
     train = TrainConfig(steps=2, global_batch=8, seq_len=16, dtype="float64")
     specs = {}
@@ -110,7 +110,7 @@ def test_recompute_with_every_schedule_matches_in_float64(schedule_runs, schedul
     """Blocks recomputed in backward under every synchronous schedule, split backward and DualPipe's
     copies included (the deferred weight gradient lands on the parameter, not on the alias a recomputed
     forward saves), match single-process training in float64."""
-    from parallelisms.verify import TOLERANCE_FLOAT64, compare, reference_train
+    from parallelisms.equivalence import TOLERANCE_FLOAT64, compare, reference_train
 
     spec = _recompute_specs()[schedule]
     result = compare(schedule_runs[schedule], reference_train(DEEP, spec.train, splits=4), TOLERANCE_FLOAT64)

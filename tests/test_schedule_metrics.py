@@ -12,7 +12,7 @@ from parallelisms.config import DataConfig, ParallelConfig, TrainConfig, preset
 from parallelisms.lr_schedule import lr_factor
 from parallelisms.mesh import ParallelDims
 from parallelisms.metrics import default_metrics_path, read_metrics
-from parallelisms.train import RunSpec
+from parallelisms.training import RunSpec
 
 from _launching import assert_reproduces, launch_reports, one_thread
 

@@ -21,8 +21,8 @@ from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.support import validate_layout
-from parallelisms.train import RunSpec
-from parallelisms.verify import TOLERANCE_FLOAT64, batch_slices, compare, reference_train
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import TOLERANCE_FLOAT64, batch_slices, compare, reference_train
 
 from _launching import launch_reports
 

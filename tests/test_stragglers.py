@@ -11,7 +11,7 @@ import torch
 from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
 from parallelisms.stragglers import DIMS, StragglerReport, chrome_wait_events, describe
-from parallelisms.train import RunSpec
+from parallelisms.training import RunSpec
 
 from _launching import launch_once_per_world, train_each
 

@@ -16,8 +16,8 @@ from parallelisms.launch import launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.parallel.tensor_plan import apply_tensor_parallel
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import compare_settled, reference_train
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import compare_settled, reference_train
 
 TINY = preset("tiny")
 # A vocabulary neither 2 nor 4 divides. (With 125 instead, TP ends 1.2e-5 from the reference on

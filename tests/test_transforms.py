@@ -30,7 +30,7 @@ from parallelisms.parallel.recompute import _checkpointed_forward
 from parallelisms.parallel.tensor import ColumnParallelLinear, Region
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.support import FLAGS, UNSUPPORTED, features, validate_layout
-from parallelisms.train import parallelize
+from parallelisms.training import parallelize
 
 from _layouts import layout_with
 

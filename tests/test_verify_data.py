@@ -7,7 +7,7 @@ import torch
 
 from parallelisms.cli import main
 from parallelisms.data import BatchLoader, load_corpus
-from parallelisms.train import _poisoned
+from parallelisms.training import _poisoned
 
 SMALL = ["--steps", "1", "--global-batch", "4", "--seq-len", "32", "--json"]
 

@@ -32,7 +32,6 @@ in pytest, one per scenario.
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import pytest
@@ -44,8 +43,9 @@ from parallelisms.launch import LaunchError
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.pipeline.pipedream import pipedream_reference
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
-from parallelisms.train import RunSpec
-from parallelisms.verify import (BF16_ENVELOPE, TOLERANCE, TOLERANCE_FLOAT64, Run, batch_slices, bf16_samples,
+from parallelisms import equivalence
+from parallelisms.training import RunSpec
+from parallelisms.equivalence import (BF16_ENVELOPE, TOLERANCE, TOLERANCE_FLOAT64, Run, batch_slices, bf16_samples,
                                  compare, compare_mixed_precision, reference_train, reference_train_bf16)
 
 from _launching import assert_pipeline_report, launch_once_per_world, one_thread, train_each
@@ -361,9 +361,7 @@ def test_ddp_and_zero_cut_buckets_under_the_cap():
 def _doubled_gradients(monkeypatch) -> Run:
     """Single-process training whose every gradient is twice the true one: a layout that sums over two
     data-parallel ranks instead of averaging."""
-    verify = importlib.import_module("parallelisms.verify")  # parallelisms.verify is the API function
-
-    build = verify.build_model
+    build = equivalence.build_model
 
     def build_doubling(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -371,7 +369,7 @@ def _doubled_gradients(monkeypatch) -> Run:
             p.register_hook(lambda g: 2 * g)
         return model
     with monkeypatch.context() as patch, one_thread():
-        patch.setattr(verify, "build_model", build_doubling)
+        patch.setattr(equivalence, "build_model", build_doubling)
         return reference_train(TINY, CLIP, splits=2)
 
 

@@ -17,8 +17,8 @@ from parallelisms.parallel.flat import ShardedEngine, module_units
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.zero import zero_plan
 from parallelisms.parallel.memory import zero_formula
-from parallelisms.train import RunSpec, train_rank
-from parallelisms.verify import BF16_TOLERANCE, compare, reference_train, reference_train_bf16
+from parallelisms.training import RunSpec, train_rank
+from parallelisms.equivalence import BF16_TOLERANCE, compare, reference_train, reference_train_bf16
 
 from _launching import launch_once_per_world, settled
 

@@ -12,7 +12,7 @@ import pytest
 
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
-from parallelisms.train import RunSpec, train_rank
+from parallelisms.training import RunSpec, train_rank
 
 from _launching import launch_once_per_world, settled
 

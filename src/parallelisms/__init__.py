@@ -11,9 +11,6 @@ light (the command line holds Ctrl-C while it imports):
   layout)``: the pieces for a training loop of your own, inside a ``torchrun`` script.
 """
 
-import sys
-import types
-
 __version__ = "0.1.0"
 API = ("train", "verify", "estimate", "plan", "simulate", "configure", "build_model", "parallelize", "batches")
 __all__ = [*API, "__version__"]
@@ -29,17 +26,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted({*globals(), *API})
-
-
-class _Package(types.ModuleType):
-    """``parallelisms.train`` and ``parallelisms.verify`` are API functions, although modules of the same names
-    exist: importing those modules must not replace the functions (import them as ``from parallelisms.train
-    import X``, or by ``importlib.import_module``)."""
-
-    def __setattr__(self, name, value):
-        if name in API and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -81,7 +81,7 @@ def _diverged(report: dict, lr: float, skip_nonfinite: bool = False) -> int:
 def _rounding_note(explained: dict) -> str:
     if not explained:
         return ""
-    from parallelisms.verify import ROUNDING_FACTOR
+    from parallelisms.equivalence import ROUNDING_FACTOR
 
     ratio = max(e["vs_float64"] / e["reference_vs_float64"] for e in explained.values())
     return (f"; {len(explained)} tensor(s) beyond the tolerance measured against float64 training: "

@@ -14,15 +14,15 @@ from parallelisms.flags import check_writable
 
 
 def run_layout(spec, placement, trace: bool = False):
-    """:func:`parallelisms.train.run_layout`, imported when first used (torch loads with it)."""
-    from parallelisms.train import run_layout as run
+    """:func:`parallelisms.training.run_layout`, imported when first used (torch loads with it)."""
+    from parallelisms.training import run_layout as run
 
     return run(spec, placement, trace)
 
 
 def train_report(args, announce: bool = False) -> dict | None:
     """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
-    from parallelisms.train import RunSpec
+    from parallelisms.training import RunSpec
 
     from parallelisms.metrics import default_metrics_path
     from parallelisms.resume import checkpoint_options
@@ -74,7 +74,7 @@ def train_report(args, announce: bool = False) -> dict | None:
 
 
 def _tolerance(args, train) -> float:
-    from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64
+    from parallelisms.equivalence import TOLERANCE, TOLERANCE_FLOAT64
 
     if args.tolerance is not None:
         return args.tolerance
@@ -85,7 +85,7 @@ def reference_for(model, train, parallel):
     """The single-process run a layout is compared with (see :mod:`parallelisms.verify`)."""
     import torch
 
-    from parallelisms.verify import Run, batch_slices, reference_train, reference_train_bf16
+    from parallelisms.equivalence import Run, batch_slices, reference_train, reference_train_bf16
 
     if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
@@ -122,8 +122,8 @@ def verify_result(args, announce: bool = False) -> dict | None:
 
 def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
     """One comparison of the layout with single-process training, in ``train.dtype``."""
-    from parallelisms.train import RunSpec
-    from parallelisms.verify import (batch_slices, bf16_samples, check_reference, compare_mixed_precision,
+    from parallelisms.training import RunSpec
+    from parallelisms.equivalence import (batch_slices, bf16_samples, check_reference, compare_mixed_precision,
                                      compare_settled)
 
     tolerance = _tolerance(args, train)

@@ -177,7 +177,7 @@ def _worker_pids(parent: int) -> list[int]:
 START_METHODS = ("spawn", "forkserver")
 # what a forkserver imports once for every rank it forks: torch, what its optimizers import on first use (dynamo:
 # about 3 s here), its FSDP and DTensor packages, and the training loop
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "parallelisms.train"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "parallelisms.training"]
 _forkserver_environment: dict = {}  # the environment the process's forkserver started with (one per process)
 
 

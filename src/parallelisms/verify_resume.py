@@ -19,8 +19,8 @@ def verify_resume(args, configs, run_layout) -> int:
     import torch
 
     from parallelisms.errors import ConfigError
-    from parallelisms.train import RunSpec
-    from parallelisms.verify import TOLERANCE, TOLERANCE_FLOAT64
+    from parallelisms.training import RunSpec
+    from parallelisms.equivalence import TOLERANCE, TOLERANCE_FLOAT64
 
     def parse(layout: str, flag: str):
         try:

@@ -44,7 +44,7 @@ def exposed_all_to_all_s(spans: list) -> float:
 
 def _run(model, train: TrainConfig, ep: int, balance: str, redundant: int) -> dict:
     from parallelisms.device import choose
-    from parallelisms.train import RunSpec, run_layout
+    from parallelisms.training import RunSpec, run_layout
 
     parallel = ParallelConfig(dims=ParallelDims(dp_replicate=ep, ep=ep), ep_balance=balance, ep_redundant=redundant)
     report = run_layout(RunSpec(model, train, parallel), choose("cpu", ep), trace=True)

@@ -21,7 +21,7 @@ SLOW = (1, 1.5)
 
 def _step_s(model, train: TrainConfig, dp: int, balance: str) -> tuple[float, dict]:
     from parallelisms.device import choose
-    from parallelisms.train import RunSpec, run_layout
+    from parallelisms.training import RunSpec, run_layout
 
     parallel = ParallelConfig(dims=ParallelDims(dp_replicate=dp), dp_balance=balance)
     report = run_layout(RunSpec(model, train, parallel), choose("cpu", dp))
@@ -65,7 +65,7 @@ def bench_straggler_cost(args) -> dict:
     import tempfile
 
     from parallelisms.device import choose
-    from parallelisms.train import RunSpec, run_layout
+    from parallelisms.training import RunSpec, run_layout
 
     model = preset(args.preset).validate()
     train = TrainConfig(steps=max(args.steps, 40), global_batch=args.global_batch, seq_len=args.seq_len,

@@ -91,7 +91,7 @@ def bench_predict(args) -> dict:
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
     from parallelisms.perf.calibrate import calibration_pool
-    from parallelisms.train import RunSpec, run_layout
+    from parallelisms.training import RunSpec, run_layout
 
     spec = getattr(args, "hardware", None) or "calibrate"
     hw = _hardware(spec)
