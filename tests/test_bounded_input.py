@@ -2,7 +2,6 @@
 symbolic-link loop or a device are one line naming what they are, before any process starts."""
 
 import os
-from pathlib import Path
 
 import pytest
 

@@ -24,7 +24,7 @@ from parallelisms.hf import export_hf, load_hf  # noqa: E402
 from parallelisms.launch import launch  # noqa: E402
 from parallelisms.mesh import ParallelDims  # noqa: E402
 from parallelisms.optim import decays  # noqa: E402
-from parallelisms.training import RunSpec, train_rank  # noqa: E402
+from parallelisms.training import RunSpec  # noqa: E402
 from parallelisms.equivalence import TOLERANCE_FLOAT64, batch_slices, clip_grad_norm_float64  # noqa: E402
 
 STEPS = 10

@@ -68,7 +68,7 @@ def _regions(modules):
 
 def _applied(feature: str, trainer, modules) -> bool:
     """Whether ``trainer`` (what parallelize returned) carries out ``feature``."""
-    sync, engines = trainer.grad_sync, _engines(trainer.grad_sync)
+    engines = _engines(trainer.grad_sync)
     layers = [m for m in modules if hasattr(m, "attention") and hasattr(m, "feed_forward")]
     if feature == "ddp":  # mixed precision runs DDP as the flat engine's NO_SHARD plan (replicated over dp)
         return all(isinstance(e, DataParallel) for e in engines) or all(
