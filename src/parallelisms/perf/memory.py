@@ -32,6 +32,7 @@ first backward on (with as many microbatches as stages, the first stage peaks at
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.stages import schedule_of, stage_sizes
@@ -106,33 +107,64 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
     return layers * block + embedding * table + head * (table + d)
 
 
-def held_at_peak(schedule, rank: int, full: list[float], partial: tuple[list[float], float],
-                 moment: tuple[float, float], head_kept: float, grads: float = 0.0) -> float:
-    """The most activation bytes the rank holds, walking its actions in order: a forward adds a stage-microbatch
-    of ``full[stage]`` bytes (on the last stage also the head's ``head_kept``) and peaks at ``moment`` beyond what
-    is held (the loss's on the last stage, a block's backward elsewhere: (other, last)); a full backward frees it;
-    a split backward's input pass (Zero Bubble) leaves what the weight pass reads (``partial``: (per stage, the
-    last stage's head)), which the weight pass frees. The stage's gradients (``grads``) exist from the rank's first
-    backward on: with as many microbatches as stages the first stage peaks before it, at the end of warm-up."""
+@lru_cache(maxsize=4096)
+def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple[tuple, ...]:
+    """The distinct moments at which a rank's activations may peak, from one walk of its actions in order (``plan``
+    prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
+    stage, whether the stage's gradients exist yet, the moment: 0 a forward off the last stage, 1 a forward on it,
+    2 the end of the rank's first backward). A forward holds its stage-microbatch until its backward frees it; a
+    split backward's input pass (Zero Bubble) leaves what the weight pass reads, which the weight pass frees."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
+    schedule = schedule_of(name, pp, m, chunks)
     last = schedule.num_stages - 1
-    held = best = 0.0
+    flying, weighing = [0] * schedule.num_stages, [0] * schedule.num_stages
+    grads, seen = 0, set()
     for a in schedule.compute(rank):
-        on_last = a.stage == last
         if a.kind is Kind.FORWARD:
-            held += full[a.stage] + head_kept * on_last
-            best = max(best, held + moment[on_last] - head_kept * on_last)
+            flying[a.stage] += 1
+            seen.add((tuple(flying), tuple(weighing), grads, int(a.stage == last)))
             continue
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            held -= full[a.stage] + head_kept * on_last
-            if a.kind is Kind.BACKWARD_INPUT:
-                held += partial[0][a.stage] + partial[1] * on_last
+            flying[a.stage] -= 1
+            weighing[a.stage] += a.kind is Kind.BACKWARD_INPUT
         elif a.kind is Kind.BACKWARD_WEIGHT:
-            held -= partial[0][a.stage] + partial[1] * on_last
-        if grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
-            held, grads = held + grads, 0.0
-            best = max(best, held + moment[0])  # the first backward's end: its gradients made, its microbatch freed
+            weighing[a.stage] -= 1
+        if not grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            grads = 1
+            seen.add((tuple(flying), tuple(weighing), grads, 2))
+    return tuple(_undominated(seen))
+
+
+def _undominated(states: set[tuple]) -> list[tuple]:
+    """The states no other state of the same moment holds at least as much of, in every count: every byte figure
+    is non-negative, so only these can be the peak."""
+    def covers(a: tuple, b: tuple) -> bool:
+        return a[2] >= b[2] and all(x >= y for x, y in zip(a[0] + a[1], b[0] + b[1]))
+
+    ordered = sorted(states, key=lambda st: -(sum(st[0]) + sum(st[1]) + st[2]))
+    kept: list[tuple] = []
+    for state in ordered:
+        if not any(k[3] == state[3] and covers(k, state) for k in kept):
+            kept.append(state)
+    return kept
+
+
+def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tuple[list[float], float],
+                 moment: tuple[float, float], head_kept: float, grads: float = 0.0) -> float:
+    """The most activation bytes a rank holds over its :func:`peak_candidates`: a stage-microbatch in flight holds
+    ``full[stage]`` bytes (on the last stage also the head's ``head_kept``), a split backward's remainder
+    ``partial`` ((per stage, the last stage's head)); a forward peaks at ``moment`` beyond what is held (the loss's
+    on the last stage, a block's backward elsewhere: (other, last)). The stage's gradients (``grads``) exist from
+    the rank's first backward on: with as many microbatches as stages the first stage peaks before it, at the end
+    of warm-up."""
+    best = 0.0
+    for flying, weighing, made, when in candidates:
+        if when == 2 and not grads:
+            continue
+        held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1]
+                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1] + made * grads)
+        best = max(best, held + (moment[1] - head_kept if when == 1 else moment[0]))
     return best
 
 
@@ -167,8 +199,9 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
         held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
                 "head": schedule.num_stages - 1 in stages}
         grads = grads_of(**held) if grads_of else 0.0
-        out.append({**held, "peak": held_at_peak(schedule, r, [n * block for n in sizes], partial, moment,
-                                                 head_kept, grads)})
+        candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r)
+        out.append({**held, "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept,
+                                                 grads)})
     return out
 
 
