@@ -256,10 +256,10 @@ STAGES = ("compute (GEMMs, the model's kernels, the optimizer)", "collectives", 
 def calibrate(quick: bool = False, progress=lambda stage: None) -> dict:
     """A hardware dict (perf/hardware.py's keys) for this machine, with the measurements it came from;
     ``progress(i)`` is called as stage ``STAGES[i]`` starts."""
-    repeats = 3 if quick else 9
+    repeats = 2 if quick else 9
     progress(0)
     compute, gemms = calibrate_shared(repeats)
-    sizes = [2**k for k in range(8, 21 if quick else 23, 2)]
+    sizes = [2**k for k in range(8, 19 if quick else 23, 2)]
     progress(1)
     collectives = measure_collectives(sizes, repeats)
     cores = os.cpu_count() or 1
