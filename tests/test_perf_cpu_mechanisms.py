@@ -13,7 +13,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elementwise_bytes, gemm_time, layer_gemms,
                                        layer_times, sequence_parallel_copies)
 from parallelisms.perf.hardware import PRESETS, load_hardware
-from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
+from parallelisms.perf.network import comm_time as _comm
+from parallelisms.perf.step import Layout, _data_parallel_traffic, _layer_comm, _meetings, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
