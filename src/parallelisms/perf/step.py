@@ -239,9 +239,10 @@ def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: 
     the head) and a pipeline send and receive; per step the data-parallel calls and the gradient norm's."""
     dims, sp = parallel.dims, parallel.sequence_parallel
     forward = backward = ends = 0  # ring attention: one exchange per hop (its sends and receives together)
-    if dims.tp > 1:
-        forward, backward = (4, 8) if sp else (2, 2)
-        ends = (6 if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
+    if dims.tp > 1:  # --tp-overlap-chunks C: each forward GEMM's collective (SP: the head's gather too) in C calls
+        chunks = max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1
+        forward, backward = (4 * chunks, 8) if sp else (2 * chunks, 2)
+        ends = (5 + chunks if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
     if dims.cp > 1:
         forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
     if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
