@@ -65,3 +65,7 @@ def test_every_bench_reports_phases_and_scaling_against_one_process(capsys, argv
     assert {"forward_s", "backward_s", "exposed_comm_s"} <= set(result["phases"]["ours"]) & set(result["phases"]["peer"])
     assert result["ours_scaling_efficiency"] == pytest.approx(
         result["single_process_s"] / (result["world_size"] * result["ours_s"]))
+    if argv[0] == "tp":  # what --tp-overlap --tp-overlap-chunks 2 hides, forward and backward, from the timeline
+        for rank in result["overlap_per_rank"]:
+            assert rank["overlap"]["forward_collectives_ms"] > 0 and rank["overlap"]["backward_collectives_ms"] > 0
+            assert rank["sync"]["forward_exposed_ms"] == rank["sync"]["forward_collectives_ms"]

@@ -79,7 +79,7 @@ def test_lower_layers_do_not_import_higher_ones():
 STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
-              "parallelisms.perf.prefetch")
+              "parallelisms.perf.prefetch", "parallelisms.perf.overlap")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
                 "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
                 "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",

@@ -13,7 +13,8 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elementwise_bytes, gemm_time, layer_gemms,
                                        layer_times, sequence_parallel_copies)
 from parallelisms.perf.hardware import PRESETS, load_hardware
-from parallelisms.perf.step import Layout, _comm, _data_parallel_traffic, _layer_comm, _meetings, predict_step
+from parallelisms.perf.network import comm_time as _comm
+from parallelisms.perf.step import Layout, _data_parallel_traffic, _layer_comm, _meetings, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
@@ -176,7 +177,7 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2", "--sp", "--grad-accum", "2"], ["--dp", "2", "--zero", "3"],
-                                  ["--pp", "2", "--dp", "1"]])
+                                  ["--pp", "2", "--dp", "1"], ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "3"]])
 def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
     """The blocking collectives the model charges a meeting overhead for are the calls a real run's ledger
     records per step (rank 0: the whole model, or the first pipeline stage with its one send and one receive

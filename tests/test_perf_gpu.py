@@ -10,7 +10,7 @@ from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfi
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS, LayerShape, _linears, block_ops,
-                                       fp8_cast_bytes, gemm_time, layer_times)
+                                       fp8_cast_bytes, gemm_time, head_gemms, layer_times)
 from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import PRESETS as HARDWARE
 
@@ -102,7 +102,7 @@ def test_overlapped_param_gather_hides_behind_the_first_forward():
 def test_forward_tp_overlap_is_a_two_stage_pipeline_over_row_blocks():
     """--tp-overlap-chunks C: block i's all-reduce under block i+1's GEMM; exposed: the pipeline's span
     g + c + (C-1) max(g, c) less the unchunked GEMM (so the chunking's smaller GEMMs are charged too)."""
-    from parallelisms.perf.step import chunked_overlap
+    from parallelisms.perf.overlap import chunked_overlap
 
     gemm = (8192, 4096, 4096, 1, 0)
     whole, g = gemm_time(A100, 8192, 4096, 4096), gemm_time(A100, 2048, 4096, 4096)
@@ -115,6 +115,63 @@ def test_forward_tp_overlap_is_a_two_stage_pipeline_over_row_blocks():
                                           tp_overlap_chunks=c), train, A100)["time_breakdown"]["exposed_comm"]
              ["all_reduce/tp"] for c in (0, 4)]
     assert steps[1] < steps[0]
+
+
+SP_SHAPE = LayerShape(PRESETS["llama3-8b"], 1, 8192, tp=4, sp=True)
+SP_LAYOUT = ParallelConfig(ParallelDims(tp=4), sequence_parallel=True, mixed_precision="bf16")
+
+
+def _sp_collectives(parallel, calls: int = 1):
+    """Seconds of one tp all-gather, reduce-scatter (1/calls of the activation each) and norm-weight all-reduce."""
+    from parallelisms.perf.network import comm_time
+
+    activation, cfg = SP_SHAPE.tokens * SP_SHAPE.cfg.dim * A100.bytes_per_element, SP_SHAPE.cfg
+    return (comm_time(A100, parallel, "all_gather", "tp", activation / calls),
+            comm_time(A100, parallel, "reduce_scatter", "tp", activation / calls),
+            comm_time(A100, parallel, "all_reduce", "tp", cfg.dim * A100.bytes_per_element))
+
+
+def test_forward_tp_overlap_under_sp_pipelines_the_gathers_and_scatters():
+    """--sp --tp-overlap-chunks C: each column region's GEMM consumes its sequence all-gather piece by piece
+    (piece i+1 gathered under piece i's GEMM) and each row-parallel GEMM's output is reduce-scattered piece by
+    piece under the next piece's GEMM: per (GEMM G, collective) pair exposed g + c + (C-1) max(g, c) - G, with
+    g = G's GEMM on m/C rows and c the collective of 1/C of the activation. The backward is the unchunked one."""
+    from parallelisms.perf.overlap import head_comm, tensor_parallel_comm
+
+    c, times = 4, layer_times(A100, SP_SHAPE)
+    overlap = dataclasses.replace(SP_LAYOUT, tp_overlap=True)
+    chunked = dataclasses.replace(overlap, tp_overlap_chunks=c)
+    gather, scatter, _ = _sp_collectives(chunked, c)
+    expected = 0.0
+    for (m, n, k, b), piece in zip(_linears(SP_SHAPE), (gather, scatter, gather, scatter)):  # QKV, out, MLP in, out
+        g, whole = gemm_time(A100, m / c, n, k, b, n * k), gemm_time(A100, m, n, k, b, n * k)
+        expected += max(0.0, g + piece + (c - 1) * max(g, piece) - whole)
+    assert A100.comm_cpu_fraction == 0
+    forward, backward = tensor_parallel_comm(SP_SHAPE.cfg, chunked, A100, SP_SHAPE, times)
+    assert forward == pytest.approx(expected)
+    unchunked = tensor_parallel_comm(SP_SHAPE.cfg, overlap, A100, SP_SHAPE, times)
+    gather, scatter, _ = _sp_collectives(overlap)
+    assert unchunked[0] == pytest.approx(2 * (gather + scatter)) and forward < unchunked[0]
+    assert backward == unchunked[1]
+    # the final norm's gather pipelined with the head GEMM, the same closed form
+    (m, n, k, b, cold), _, _ = head_gemms(SP_SHAPE.cfg, SP_SHAPE.tokens, 4)
+    g, whole = gemm_time(A100, m / c, n, k, b, cold), gemm_time(A100, m, n, k, b, cold)
+    ends = [head_comm(SP_SHAPE.cfg, p, A100, SP_SHAPE)[0] for p in (overlap, chunked)]
+    piece = _sp_collectives(chunked, c)[0]
+    assert ends[1] - ends[0] == pytest.approx(g + piece + (c - 1) * max(g, piece) - whole - gather)
+
+
+def test_sp_regather_hides_behind_the_input_gradient_gemms_without_tp_overlap():
+    """The runtime launches a column region's re-gather of its saved sequence shard before the input-gradient
+    GEMMs whatever --tp-overlap says: backward per sublayer g's all-gather + max(0, gather - dX GEMMs) + f's
+    reduce-scatter (behind the weight gradient only under --tp-overlap), plus the two norm all-reduces."""
+    from parallelisms.perf.overlap import tensor_parallel_comm
+
+    times = layer_times(A100, SP_SHAPE)
+    gather, scatter, norm = _sp_collectives(SP_LAYOUT)
+    expected = sum(gather + max(0.0, gather - dgrad) + scatter for dgrad in times.column_input_grads) + 2 * norm
+    assert tensor_parallel_comm(SP_SHAPE.cfg, SP_LAYOUT, A100, SP_SHAPE, times)[1] == pytest.approx(expected)
+    assert expected < 2 * (2 * gather + scatter) + 2 * norm
 
 
 def test_data_parallel_all_reduce_bandwidth_holds_at_a_thousand_nodes():

@@ -3,6 +3,9 @@ float64 training at TOLERANCE_FLOAT64 (losses, gradient norms, final parameters)
 
 - Megatron sequence parallelism inside context parallelism (tp 2 x sp x cp 2, ring and Ulysses, alone and
   with pp 2): SP shards each cp rank's chunk over tp; Ulysses on tiny's one KV head per tp rank repeats it;
+- the forward's SP collectives pipelined with their GEMMs (--tp-overlap --tp-overlap-chunks: the column
+  GEMMs consume the sequence all-gather piece by piece, the row GEMMs' outputs are reduce-scattered piece by
+  piece) at tp 2, dp 2 x tp 2 and pp 2 x tp 2;
 - MoE with routing per whole sequence (capacity that drops tokens, sequence-wise aux loss) under SP (the
   layer gathers the sequence over tp), under cp ring and Ulysses (router logits gathered over cp), under
   cp with expert parallelism (ep 2 over the cp ranks; dp 2 x cp 2 x ep 2), and under tp 2 x sp x cp 2.
@@ -34,8 +37,9 @@ TRAIN = TrainConfig(steps=2, global_batch=8, seq_len=16, grad_clip=0.0, dtype="f
 CLIP = TRAIN.replace(grad_clip=0.05)
 
 
-def _layout(sp: bool = False, cp_attention: str = "ring", **dims) -> ParallelConfig:
-    return ParallelConfig(ParallelDims(**dims), sequence_parallel=sp, cp_attention=cp_attention)
+def _layout(sp: bool = False, cp_attention: str = "ring", chunks: int = 0, **dims) -> ParallelConfig:
+    return ParallelConfig(ParallelDims(**dims), sequence_parallel=sp, cp_attention=cp_attention,
+                          tp_overlap=chunks > 0, tp_overlap_chunks=chunks)
 
 
 SCENARIOS = {
@@ -43,6 +47,9 @@ SCENARIOS = {
     "tp2_sp_ulysses_cp2": (DENSE, TRAIN, _layout(True, "ulysses", tp=2, cp=2)),
     "pp2_tp2_sp_ring_cp2": (DENSE, TRAIN, _layout(True, pp=2, tp=2, cp=2)),
     "pp2_tp2_sp_ulysses_cp2": (DENSE, TRAIN, _layout(True, "ulysses", pp=2, tp=2, cp=2)),
+    "tp2_sp_overlap_chunks2": (DENSE, CLIP, _layout(True, chunks=2, tp=2)),
+    "dp2_tp2_sp_overlap_chunks3": (DENSE, TRAIN, _layout(True, chunks=3, dp_replicate=2, tp=2)),  # 3 + 3 + 2 positions
+    "pp2_tp2_sp_overlap_chunks2": (DENSE, TRAIN, _layout(True, chunks=2, pp=2, tp=2)),
     "moe_tp2_sp": (MOE, CLIP, _layout(True, tp=2)),
     "moe_ring_cp2": (MOE, TRAIN, _layout(cp=2)),
     "moe_ulysses_cp2": (MOE, CLIP, _layout(cp_attention="ulysses", cp=2)),

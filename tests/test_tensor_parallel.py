@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (model, dims, sequence parallel, overlap)
     "dp2_tp2_sp_gelu": (GELU, ParallelDims(dp_replicate=2, tp=2), True, True),
 }
 BATCH, SEQ = 2, 32
+CHUNKS = 3  # pieces of a rank's 16 positions: 6, 5, 5
 
 
 def _train_layouts(info):
@@ -113,10 +114,28 @@ def _probe(info):
                 loss.backward()
         out[sp] = {"block": block_records, "model": _records(comms.ledger, mark), "block_bytes": block_bytes,
                    "largest": largest.largest, "loss": loss.item(), "out_shape": tuple(y.shape)}
+    out["sp_chunked"] = _chunked_block(meshes, h_full.chunk(tp, dim=1)[rank], cos, sin)
     reference = _LargestOutput()
     with reference:
         out["plain_loss"] = plain(tokens[:, :-1], tokens[:, 1:]).item()
     out["plain_largest"] = reference.largest
+    return out
+
+
+def _chunked_block(meshes, shard, cos, sin) -> dict:
+    """One SP block's ledger, output and input gradient, unchunked and with its forward collectives pipelined
+    over CHUNKS pieces (--tp-overlap-chunks)."""
+    out = {}
+    for chunks in (1, CHUNKS):
+        comms = Comms(meshes, CommLedger())
+        block = apply_tensor_parallel(build_model(ODD_VOCAB, 0), comms["tp"], sequence_parallel=True, overlap=True,
+                                      chunks=chunks).layers["0"]
+        h = shard.detach().clone().requires_grad_()
+        with comms.ledger.in_phase("forward"):
+            y = block(h, cos, sin)
+        with comms.ledger.in_phase("backward"):
+            y.sum().backward()
+        out[chunks] = {"records": _records(comms.ledger), "y": y.detach(), "grad": h.grad}
     return out
 
 
@@ -175,6 +194,24 @@ def test_block_ledger_with_sp(probe):
     assert _count(records, "backward", "all_reduce", ODD_VOCAB.dim) == 2
     assert len([r for r in records if r[3] == "backward"]) == 8
     assert probe[0][True]["out_shape"] == (BATCH, SEQ // 2, ODD_VOCAB.dim)
+
+
+def test_sp_forward_overlap_pipelines_chunked_collectives(probe):
+    """--sp --tp-overlap-chunks C: each column region all-gathers its sequence shard in C pieces and each row-parallel
+    layer reduce-scatters its output in C pieces, together the unchunked bytes (4(N-1)A/N per block forward);
+    the backward's collectives, the block's output and its input gradient are the unchunked ones."""
+    n, activation = 2, BATCH * SEQ * ODD_VOCAB.dim
+    pieces = [p * BATCH * n * ODD_VOCAB.dim for p in (6, 5, 5)]  # positions of a piece on every rank
+    for rank in probe:
+        chunked, whole = rank["sp_chunked"][CHUNKS], rank["sp_chunked"][1]
+        forward = [r for r in chunked["records"] if r[3] == "forward"]
+        assert [(k, numel) for k, numel, _, _ in forward] == (
+            [("all_gather", p) for p in pieces] + [("reduce_scatter", p) for p in pieces]) * 2
+        assert sum(r[2] for r in forward) == pytest.approx(4 * (n - 1) / n * activation * 4)
+        assert ([r for r in chunked["records"] if r[3] == "backward"]
+                == [r for r in whole["records"] if r[3] == "backward"])
+        assert torch.allclose(chunked["y"], whole["y"], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(chunked["grad"], whole["grad"], rtol=1e-5, atol=1e-6)
 
 
 def test_model_ledger_embedding_and_head(probe):

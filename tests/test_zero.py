@@ -180,8 +180,7 @@ def test_ledger_bytes_match_data_parallel(run):
     (["--dp", "2", "--fsdp", "fully_sharded"], "choose one of full_shard, shard_grad_op"),
     (["--dp", "2", "--zero", "3", "--fsdp", "full_shard"], "pick one"),
     (["--dp", "2", "--zero", "3", "--overlap-param-gather"], "needs --zero 1 or 2 without --pp (got --zero 3"),
-    (["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "2"], "needs --tp-overlap and no --sp"),
-    (["--tp", "2", "--tp-overlap-chunks", "2"], "needs --tp-overlap and no --sp"),
+    (["--tp", "2", "--sp", "--tp-overlap-chunks", "2"], "needs --tp-overlap; add --tp-overlap"),
     (["--dp-replicate", "2", "--dp-shard", "2", "--fsdp", "full_shard"], "needs --fsdp hybrid_shard"),
     (["--dp", "2", "--mixed-precision", "fp16"], "unknown --mixed-precision 'fp16'"),
 ])

@@ -83,7 +83,7 @@ def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="--zero 1/2: all-gather the updated parameters under the next forward (Megatron's)")
     g.add_argument("--tp-overlap-chunks", type=integer(0, 64), default=0,
-                   help="with --tp-overlap, no --sp: hide the forward's all-reduces too, over N row blocks")
+                   help="with --tp-overlap: hide the forward's collectives too, pipelined with their GEMMs over N chunks")
     g = p.add_argument_group("sharded data parallelism")
     g.add_argument("--zero", type=integer(0, 3), default=0, help="ZeRO stage 1, 2 or 3")
     g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")

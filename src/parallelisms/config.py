@@ -334,7 +334,7 @@ class ParallelConfig:
     # tensor parallelism (issue: tensor parallel)
     sequence_parallel: bool = False
     tp_overlap: bool = False
-    tp_overlap_chunks: int = 0         # >1: the forward's row-parallel all-reduces too, pipelined over row blocks
+    tp_overlap_chunks: int = 0         # >1: the forward's collectives too, pipelined with their GEMMs over chunks
     # sharded data parallelism (issue: ZeRO / FSDP)
     zero: int = 0                      # 0 (plain DDP), 1, 2, 3
     fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2

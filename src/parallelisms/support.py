@@ -219,10 +219,9 @@ def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig, train: 
     tp = parallel.dims.tp
     require(not parallel.sequence_parallel or tp > 1, "--sp (sequence parallelism) needs --tp > 1; add --tp 2")
     require(not parallel.tp_overlap or tp > 1, "--tp-overlap needs --tp > 1; add --tp 2")
-    require(parallel.tp_overlap_chunks <= 1 or (parallel.tp_overlap and not parallel.sequence_parallel),
-            f"--tp-overlap-chunks {parallel.tp_overlap_chunks} pipelines the forward's all-reduces over row blocks: it "
-            f"needs --tp-overlap and no --sp (under --sp the forward reduce-scatters along the sequence, not chunked "
-            f"here)")
+    require(parallel.tp_overlap_chunks <= 1 or parallel.tp_overlap,
+            f"--tp-overlap-chunks {parallel.tp_overlap_chunks} pipelines the forward's collectives with their GEMMs "
+            f"over chunks: it needs --tp-overlap; add --tp-overlap")
     if tp == 1:
         return
     require(model.n_heads % tp == 0,

@@ -6,9 +6,11 @@ norms and sequence-sharded inputs/outputs under ``--sp``), same weights and shap
 batch (rank 0, in the same rounds); exposed communication is the time beyond that one process's split
 evenly over the ranks, which is also the floor (``floor_ratio``); scaling efficiency against it.
 
-It also reports what the ``--tp-overlap`` option hides, read from the timeline: the time the
-asynchronous input-gradient reductions of the column-parallel regions were in flight, and the part of it
-a rank spent waiting for them (exposed); the rest overlapped the weight-gradient GEMMs.
+It also reports what ``--tp-overlap --tp-overlap-chunks 2`` hides (ours_overlap), read from the timeline: in
+the backward, the time the asynchronous input-gradient reductions of the column-parallel regions were in
+flight, and the part of it a rank spent waiting for them (exposed), the rest overlapped the weight-gradient
+GEMMs; in the forward, the same of the collectives pipelined with their GEMMs (the row-parallel all-reduces;
+under SP the column regions' all-gathers and the row-parallel reduce-scatters).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from parallelisms.errors import ConfigError
 from parallelisms.launch import RankInfo, launch
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
+
+OVERLAP_CHUNKS = 2  # ours_overlap: --tp-overlap --tp-overlap-chunks 2
 
 
 def _peer_plan(sp: bool) -> dict:
@@ -65,7 +69,8 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
     for overlap in (False, True):
         timeline = Timeline(info.rank, enabled=False)
         comms = Comms({"tp": mesh}, CommLedger(), timeline)
-        ours = apply_tensor_parallel(build_model(model_cfg, train_cfg.seed), comms["tp"], sp, overlap)
+        ours = apply_tensor_parallel(build_model(model_cfg, train_cfg.seed), comms["tp"], sp, overlap,
+                                     OVERLAP_CHUNKS if overlap else 1)
         runs[overlap] = (ours, timeline)
     peer = build_model(model_cfg, train_cfg.seed)
     cos, sin = peer.rope_cos[:train_cfg.seq_len], peer.rope_sin[:train_cfg.seq_len]
@@ -87,24 +92,32 @@ def _tp_rank(info: RankInfo, model_cfg, train_cfg: TrainConfig, sp: bool, steps:
         phases[target] = {name: phase_medians(seconds[name], timings[target][name], split)
                           for name in ("ours", "peer", "one_process")} if info.rank == 0 else None
 
-    # What the overlap hides: block backwards traced per setting (``steps`` each, alternating; medians).
-    # Its only input-gradient reductions are the two column-parallel regions' (all-reduce; SP: reduce-scatter).
-    reduction = "reduce_scatter" if sp else "all_reduce"
+    # What the overlap hides: blocks traced per setting (``steps`` each, alternating; medians). The backward's only
+    # input-gradient reductions are the two column-parallel regions' (all-reduce; SP: reduce-scatter); the
+    # forward's collectives are the row-parallel all-reduces (SP: the all-gathers and reduce-scatters).
+    kinds = {"forward": ("all_gather", "reduce_scatter") if sp else ("all_reduce",),
+             "backward": ("reduce_scatter",) if sp else ("all_reduce",)}
     traced = {overlap: [] for overlap in runs}
     for _ in range(steps):
         for overlap, (model, timeline) in runs.items():
-            out = model.layers["0"](x, cos, sin)
             timeline.enabled = True
             start = timeline.now()
+            out = model.layers["0"](x, cos, sin)
+            middle = timeline.now()
             out.backward(grad_out)
             end = timeline.now()
-            comm = sum(s.end - s.start for s in timeline.spans if s.cat == "comm" and s.name.startswith(reduction))
-            waited = sum(s.end - s.start for s in timeline.spans if s.name.startswith(f"wait {reduction}"))
-            traced[overlap].append(((end - start) / 1e6, comm / 1e6, (waited if overlap else comm) / 1e6))
+            row = []
+            for phase, (lo, hi) in (("forward", (start, middle)), ("backward", (middle, end))):
+                spans = [t for t in timeline.spans if lo <= t.start < hi]
+                comm = sum(t.end - t.start for t in spans if t.cat == "comm" and t.name.startswith(kinds[phase]))
+                waits = tuple(f"wait {k}" for k in kinds[phase])
+                waited = sum(t.end - t.start for t in spans if t.name.startswith(waits))
+                row += [(hi - lo) / 1e6, comm / 1e6, (waited if overlap else comm) / 1e6]
+            traced[overlap].append(row)
             timeline.enabled = False
             timeline.spans.clear()
-    hidden = {("overlap" if overlap else "sync"): dict(zip(("backward_ms", "reduction_ms", "exposed_ms"),
-                                                          (statistics.median(col) for col in zip(*rows))))
+    names = [f"{phase}_{k}" for phase in ("forward", "backward") for k in ("ms", "collectives_ms", "exposed_ms")]
+    hidden = {("overlap" if overlap else "sync"): dict(zip(names, (statistics.median(col) for col in zip(*rows))))
               for overlap, rows in traced.items()}
     return {"timings": timings, "overlap": hidden, "phases": phases}
 

@@ -14,9 +14,14 @@ sequence shard, get their gradients all-reduced over TP by an identity-forward /
 
 ``overlap=True`` launches the input-gradient reduction asynchronously and computes the weight gradients
 while it runs (Megatron's async grad all-reduce, spec "Critical path and latency hiding"). ``chunks`` > 1
-(without SP) hides the forward's too: a row-parallel layer computes its output in ``chunks`` row blocks and
-all-reduces each asynchronously while the next block's GEMM runs (the GEMM/collective pipelining of Transformer
-Engine's comm overlap and PyTorch's async TP, Wang et al. ASPLOS'23), each block's sum the full one's rows.
+hides the forward's too, by decomposing each GEMM and its collective into ``chunks`` pieces that pipeline
+(Wang et al. ASPLOS'23, "Overlap communication with dependent computation via decomposition"; Transformer
+Engine's comm overlap, PyTorch's async TP): without SP a row-parallel layer computes its output in row blocks
+and all-reduces each asynchronously while the next block's GEMM runs; under SP a column-parallel region
+gathers its sequence shard piece by piece, piece i+1's all-gather in flight while piece i's GEMMs run, and a
+row-parallel layer reduce-scatters its output piece by piece behind the next piece's GEMM (a piece: the
+same positions of every rank's shard). Each piece's result is the whole one's rows; the backward is the
+unchunked one.
 Under a split-backward pipeline schedule (Zero Bubble, Qi et al. 2024) the region holds the pipeline's
 weight-gradient ``store``: while it defers, both layers leave (weight, output gradient, input) there instead
 of computing the weight gradients (the column region's input is the re-gathered one under SP), and only the
@@ -43,7 +48,7 @@ class Region:
 
     def __init__(self, comm: Comm, sequence_parallel: bool = False, overlap: bool = False, chunks: int = 1):
         self.comm, self.sequence_parallel, self.overlap = comm, sequence_parallel, overlap
-        self.chunks = chunks  # row blocks of a row-parallel forward, each all-reduced behind the next's GEMM
+        self.chunks = chunks  # pieces of a forward GEMM, each one's collective pipelined with the next's GEMM
         self.store = None
 
     def weight_grad(self, weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
@@ -100,6 +105,8 @@ class _ColumnParallel(torch.autograd.Function):
     def forward(ctx, x, region: Region, *weights):
         ctx.region, ctx.weights = region, weights  # the weights themselves, for a deferred gradient's .grad
         ctx.save_for_backward(x, *weights)   # x as given: the sequence shard under SP
+        if region.chunks > 1 and region.sequence_parallel:
+            return _chunked_gather(x, weights, region)
         full = region.gather_seq(x)
         return tuple(F.linear(full, w) for w in weights)
 
@@ -127,8 +134,8 @@ class _RowParallel(torch.autograd.Function):
     def forward(ctx, x, weight, region: Region):
         ctx.region, ctx.weight = region, weight  # the weight itself, for a deferred gradient's .grad
         ctx.save_for_backward(x, weight)
-        if region.chunks > 1 and not region.sequence_parallel:
-            return _chunked_all_reduce(x, weight, region)
+        if region.chunks > 1:
+            return (_chunked_reduce_scatter if region.sequence_parallel else _chunked_all_reduce)(x, weight, region)
         y = F.linear(x, weight)
         if region.sequence_parallel:
             return region.comm.reduce_scatter(y, dim=1)
@@ -148,13 +155,58 @@ def _chunked_all_reduce(x: torch.Tensor, weight: torch.Tensor, region: Region) -
     rows = _mm2d(x)
     y = rows.new_empty(rows.shape[0], weight.shape[0])
     pending = []
-    for block in torch.arange(rows.shape[0]).tensor_split(min(region.chunks, rows.shape[0])):
-        start, stop = int(block[0]), int(block[-1]) + 1
+    for start, stop in _pieces(rows.shape[0], region.chunks):
         torch.mm(rows[start:stop], weight.t(), out=y[start:stop])
         pending.append(region.comm.all_reduce(y[start:stop], async_op=True))
     for p in pending:
         p.wait()
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _pieces(n: int, chunks: int) -> list[tuple[int, int]]:
+    """(start, stop) of ``chunks`` near-equal pieces of ``range(n)`` (fewer where n is smaller)."""
+    return [(int(b[0]), int(b[-1]) + 1) for b in torch.arange(n).tensor_split(min(chunks, n))]
+
+
+def _chunked_gather(x: torch.Tensor, weights, region: Region) -> tuple[torch.Tensor, ...]:
+    """``gather_seq(x) W^T`` for each weight, ``x`` (the sequence shard) all-gathered in ``region.chunks``
+    pieces of its positions: piece i+1's all-gather in flight while piece i's GEMMs run. A piece gathered
+    (sequence-first, rank-major) holds positions ``r * shard + j`` of every rank r."""
+    n, (batch, shard, dim) = region.comm.size, x.shape
+    rows = x.transpose(0, 1)  # [shard, batch, dim]: a piece of positions is a dim-0 block
+    pieces = _pieces(shard, region.chunks)
+    outs = [x.new_empty(batch, n, shard, w.shape[0]) for w in weights]
+
+    def gather(i):
+        start, stop = pieces[i]
+        return region.comm.all_gather(rows[start:stop].contiguous(), dim=0, async_op=True)
+    pending = gather(0)
+    for i, (start, stop) in enumerate(pieces):
+        following = gather(i + 1) if i + 1 < len(pieces) else None
+        gathered = pending.wait().view(-1, dim)
+        for out, w in zip(outs, weights):
+            piece = torch.mm(gathered, w.t()).view(n, stop - start, batch, w.shape[0])
+            out[:, :, start:stop].copy_(piece.permute(2, 0, 1, 3))
+        pending = following
+    return tuple(out.view(batch, n * shard, -1) for out in outs)
+
+
+def _chunked_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, region: Region) -> torch.Tensor:
+    """``x W^T`` summed over TP and reduce-scattered along the sequence, in ``region.chunks`` pieces of the
+    shard's positions: piece i (those positions of every rank's shard, rank-major) is reduce-scattered,
+    asynchronously into this rank's rows, while piece i+1's GEMM computes."""
+    n, (batch, seq, k) = region.comm.size, x.shape
+    shard = seq // n
+    blocks = x.reshape(batch, n, shard, k).permute(1, 2, 0, 3)  # [rank, position in shard, batch, k]
+    y = x.new_empty(shard, batch, weight.shape[0])  # this rank's positions, sequence-first
+    pending = []
+    for start, stop in _pieces(shard, region.chunks):
+        partial = torch.mm(blocks[:, start:stop].reshape(-1, k), weight.t())
+        pending.append(region.comm.reduce_scatter(partial, dim=0, async_op=True, scratch=True,
+                                                  out=y[start:stop].view(-1, weight.shape[0])))
+    for p in pending:
+        p.wait()
+    return y.transpose(0, 1)
 
 
 def column_parallel(x: torch.Tensor, region: Region, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -60,3 +60,20 @@ def collective_time(hw: Hardware, kind: str, full_bytes: float, n: int, stride: 
     if kind == "all_to_all" and n_out > 1:  # (n - n_in)/n of every rank's data leaves the node
         return calls * ((n - 1) * a_out + per_call * (n - n_in) / n / b_out)
     return calls * (_flat(kind, per_call, n_in, a_in, b_in) + _flat(kind, per_call / n_in, n_out, a_out, b_out))
+
+
+def group(parallel, dim: str) -> tuple[int, int]:
+    """(ranks, stride) of a mesh dimension's group (mesh order pp, dp_replicate, dp_shard, cp, tp) in
+    ``parallel`` (a ParallelConfig)."""
+    d = parallel.dims
+    table = {"tp": (d.tp, 1), "cp": (d.cp, d.tp), "dp": (d.dp * d.cp, d.tp), "dp_cp": (d.dp * d.cp, d.tp),
+             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp), "dp_shard_cp": (d.dp_shard * d.cp, d.tp),
+             "dp_replicate": (d.dp_replicate, d.dp_shard * d.cp * d.tp),
+             "ep_replicate": (d.dp * d.cp // d.ep, d.ep * d.tp), "pp": (d.pp, d.dp * d.cp * d.tp)}
+    return table[dim]
+
+
+def comm_time(hw: Hardware, parallel, kind: str, dim: str, full_bytes: float, calls: int = 1) -> float:
+    """:func:`collective_time` over the group of mesh dimension ``dim``."""
+    n, stride = group(parallel, dim)
+    return collective_time(hw, kind, full_bytes, n, stride, calls)

@@ -111,7 +111,8 @@ def _config(dims, v: dict, base: ParallelConfig) -> ParallelConfig:
     options = dict(schedule=v["schedule"], chunks=v["chunks"], microbatches=v["microbatches"]) if pp > 1 else {}
     return dataclasses.replace(base, dims=mesh, sequence_parallel=v["sp"], zero=0 if v["hsdp"] else v["zero"],
                                recompute=v["recompute"], fsdp="hybrid_shard" if v["hsdp"] else None,
-                               tp_overlap=base.tp_overlap and tp > 1,  # --tp-overlap: where there is tp
+                               tp_overlap=base.tp_overlap and tp > 1,  # --tp-overlap (-chunks): where there is tp
+                               tp_overlap_chunks=base.tp_overlap_chunks if base.tp_overlap and tp > 1 else 0,
                                overlap_param_gather=_overlaps_param_gather(pp, v), **options)
 
 
@@ -231,7 +232,8 @@ def plan_result(args, model: ModelConfig) -> dict:
     fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
                                                    "chunks", "microbatches", "grad_accum")})
     check_degrees(args.gpus, fixed)
-    base = ParallelConfig(tp_overlap=args.tp_overlap, mixed_precision=args.mixed_precision,
+    base = ParallelConfig(tp_overlap=args.tp_overlap, tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
+                          mixed_precision=args.mixed_precision,
                           cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
     return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False),
                           getattr(args, "kernels", "eager"))}

@@ -4,12 +4,12 @@ times, the optimizer, and the memory per rank.
 
 Where each collective goes (spec: "Critical path and latency hiding"):
 
-* tensor/sequence parallel: two collectives per block forward and two backward, on the critical path (with
-  sequence parallelism also the all-reduce of each norm weight's gradient, Korthikanti et al. 2023, Sec. 4.2.2);
-  ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient GEMM as far as
-  that GEMM lasts; ``--tp-overlap-chunks C`` (no SP) also pipelines each row-parallel forward GEMM with its
-  all-reduce over C row blocks (:func:`chunked_overlap`: the first block's GEMM and the last block's
-  all-reduce exposed, plus the chunking's cost: C smaller GEMMs and C latencies);
+* tensor/sequence parallel: two collectives per block forward and two backward, each where the runtime puts
+  it (perf.overlap): ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient
+  GEMM as far as that GEMM lasts, SP's re-gather of a column region's input runs behind its input-gradient
+  GEMMs, and ``--tp-overlap-chunks C`` pipelines each forward collective with its GEMM over C chunks (the
+  first chunk's GEMM or collective and the last's exposed, plus the chunking's cost: C smaller GEMMs and C
+  latencies); with SP also the all-reduce of each norm weight's gradient (Korthikanti et al. 2023, Sec. 4.2.2);
 * data parallel (DDP, ZeRO-1/2, FSDP): gradient reductions run bucket by bucket during the backward of the
   last microbatch; only what exceeds it, and the last bucket, is exposed (on a CPU each asynchronous call also
   costs the rank ``hw.overlap_overhead_us``: its comm worker shares the core). ZeRO-3/FSDP gather each unit's
@@ -45,13 +45,14 @@ from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.perf.compute import (FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes,
-                                       accumulation_time, gemm_time, head_times, layer_gemms, layer_times)
+                                       accumulation_time, head_times, layer_times)
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
                                      microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
                                      rank0_params)
-from parallelisms.perf.network import collective_time
+from parallelisms.perf.network import collective_time, comm_time, group
+from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_calls, context_times
 from parallelisms.perf.prefetch import shared_link
 from parallelisms.perf.stages import busiest_rank, pipeline_ranks
@@ -74,103 +75,26 @@ class Layout:
         return Layout(m, max(1, train.global_batch // (dims.dp * m)), math.ceil(cfg.n_layers / dims.pp), dims.dp)
 
 
-def group(parallel: ParallelConfig, dim: str) -> tuple[int, int]:
-    """(ranks, stride) of a mesh dimension's group (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
-    d = parallel.dims
-    table = {"tp": (d.tp, 1), "cp": (d.cp, d.tp), "dp": (d.dp * d.cp, d.tp), "dp_cp": (d.dp * d.cp, d.tp),
-             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp), "dp_shard_cp": (d.dp_shard * d.cp, d.tp),
-             "dp_replicate": (d.dp_replicate, d.dp_shard * d.cp * d.tp),
-             "ep_replicate": (d.dp * d.cp // d.ep, d.ep * d.tp), "pp": (d.pp, d.dp * d.cp * d.tp)}
-    return table[dim]
-
-
-def _comm(hw, parallel, kind, dim, full_bytes, calls=1):
-    n, stride = group(parallel, dim)
-    return collective_time(hw, kind, full_bytes, n, stride, calls)
-
-
-def _behind(hw: Hardware, t: float, window: float) -> float:
-    """Exposed seconds of a collective of ``t`` overlapped with ``window`` seconds of compute: what outlasts
-    the window, and the share of the rest that is the rank's own CPU work (``hw.comm_cpu_fraction``: a CPU
-    comm layer copies on the core the compute needs)."""
-    return max(0.0, t - window) + hw.comm_cpu_fraction * min(t, window)
-
-
-def chunked_overlap(hw: Hardware, gemm: tuple, reduce_one: float, reduce_chunk: float, chunks: int) -> float:
-    """Exposed seconds of a row-parallel forward GEMM (m, n, k, batch, cold) whose output is all-reduced in
-    ``chunks`` row blocks, each all-reduce (``reduce_chunk`` seconds) running under the next block's GEMM: the
-    two-stage pipeline's span, g + c + (C - 1) max(g, c), less the unchunked GEMM; ``reduce_one`` (the
-    unchunked all-reduce, all exposed) for one chunk."""
-    m, n, k, b, cold = gemm
-    whole = gemm_time(hw, m, n, k, b, cold)
-    if chunks <= 1:
-        return reduce_one
-    g = gemm_time(hw, m / chunks, n, k, b, cold / chunks if cold == m * k else cold)
-    span = g + reduce_chunk + (chunks - 1) * max(g, reduce_chunk)
-    return max(0.0, span - whole) + hw.comm_cpu_fraction * (chunks - 1) * min(g, reduce_chunk)
-
-
 def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     """Exposed seconds per layer per microbatch of tp, cp and ep collectives: {(kind/dim): (forward, backward)}."""
     dims, e, out = parallel.dims, hw.bytes_per_element, {}
-    activation = shape.tokens * cfg.dim * e
-    if dims.tp > 1:  # per sublayer (attention, MLP): Megatron's f and g (Shoeybi et al. 2019)
-        forward = backward = 0.0
-        linears = layer_gemms(shape)[0]  # the row-parallel GEMMs: the output projection, the MLP's down
-        row_gemms = [linears[1], linears[-1]]
-        for dgrad, wgrad in zip(times.column_input_grads, times.column_weight_grads):
-            overlap = (dgrad, wgrad) if parallel.tp_overlap else (0.0, 0.0)
-            if parallel.sequence_parallel:  # g: reduce-scatter / all-gather; f: all-gather / reduce-scatter
-                gather = _comm(hw, parallel, "all_gather", "tp", activation)
-                scatter = _comm(hw, parallel, "reduce_scatter", "tp", activation)
-                forward += gather + scatter
-                # backward: g's all-gather of the output gradient; the input re-gathered for the weight
-                # gradient (behind the input-gradient GEMM); f's reduce-scatter (behind the weight gradient)
-                backward += gather + _behind(hw, gather, overlap[0]) + _behind(hw, scatter, overlap[1])
-            else:  # g all-reduces forward, f backward (behind the weight gradient)
-                reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
-                chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 0
-                forward += reduce if chunks <= 1 else chunked_overlap(
-                    hw, row_gemms.pop(0), reduce, _comm(hw, parallel, "all_reduce", "tp", activation / chunks), chunks)
-                backward += _behind(hw, reduce, overlap[1])
-        if parallel.sequence_parallel:  # the norms' weights see 1/t of the tokens: their gradients are summed
-            backward += 2 * _comm(hw, parallel, "all_reduce", "tp", cfg.dim * e)  # over tp as they come (blocking)
+    if dims.tp > 1:  # per sublayer (attention, MLP): Megatron's f and g (perf.overlap)
         name = "all_gather+reduce_scatter/tp" if parallel.sequence_parallel else "all_reduce/tp"
-        out[name] = (forward, backward)
+        out[name] = tensor_parallel_comm(cfg, parallel, hw, shape, times)
     if dims.cp > 1:
         kv, q = (shape.tokens * width / dims.tp * e for width in (cfg.n_kv_heads * cfg.head_dim, cfg.q_dim))
-        out.update(context_times(hw, cfg, parallel, q, kv, times.attention_core, _behind, e))  # the mode's (perf.context)
+        out.update(context_times(hw, cfg, parallel, q, kv, times.attention_core, behind, e))  # the mode's (perf.context)
     if dims.ep > 1 and cfg.n_experts:
         routed = shape.tokens * cfg.top_k * cfg.dim * e
-        a2a = _comm(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
+        a2a = comm_time(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
         if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
             # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
             # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
-            out["all_to_all/ep"] = (_behind(hw, a2a, times.input_grad + times.weight_grad),
-                                    _behind(hw, a2a, times.forward))
+            out["all_to_all/ep"] = (behind(hw, a2a, times.input_grad + times.weight_grad),
+                                    behind(hw, a2a, times.forward))
         else:
             out["all_to_all/ep"] = (a2a, a2a)
     return out
-
-
-def _head_comm(cfg, parallel, hw, shape: LayerShape) -> tuple[float, float]:
-    """(forward, backward) seconds of the ends' tp collectives per microbatch: the vocabulary-parallel
-    cross-entropy's two all-reduces (row maxima; sums of exponentials and target logits: Megatron-LM's), the
-    head input's f (its gradient all-reduced) or, under sequence parallelism, the final norm's output gathered,
-    re-gathered and its gradient reduce-scattered, and the final norm weight's gradient all-reduced; on a single
-    stage also the vocabulary-parallel embedding's (its output all-reduced; under SP reduce-scattered, and its
-    gradient all-gathered). The rest of a pipeline's first stage is lighter than the last's."""
-    if parallel.dims.tp == 1:
-        return 0.0, 0.0
-    activation, embedding = shape.tokens * cfg.dim * hw.bytes_per_element, parallel.dims.pp == 1
-    forward = sum(_comm(hw, parallel, "all_reduce", "tp", nbytes) for nbytes in (4 * shape.tokens, 8 * shape.tokens))
-    if not parallel.sequence_parallel:
-        reduce = _comm(hw, parallel, "all_reduce", "tp", activation)
-        return forward + embedding * reduce, reduce
-    gather = _comm(hw, parallel, "all_gather", "tp", activation)
-    scatter = _comm(hw, parallel, "reduce_scatter", "tp", activation)
-    return (forward + gather + embedding * scatter,
-            gather + scatter + _comm(hw, parallel, "all_reduce", "tp", cfg.dim * hw.bytes_per_element) + embedding * gather)
 
 
 def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float, t_comm: float,
@@ -225,7 +149,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                                         parallel.cp_attention), per_layer)
     recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
-    head_f, head_b = _head_comm(cfg, parallel, hw, shape)
+    head_f, head_b = head_comm(cfg, parallel, hw, shape)
     layer_b = layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)
     busiest = busiest_rank(pipeline_ranks(cfg, parallel, lay.m), layer.forward + comm_f + layer_b + layer.weight_grad,
                            head.forward + head_f + head.input_grad + head_b + head.weight_grad)
@@ -240,7 +164,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n, tables) / _gradient_shards(parallel)
     t_w += gradient_copies_time(cfg, parallel, lay.m, hw) / lay.m
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
-    t_comm = _comm(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
+    t_comm = comm_time(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
 
     exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
@@ -315,9 +239,10 @@ def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: 
     the head) and a pipeline send and receive; per step the data-parallel calls and the gradient norm's."""
     dims, sp = parallel.dims, parallel.sequence_parallel
     forward = backward = ends = 0  # ring attention: one exchange per hop (its sends and receives together)
-    if dims.tp > 1:
-        forward, backward = (4, 8) if sp else (2, 2)
-        ends = (6 if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
+    if dims.tp > 1:  # --tp-overlap-chunks C: each forward GEMM's collective (SP: the head's gather too) in C calls
+        chunks = max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1
+        forward, backward = (4 * chunks, 8) if sp else (2 * chunks, 2)
+        ends = (5 + chunks if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
     if dims.cp > 1:
         forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
     if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
@@ -420,19 +345,19 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int =
     sharded engine's gathers and gradient reduce-scatters run over one group, so they share its link (each
     GPU's one NIC across nodes): half the gathers (the forward's) fill the forward, the other half and the
     reduce-scatters the backward together (:func:`parallelisms.perf.prefetch.shared_link`)."""
-    shared = shared_link(traffic, lay.m, t_f, t_bw, lambda t, w: _behind(hw, t, w), units, depth) if pp == 1 else {}
+    shared = shared_link(traffic, lay.m, t_f, t_bw, lambda t, w: behind(hw, t, w), units, depth) if pp == 1 else {}
     out = {}
     for name, role, t, calls in traffic:
         if name in shared:
             exposed = shared[name]
         elif role == "gather":  # prefetched one layer ahead over every microbatch's forward and backward
-            exposed = t / (2 * cfg.n_layers) + _behind(hw, t, lay.m * (t_f + t_bw))
+            exposed = t / (2 * cfg.n_layers) + behind(hw, t, lay.m * (t_f + t_bw))
         elif role == "reduce":  # during the last microbatch's backward, bucket by bucket
-            exposed = t / calls + _behind(hw, t, t_bw)
+            exposed = t / calls + behind(hw, t, t_bw)
         elif role == "reduce_each":  # during every microbatch's backward, each ending with its last bucket
-            exposed = lay.m * t / calls + _behind(hw, t, lay.m * t_bw)
+            exposed = lay.m * t / calls + behind(hw, t, lay.m * t_bw)
         elif role == "overlapped_update":  # under the next step's first forward, bucket by bucket
-            exposed = t / calls + _behind(hw, t, t_f)
+            exposed = t / calls + behind(hw, t, t_f)
         else:
             exposed = t
         out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)
