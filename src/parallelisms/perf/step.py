@@ -48,7 +48,7 @@ from parallelisms.perf.compute import (FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, L
                                        accumulation_time, head_times, layer_times)
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
-from parallelisms.perf.model import (activation_bytes_per_layer, block_params, comm_per_step, grad_norm_volumes,
+from parallelisms.perf.model import (block_params, comm_per_step, grad_norm_volumes,
                                      microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
                                      rank0_params)
 from parallelisms.perf.network import collective_time, comm_time, group
