@@ -1,9 +1,10 @@
 """``bench straggler``: data parallelism with one slowed rank (``--slow-rank 1:1.5``), the even split against
 ``--dp-balance measured``, and both against the ideal proportional split, at dp 2 and dp 4.
 
-Each case is a training run (``train.run_layout``: real processes, the straggler report on); the three cases of a
-degree (unslowed, slowed with the even split, slowed and balanced) alternate over ``--rounds`` rounds, so drift
-on a shared machine hits all three alike, and each figure is the median over rounds of the run's median step.
+Each case is a training run (real processes on the CPU, the straggler report on), rank r held on core r mod cores
+(:func:`_pinned`: at dp 4 on two cores, two ranks a core); the three cases of a degree (unslowed, slowed with the
+even split, slowed and balanced) alternate over ``--rounds`` rounds, so drift on a shared machine hits all three
+alike, and each figure is the median over rounds of the run's median step.
 The balanced run's first split is measured over steps 2-4 (:mod:`parallelisms.parallel.dp_balance`), so at least
 16 steps leave its median on the split. The ideal: with rank speeds 1 and 1/F, a proportional split takes
 dp / (dp - 1 + 1/F) of the unslowed run's step (the whole step scaled as if it were compute, which overstates it
@@ -13,6 +14,7 @@ is the time balance saves.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from parallelisms.bench import bench
@@ -23,12 +25,23 @@ SLOW = (1, 1.5)
 CASES = {"unslowed": (None, "even"), "slowed_even": (SLOW, "even"), "slowed_balanced": (SLOW, "measured")}
 
 
+def _pinned(info, spec) -> dict | None:
+    """``train_rank`` with rank r held on core r mod cores, so that every core holds as many ranks: left to the
+    scheduler, ranks beyond the cores share them unevenly (three on one core, one alone), a rank's measured speed is
+    its core's share, and the split made from it no longer fits once the scheduler moves the ranks."""
+    from parallelisms.train import train_rank
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[info.rank % len(cores)]})
+    return train_rank(info, spec)
+
+
 def _run(model, train: TrainConfig, dp: int, balance: str) -> dict:
-    from parallelisms.device import choose
-    from parallelisms.train import RunSpec, run_layout
+    from parallelisms.launch import launch
+    from parallelisms.train import RunSpec
 
     parallel = ParallelConfig(dims=ParallelDims(dp_replicate=dp), dp_balance=balance)
-    return run_layout(RunSpec(model, train, parallel), choose("cpu", dp))
+    return launch(_pinned, dp, RunSpec(model, train, parallel), backend="gloo", timeout_s=train.timeout_s)[0]
 
 
 @bench("straggler")
