@@ -17,12 +17,12 @@ from parallelisms.equivalence import TOLERANCE_FLOAT64
 from _launching import launch_reports, settled
 
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
-TRAIN = TrainConfig(steps=5, global_batch=16, seq_len=32, dtype="float64", slow_rank=(1, 3.0))
+TRAIN = TrainConfig(steps=6, global_batch=16, seq_len=32, dtype="float64", slow_rank=(1, 3.0))
 
 
 def _spec(model=TINY, dims=ParallelDims(dp_replicate=2), **options) -> RunSpec:
     dims = ParallelDims(dp_shard=2) if options.get("zero") else dims
-    parallel = ParallelConfig(dims=dims, dp_balance="measured", rebalance_every=2, **options)
+    parallel = ParallelConfig(dims=dims, dp_balance="measured", rebalance_every=1, **options)
     return RunSpec(model, TRAIN, parallel, collect_state=True)
 
 
@@ -44,7 +44,7 @@ def test_balanced_training_equals_single_process_training(name):
     coords = dims.coordinates(TRAIN.slow_rank[0])
     slow = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]  # the slowed rank's data-parallel rank
     assert sum(split) == TRAIN.global_batch and split[slow] < split[1 - slow], report["dp_balance"]  # fewer
-    assert len(report["dp_balance"]["splits"]) == 2  # measured after step 2, re-measured after step 4
+    assert len(report["dp_balance"]["splits"]) == 3  # measured after step 4, re-measured after steps 5 and 6
     result = settled(report, spec.model, TRAIN, splits=2, tolerance=TOLERANCE_FLOAT64)
     assert result["ok"] and result["max_param_rel_diff"] < TOLERANCE_FLOAT64, result
 

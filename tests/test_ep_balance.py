@@ -1,6 +1,6 @@
 """--ep-balance measured: experts placed on expert-parallel ranks by measured load (EPLB), with redundant copies of
 the hottest experts; training equal to single-process training in float64 at ep 2 and ep 4, with and without
-redundant experts, with data parallelism over expert replicas, and across a checkpoint resume (the placement is
+redundant experts, with data parallelism over expert replicas, with a pipeline, and across a checkpoint resume (the placement is
 in the checkpoint; a balanced save also resumes in the plain expert-parallel layout)."""
 
 import atexit
@@ -54,6 +54,12 @@ SPECS = {
     "dp4_ep2_redundant1": _spec(_layout(4, 2, 1)),  # two replicas of each ep group (ep_replicate 2)
     "tp2_ep2_redundant1": _spec(_layout(2, 2, 1, tp=2)),  # experts replicated over tp
     "cp2_ep2_redundant1": _spec(_layout(1, 2, 1, cp=2)),  # ep carved out of cp: ranks route their own tokens
+    "pp2_ep2_redundant1": _spec(_layout(2, 2, 1, pp=2)),  # a layer per stage: each stage places its own layer
+    # the flat engine: each block's expert slots a unit sharded over ep_replicate 2, a slot's elements in two shards
+    **{f"{name}_dp4_ep2_redundant1": _spec(dataclasses.replace(_layout(1, 2, 1, dp_shard=4), **sharding))
+       for name, sharding in (("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3}),
+                              ("full_shard", {"fsdp": "full_shard"}))},
+    "zero2_ep2_redundant1": _spec(dataclasses.replace(_layout(1, 2, 1, dp_shard=2), zero=2)),  # shards of one
 }
 report_of = launch_reports(SPECS)
 BALANCED = [name for name in SPECS if "/" not in name]
@@ -130,8 +136,12 @@ BAD = [  # (argv after the verb, the flag the one line names)
      "--ep-redundant"),  # 8 experts over ep 2: at most 4 more slots per rank
     (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-redundant", "1"], "--ep-redundant"),  # without measured
     (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-rebalance-every", "2"], "--ep-rebalance-every"),
-    (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-balance", "measured", "--zero", "2"], "--zero"),
-    (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--ep-balance", "measured"], "--pp"),
+    (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-balance", "measured", "--fsdp", "full_shard",
+      "--fsdp-style", "per_param"], "--fsdp-style per_param"),
+    (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-balance", "measured", "--mixed-precision", "bf16"],
+     "--mixed-precision bf16"),
+    (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--schedule", "pipedream", "--global-batch",
+      "16", "--ep-balance", "measured"], "--schedule pipedream"),
     (["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--ep-redundant", "-1"], "--ep-redundant"),
 ]
 

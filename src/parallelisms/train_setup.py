@@ -76,7 +76,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
                                 positions=positions, dtype=compute_dtype)
     if pipeline.updates is not None:  # the schedule's update hooks step each stage (PipeDream): no step of its own
         return Trainer(grad_sync, pipeline, comms, train, None, pipeline.updates.optimizers.values())
-    return Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
+    trainer = Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
+    trainer.ep_balance = balance
+    return trainer
 
 
 def _optimizer(grad_sync: GradSync, model_cfg: ModelConfig, train: TrainConfig) -> torch.optim.Optimizer:

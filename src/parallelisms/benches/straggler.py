@@ -1,15 +1,20 @@
 """``bench straggler``: data parallelism with one slowed rank (``--slow-rank 1:1.5``), the even split against
 ``--dp-balance measured``, and both against the ideal proportional split, at dp 2 and dp 4.
 
-Each case is a training run (``train.run_layout``: real processes, the straggler report on); the step time is
-the run's median, the first measured split applied after step 2. The ideal: with rank speeds 1 and 1/F, a
-proportional split takes dp / (dp - 1 + 1/F) of the unslowed run's step (the whole step scaled as if it were
-compute, which overstates it a little: the optimizer is not split). ``ours`` is the balanced run, ``peer``
-the even split; ``ratio`` below 1 is the time balance saves.
+Each case is a training run (real processes on the CPU, the straggler report on), rank r held on core r mod cores
+(:func:`_pinned`: at dp 4 on two cores, two ranks a core); the three cases of a degree (unslowed, slowed with the
+even split, slowed and balanced) alternate over ``--rounds`` rounds, so drift on a shared machine hits all three
+alike, and each figure is the median over rounds of the run's median step.
+The balanced run's first split is measured over steps 2-4 (:mod:`parallelisms.parallel.dp_balance`), so at least
+16 steps leave its median on the split. The ideal: with rank speeds 1 and 1/F, a proportional split takes
+dp / (dp - 1 + 1/F) of the unslowed run's step (the whole step scaled as if it were compute, which overstates it
+a little: the optimizer is not split). ``ours`` is the balanced run, ``peer`` the even split; ``ratio`` below 1
+is the time balance saves.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from parallelisms.bench import bench
@@ -17,15 +22,26 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 
 SLOW = (1, 1.5)
+CASES = {"unslowed": (None, "even"), "slowed_even": (SLOW, "even"), "slowed_balanced": (SLOW, "measured")}
 
 
-def _step_s(model, train: TrainConfig, dp: int, balance: str) -> tuple[float, dict]:
-    from parallelisms.device import choose
-    from parallelisms.training import RunSpec, run_layout
+def _pinned(info, spec) -> dict | None:
+    """``train_rank`` with rank r held on core r mod cores, so that every core holds as many ranks: left to the
+    scheduler, ranks beyond the cores share them unevenly (three on one core, one alone), a rank's measured speed is
+    its core's share, and the split made from it no longer fits once the scheduler moves the ranks."""
+    from parallelisms.training import train_rank
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[info.rank % len(cores)]})
+    return train_rank(info, spec)
+
+
+def _run(model, train: TrainConfig, dp: int, balance: str) -> dict:
+    from parallelisms.launch import launch
+    from parallelisms.training import RunSpec
 
     parallel = ParallelConfig(dims=ParallelDims(dp_replicate=dp), dp_balance=balance)
-    report = run_layout(RunSpec(model, train, parallel), choose("cpu", dp))
-    return report["step_time_s"], report
+    return launch(_pinned, dp, RunSpec(model, train, parallel), backend="gloo", timeout_s=train.timeout_s)[0]
 
 
 @bench("straggler")
@@ -33,23 +49,28 @@ def bench_straggler(args) -> dict:
     model = preset(args.preset).validate()
     rows = {}
     for dp in (2, 4):
-        train = TrainConfig(steps=max(args.steps, 8), global_batch=max(args.global_batch, 4 * dp), seq_len=args.seq_len,
-                            bucket_mb=args.bucket_mb)
-        even_s, _ = _step_s(model, train, dp, "even")
-        slow_s, slow = _step_s(model, train.replace(slow_rank=SLOW), dp, "even")
-        balanced_s, balanced = _step_s(model, train.replace(slow_rank=SLOW), dp, "measured")
-        ideal_s = even_s * dp / (dp - 1 + 1 / SLOW[1])
-        rows[f"dp{dp}"] = {"unslowed_s": even_s, "slowed_even_s": slow_s, "slowed_balanced_s": balanced_s,
-                           "ideal_s": ideal_s, "balanced_over_ideal": balanced_s / ideal_s,
-                           "split": balanced["dp_balance"]["split"],
-                           "straggler_even": slow["stragglers"]["dims"].get("dp", {}).get("rank"),
-                           "others_waited_even_s": slow["stragglers"]["dims"].get("dp", {}).get("wait_s_per_step"),
-                           "others_waited_balanced_s":
-                               balanced["stragglers"]["dims"].get("dp", {}).get("wait_s_per_step")}
+        train = TrainConfig(steps=max(args.steps, 16), global_batch=max(args.global_batch, 4 * dp),
+                            seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+        times, last = {name: [] for name in CASES}, {}
+        for _ in range(args.rounds):
+            for name, (slow, balance) in CASES.items():
+                last[name] = _run(model, train.replace(slow_rank=slow), dp, balance)
+                times[name].append(last[name]["step_time_s"])
+        median = {name: statistics.median(t) for name, t in times.items()}
+        ideal_s = median["unslowed"] * dp / (dp - 1 + 1 / SLOW[1])
+        waits = {name: last[name]["stragglers"]["dims"].get("dp", {}) for name in ("slowed_even", "slowed_balanced")}
+        rows[f"dp{dp}"] = {**{f"{name}_s": median[name] for name in CASES}, "rounds_s": times, "ideal_s": ideal_s,
+                           "balanced_over_ideal": median["slowed_balanced"] / ideal_s,
+                           "splits": last["slowed_balanced"]["dp_balance"]["splits"],
+                           "straggler_even": waits["slowed_even"].get("rank"),
+                           "others_waited_even_s": waits["slowed_even"].get("wait_s_per_step"),
+                           "others_waited_balanced_s": waits["slowed_balanced"].get("wait_s_per_step")}
         r = rows[f"dp{dp}"]
-        print(f"dp {dp}, rank 1 at 1/{SLOW[1]:g} speed: even split {slow_s * 1e3:.1f} ms, measured split {r['split']} "
-              f"{balanced_s * 1e3:.1f} ms, ideal {ideal_s * 1e3:.1f} ms ({r['balanced_over_ideal']:.2f}x), unslowed "
-              f"{even_s * 1e3:.1f} ms")
+        print(f"dp {dp}, rank 1 at 1/{SLOW[1]:g} speed (median of {args.rounds} rounds): even split "
+              f"{median['slowed_even'] * 1e3:.1f} ms, measured split {r['splits'][-1]} "
+              f"{median['slowed_balanced'] * 1e3:.1f} ms, ideal {ideal_s * 1e3:.1f} ms "
+              f"({r['balanced_over_ideal']:.2f}x), unslowed {median['unslowed'] * 1e3:.1f} ms; rounds "
+              + ", ".join(f"{name} " + "/".join(f"{t * 1e3:.0f}" for t in ts) for name, ts in times.items()))
     return {"bench": "straggler", "slow_rank": list(SLOW), "cases": rows, "ours": "dp balance measured",
             "ours_s": rows["dp2"]["slowed_balanced_s"], "peer": "even split", "peer_s": rows["dp2"]["slowed_even_s"],
             "ratio": rows["dp2"]["slowed_balanced_s"] / rows["dp2"]["slowed_even_s"]}

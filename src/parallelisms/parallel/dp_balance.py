@@ -5,8 +5,9 @@ Synchronous data parallelism runs at the pace of its slowest replica; with an ev
 makes the others wait (F - 1) x their compute every step. Here each rank times its own forward and backward
 (the microbatch loop's compute) over the steps since the last split, the first step left out (warm-up); after
 ``MEASURE_STEPS`` steps, and again every ``--rebalance-every`` steps, one all-gather over the world gives every
-rank every rank's time per sequence (a data-parallel rank counts at its slowest member: tensor- or
-context-parallel peers compute together), and every rank derives the same split: sequences in proportion to
+rank every rank's time per sequence (the median over the measured steps of each step's compute over its rows: one step
+slowed by another job on a shared machine does not set the split; a data-parallel rank counts at its slowest
+member: tensor- or context-parallel peers compute together), and every rank derives the same split: sequences in proportion to
 speed, in whole units of ``grad_accum`` sequences, at least one unit each, largest remainders first.
 
 Training stays equal to single-process training: rank r's loss (the mean over its n_r sequences) is scaled by
@@ -18,9 +19,11 @@ part of the data position in checkpoints: a resumed run continues with it.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
-MEASURE_STEPS = 2  # steps on the even split before the first measured one (the first step warms up)
+MEASURE_STEPS = 4  # steps on the even split before the first measured one (the first warms up: three measured)
 
 
 def proportional_split(speeds: list[float], total: int, unit: int) -> list[int]:
@@ -44,7 +47,7 @@ class DataBalance:
         self.comms, self.dp, self.dp_rank = comms, dp, dp_rank
         self.global_batch, self.unit, self.every = global_batch, grad_accum, rebalance_every
         self.split = [global_batch // dp] * dp  # sequences per data-parallel rank
-        self.compute_ns, self.rows, self.steps = 0, 0, 0  # measured since the last split
+        self.per_row: list[float] = []  # each step's compute ns per sequence since the last split
         self.history: list[list[int]] = []  # each split in use, in order (the summary shows the last)
 
     def rows_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,16 +65,14 @@ class DataBalance:
         """Count this rank's compute of step ``step`` (0-based, ``compute_ns`` for its rows), and re-split when
         due (every rank calls it after every step: the re-split is a collective)."""
         if step > 0:  # the first step warms up
-            self.compute_ns += compute_ns
-            self.rows += self.split[self.dp_rank]
-            self.steps += 1
+            self.per_row.append(compute_ns / self.split[self.dp_rank])
         done = step + 1
         due = done == MEASURE_STEPS or (self.every and done > MEASURE_STEPS and (done - MEASURE_STEPS) % self.every == 0)
-        if due and self.steps:
+        if due and self.per_row:
             self._resplit()
 
     def _resplit(self) -> None:
-        mine = torch.tensor([float(self.dp_rank), self.compute_ns / max(1, self.rows)], dtype=torch.float64)
+        mine = torch.tensor([float(self.dp_rank), statistics.median(self.per_row)], dtype=torch.float64)
         with self.comms.ledger.in_phase("report"):
             every = self.comms["world"].all_gather(mine[None]) if self.comms["world"].size > 1 else mine[None]
         per_row = [0.0] * self.dp
@@ -79,7 +80,7 @@ class DataBalance:
             per_row[int(dp_rank)] = max(per_row[int(dp_rank)], ns)  # a data-parallel rank at its slowest member
         self.split = proportional_split([1.0 / max(ns, 1e-9) for ns in per_row], self.global_batch, self.unit)
         self.history.append(list(self.split))
-        self.compute_ns = self.rows = self.steps = 0
+        self.per_row = []
 
     def state_dict(self) -> dict:
         return {"dp_split": list(self.split)}

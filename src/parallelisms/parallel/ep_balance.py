@@ -33,10 +33,10 @@ from parallelisms.comm import Comms
 from parallelisms.model.moe import GroupedExperts
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.ep_placement import canonical, place, rank_loads, valid
+from parallelisms.parallel.ep_slots import WEIGHTS, Holder, engines_of, holders
 from parallelisms.parallel.expert import ExpertParallelExperts, apply_expert_parallel
 from parallelisms.parallel.placement import Piece
 
-WEIGHTS = ("w_gate", "w_up", "w_down")
 MEASURE_STEPS = 2  # steps on the even placement before the first measured one
 
 
@@ -95,7 +95,12 @@ class ExpertBalance:
     def __init__(self, inner, model, comms: Comms, redundant: int, every: int):
         self.inner, self.comms, self.ep = inner, comms, comms["ep"]
         self.layers = [m for m in model.modules() if isinstance(m, BalancedExperts)]
-        self.names = {id(p): name for name, p in model.named_parameters()}
+        # each layer's index in the whole model: under a pipeline a rank holds its stages' layers only
+        self.index = [int(key) for key, block in model.layers.items()
+                      for m in block.modules() if isinstance(m, BalancedExperts)]
+        self.shape = (model.cfg.n_layers, model.cfg.n_experts)
+        self.prefix = {id(m): name for name, m in model.named_modules()}  # a flat engine takes the parameters
+        self._held: list[list[Holder]] | None = None
         self.redundant, self.every = redundant, every
         self.history: list[int] = []  # the step after which each measured placement was taken
         self.measured: list[dict] = []  # per rebalance: the ranks' loads before and after (all layers summed)
@@ -104,71 +109,82 @@ class ExpertBalance:
         return getattr(self.inner, name)
 
     # -- one logical expert per set of copies ------------------------------------------------------------
+    def _holders(self) -> list[list[Holder]]:
+        """Each layer's holders (:mod:`parallelisms.parallel.ep_slots`), found once the engines exist."""
+        if self._held is None:
+            self._held = [holders(m, engines_of(self.inner)) for m in self.layers]
+        return self._held
+
     @torch.no_grad()
     def finish(self) -> None:
-        """The layout's reductions, then every copy's gradient becomes the sum over the expert's copies."""
+        """The layout's reductions, then every copy's gradient becomes the sum over the expert's copies: each rank
+        adds the part of its copies it holds (a flat shard holds a range of the slots) into one row per replicated
+        expert, summed over ep and, where a flat engine shards the slots over ``ep_replicate``, over those ranks."""
         self.inner.finish()
-        parts = []  # (layer, weight, replicated expert -> row, their summed gradients)
-        for m in self.layers:
+        parts = []  # (layer's holders, replicated expert -> row, their summed gradients [row, weights' elements])
+        for m, held in zip(self.layers, self._holders()):
             shared = {e: i for i, e in enumerate(e for e in range(m.n_experts) if len(m.copies[e]) > 1)}
-            for name in WEIGHTS if shared else ():
-                p = getattr(m, name)
-                total = p.new_zeros((len(shared), *p.shape[1:]))
-                for slot, e in enumerate(m.mine()):
-                    if e in shared and p.grad is not None:
-                        total[shared[e]] += p.grad[slot]
-                parts.append((m, p, shared, total))
+            if not shared:
+                continue
+            total = held[0].param.new_zeros((len(shared), sum(h.per_slot for h in held)))
+            for grad, row in _copies(m, held, shared, total):
+                row += grad  # views: the total's row piece and the gradient's
+            parts.append((m, held, shared, total))
         if not parts:
             return
         summed = self.ep.all_reduce(torch.cat([t.reshape(-1) for *_, t in parts]))
+        if any(h.comm is not None and h.comm.size > 1 for _, held, _, _ in parts for h in held):
+            summed = self.comms["ep_replicate"].all_reduce(summed)  # the ranges of the other shards
         offset = 0
-        for m, p, shared, total in parts:
+        for m, held, shared, total in parts:
             total = summed[offset:offset + total.numel()].view_as(total)
             offset += total.numel()
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            for slot, e in enumerate(m.mine()):
-                if e in shared:
-                    p.grad[slot].copy_(total[shared[e]])
+            for grad, row in _copies(m, held, shared, total):
+                grad.copy_(row)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The inner norm with every copy but an expert's first zeroed: each expert counts once."""
         saved = []
-        for m in self.layers:
+        for m, held in zip(self.layers, self._holders()):
             first = m.comm.rank * m.local
-            later = [slot for slot, e in enumerate(m.mine()) if m.copies[e][0] != first + slot]
-            for name in WEIGHTS if later else ():
-                grad = getattr(m, name).grad
-                if grad is not None:
-                    saved.append((grad, later, grad[later].clone()))
-                    grad[later] = 0
+            for slot in [slot for slot, e in enumerate(m.mine()) if m.copies[e][0] != first + slot]:
+                for h in held:
+                    at, _, count = h.span(slot)
+                    if count and h.param.grad is not None:
+                        piece = h.param.grad.reshape(-1)[at:at + count]
+                        saved.append((piece, piece.clone()))
+                        piece.zero_()
         norm = self.inner.grad_norm()
-        for grad, later, copy in saved:
-            grad[later] = copy
+        for piece, copy in saved:
+            piece.copy_(copy)
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The layout's full parameters, each layer's experts gathered over ep and taken from their first copies."""
+        """The layout's full parameters (each rank's slots, as the layout gathers them), each layer's experts
+        gathered over ep and taken from their first copies."""
         state = self.inner.full_state_dict()
-        for m in self.layers:
+        for m, held in zip(self.layers, self._holders()):
             first = torch.tensor([copies[0] for copies in m.copies])
             for name in WEIGHTS:
-                p = getattr(m, name)
-                state[self.names[id(p)]] = self.ep.all_gather(p.detach().contiguous())[first.to(p.device)].cpu().clone()
+                slots = state[self.name_of(m, name)].to(held[0].param.device).contiguous()
+                state[self.name_of(m, name)] = self.ep.all_gather(slots)[first].cpu()
         return state
 
+    def name_of(self, m: BalancedExperts, weight: str) -> str:
+        return f"{self.prefix[id(m)]}.{weight}"
+
     def placements(self) -> list:
-        """The layout's placements, each slot of an expert weight the box of its expert in the plain model's."""
-        slots = {id(getattr(m, name)): m for m in self.layers for name in WEIGHTS}
+        """The layout's placements, each slot of an expert weight (a box in its weight, or in a flat shard) the
+        box of its expert in the plain model's tensor."""
+        slots = {self.name_of(m, name): m for m in self.layers for name in WEIGHTS}
         out = []
         for param, pieces in self.inner.placements():
-            m = slots.get(id(param))
-            if m is not None:
-                row = tuple(param.shape[1:])
-                pieces = [Piece(self.names[id(param)], (m.n_experts, *row), (e,) + (0,) * len(row), (1, *row),
-                                slot * math.prod(row), (1, *row)) for slot, e in enumerate(m.mine())]
-            out.append((param, pieces))
+            mapped = []
+            for piece in pieces:
+                m = slots.get(piece.name)
+                mapped += [piece] if m is None else _per_expert(piece, m)
+            out.append((param, mapped))
         return out
 
     # -- measuring and moving ----------------------------------------------------------------------------
@@ -180,9 +196,12 @@ class ExpertBalance:
             self.history.append(done)
 
     def _rebalance(self, optimizers) -> None:
-        mine = torch.stack([m.load for m in self.layers])
+        mine = torch.zeros(self.shape, dtype=torch.float64)
+        for i, m in zip(self.index, self.layers):  # every layer of the model: pipeline stages hold different ones
+            mine[i] = m.load
         with self.comms.ledger.in_phase("setup"):
-            loads = self.comms["world"].all_reduce(mine.clone()) if self.comms["world"].size > 1 else mine
+            every = self.comms["world"].all_reduce(mine) if self.comms["world"].size > 1 else mine
+        loads = every[self.index]
         for m in self.layers:
             m.load.zero_()
         new = [place(layer.tolist(), self.ep.size, self.redundant) for layer in loads]
@@ -195,13 +214,28 @@ class ExpertBalance:
 
     @torch.no_grad()
     def _move(self, placements: list[list[int]], optimizers) -> None:
-        """Each layer to its new placement: weights and AdamW's moments (any state shaped like the weight)."""
+        """Each layer to its new placement: weights and AdamW's moments (any state shaped like the parameter
+        holding them), as [slots, elements] rows (a flat shard's gathered over its shard group first); then the
+        flat engines' full buffers are gathered again from the moved shards."""
+        engines = engines_of(self.inner)
+        for engine in engines:  # an overlapped gather of the last update lands before anything moves
+            getattr(engine, "_finish_updates", lambda: None)()
+        moved = False
         with self.comms.ledger.in_phase("setup"):
-            for m, new in zip(self.layers, placements):
-                if new != m.placement:
-                    tensors = [t for name in WEIGHTS for t in _with_state(getattr(m, name), optimizers)]
-                    _move_layer(m, new, tensors, self.ep)
-                    m.use(new)
+            for m, held, new in zip(self.layers, self._holders(), placements):
+                if new == m.placement:
+                    continue
+                pairs = [(h, t) for h in held for t in _with_state(h.param, optimizers)]
+                rows = [h.rows(t, m.local) for h, t in pairs]
+                _move_layer(m, new, rows, self.ep)
+                for (h, t), r in zip(pairs, rows):
+                    h.put(t, r)
+                m.use(new)
+                moved = True
+            if moved:  # the same on every rank of a stage: they hold the same layers and placements
+                for engine in engines:
+                    if hasattr(engine, "units"):
+                        engine.after_step()
 
     # -- the checkpoint's data state and the report --------------------------------------------------------
     def state_dict(self) -> dict:
@@ -224,6 +258,36 @@ class ExpertBalance:
             out["rank_imbalance_before"] = _imbalance(last["rank_tokens_before"])
             out["rank_imbalance_after"] = _imbalance(last["rank_tokens_after"])
         return out
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, zeros where none arrived (every rank then adds and writes alike)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def _copies(m: BalancedExperts, held: list[Holder], shared: dict, total: torch.Tensor):
+    """For each piece of a replicated expert's copy this rank holds: (its gradient's piece, the same elements'
+    piece of ``total``'s row for the expert), both views, in the holders' and slots' order."""
+    column = 0
+    for h in held:
+        grad = _grad(h.param).reshape(-1)
+        for slot, e in enumerate(m.mine()):
+            at, within, count = h.span(slot)
+            if e in shared and count:
+                yield grad[at:at + count], total[shared[e], column + within:column + within + count]
+        column += h.per_slot
+
+
+def _per_expert(piece: Piece, m: BalancedExperts) -> list[Piece]:
+    """A box of ``m``'s slot weight (rows s0.. of a [slots, ...] tensor) as one box per slot, each in its expert's
+    row of the plain model's [n_experts, ...] tensor."""
+    inner = math.prod(piece.box_shape[1:])
+    mine = m.mine()
+    return [Piece(piece.name, (m.n_experts, *piece.full_shape[1:]), (mine[piece.offsets[0] + t], *piece.offsets[1:]),
+                  (1, *piece.sizes[1:]), piece.flat_lo + t * inner, (1, *piece.box_shape[1:]))
+            for t in range(piece.sizes[0])]
 
 
 def _imbalance(loads: list[float]) -> float:

@@ -92,8 +92,9 @@ def valid(placement, n_experts: int, ranks: int, length: int) -> bool:
 
 
 def check_ep_balance(parallel, model) -> None:
-    """--ep-balance measured: expert parallelism over DDP (no pipeline, no sharding engine: their flat buffers
-    and stage-held weights are not laid out by expert) and a redundant count the experts can fill."""
+    """--ep-balance measured: expert parallelism over DDP or the flat engine (ZeRO, flat FSDP: the slots'
+    elements in its flat shards, :mod:`parallelisms.parallel.ep_slots`), with or without a pipeline of one copy per
+    stage, and a redundant count the experts can fill."""
     from parallelisms.errors import require
 
     dims = parallel.dims
@@ -107,11 +108,16 @@ def check_ep_balance(parallel, model) -> None:
     require(model.n_experts > 0, "--ep-balance measured needs a mixture-of-experts model, but this one is dense; "
                                  "use --preset tiny-moe or a config with num_local_experts")
     require(dims.ep > 1, f"--ep-balance measured needs expert parallelism, got ep {dims.ep}; add --ep 2 or more")
-    require(dims.pp == 1, f"--ep-balance measured with --pp {dims.pp}: pipeline stages hold their experts in "
-                          f"stage buffers it does not move; use --pp 1 or --ep-balance even")
-    sharded = parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"
-    require(not sharded, "--ep-balance measured with --zero/--fsdp/--mixed-precision bf16: their flat buffers are "
-                         "not laid out by expert; use plain --dp (DDP) or --ep-balance even")
+    require(dims.pp == 1 or parallel.schedule not in ("dualpipe", "dualpipev", "pipedream"),
+            f"--ep-balance measured with --schedule {parallel.schedule}: its second stage copies (DualPipe) or "
+            f"per-microbatch updates (PipeDream) would need their own copies moved and summed; use 1f1b, gpipe, "
+            f"interleaved or a zero-bubble schedule, or --ep-balance even")
+    require(parallel.mixed_precision != "bf16",
+            "--ep-balance measured with --mixed-precision bf16: not yet checked against single-process bf16 training "
+            "(its fp32 flat engine is: --zero 1/2/3 and flat --fsdp run); use fp32 or --ep-balance even")
+    require(not parallel.fsdp or parallel.fsdp_style == "flat",
+            f"--ep-balance measured with --fsdp-style {parallel.fsdp_style}: its per-parameter shards do not move by "
+            f"expert slot; use --fsdp-style flat (or --zero), or --ep-balance even")
     most = max_redundant(model.n_experts, dims.ep)
     require(0 <= parallel.ep_redundant <= most,
             f"--ep-redundant {parallel.ep_redundant} is beyond the experts: {model.n_experts} experts over ep "

@@ -21,10 +21,12 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw:
     ``fp8``: the blocks' linear layers priced in FP8, marked as not runnable by this runtime; ``kernels``: the
     non-GEMM work as this runtime runs it (eager) or fused as Megatron-LM's."""
     result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule, fp8=fp8, kernels=kernels)
-    volumes = comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4)
+    comm: dict[str, float] = {}  # summed: a dimension's gradient norm shares its key with its other traffic
+    for v in comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4):
+        comm[f"{v.kind}/{v.dim}"] = comm.get(f"{v.kind}/{v.dim}", 0.0) + v.bytes_per_rank
     return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label() + (" fp8" if fp8 else ""),
             "runnable": not fp8,
-            "params": cfg.num_params(), "comm_bytes_per_rank": {f"{v.kind}/{v.dim}": v.bytes_per_rank for v in volumes},
+            "params": cfg.num_params(), "comm_bytes_per_rank": comm,
             "per_microbatch_stage_s": result["per_microbatch_stage_s"]}
 
 

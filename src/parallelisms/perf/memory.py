@@ -88,10 +88,13 @@ def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int
 
 
 def expert_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then)."""
+    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then), its
+    redundant slots included (``--ep-balance measured --ep-redundant``)."""
+    from parallelisms.perf.model import expert_slots
+
     if not cfg.n_experts or parallel.dims.ep == 1:
         return 0.0
-    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts / parallel.dims.ep
+    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * expert_slots(cfg, parallel)
 
 
 def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, embedding: bool, head: bool) -> float:
@@ -100,9 +103,9 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
 
     dims, d = parallel.dims, cfg.dim
     block = block_params(cfg, dims.tp)
-    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp, the router whole
+    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp (redundant slots too), the router whole
         experts = cfg.mlp_matrices * d * cfg.ffn_dim * cfg.n_experts
-        block += experts / dims.ep - experts / dims.tp + d * cfg.n_experts * (1 - 1 / dims.tp)
+        block += expert_params(cfg, parallel) - experts / dims.tp + d * cfg.n_experts * (1 - 1 / dims.tp)
     table = math.ceil(cfg.vocab_size / dims.tp) * d
     return layers * block + embedding * table + head * (table + d)
 

@@ -120,7 +120,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     expert_params = 0.0  # rank 0's expert weights: sharded over ep, reduced and gathered over ep_replicate only
     if cfg.n_experts and dims.ep > 1:
         layers, experts = cfg.n_layers // dims.pp, cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts
-        expert_params = layers * experts / dims.ep
+        expert_params = layers * experts / cfg.n_experts * expert_slots(cfg, parallel)
         # rank0_params splits the experts and the router over tp; the router is whole on every rank
         local_params += layers * (cfg.dim * cfg.n_experts * (1 - 1 / dims.tp) - experts / dims.tp) + expert_params
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
@@ -149,6 +149,11 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if expert_params:  # expert gradients: only over the ranks holding the same experts
         replicas = dp // dims.ep
         out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * expert_params * 4))
+        copies = redundant_expert_grads(cfg, parallel)
+        if copies:  # EPLB's copies of a hot expert sum their gradients over ep
+            out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
+            if replicas > 1 and (parallel.zero or parallel.fsdp not in (None, "no_shard")):  # slots sharded over
+                out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * copies * 4))
         tokens = train.global_batch // dims.dp * train.seq_len
         rows = tokens * cfg.top_k * (dims.ep - 1) / dims.ep  # assignments leaving the rank under uniform routing
         out.append(CommVolume("all_to_all", "ep", 4 * rows * cfg.dim * 4 * cfg.n_layers))  # 2 forward, 2 backward
@@ -173,6 +178,27 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dims.pp > 1 and parallel.schedule == "pipedream":  # it updates per microbatch, without a global norm
         return out
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+
+
+def expert_slots(cfg: ModelConfig, parallel: ParallelConfig) -> int:
+    """Experts an expert-parallel rank holds per MoE layer: its n_experts / ep, plus ``--ep-redundant`` slots for
+    copies of hot experts under ``--ep-balance measured`` (EPLB; :mod:`parallelisms.parallel.ep_balance`)."""
+    extra = parallel.ep_redundant if parallel.ep_balance == "measured" else 0
+    return cfg.n_experts // parallel.dims.ep + extra
+
+
+def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Gradient elements a rank all-reduces over ep per step so that the copies of each replicated expert step as
+    one expert (``ExpertBalance.finish``: every replicated expert's gradient, once a step, after the layout's
+    reduction): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
+    routing (the extra slots go to the experts in turn) and before any measurement (each rank's extra slots copy
+    the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
+    shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
+    each rank's share of its copies being a range of them."""
+    if parallel.ep_balance != "measured" or not parallel.ep_redundant or parallel.dims.ep == 1:
+        return 0.0
+    replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
+    return cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
 def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_bytes: int) -> float:

@@ -221,7 +221,9 @@ def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, mee
     pipeline sends, each asynchronous data-parallel call's worker overhead (``hw.overlap_overhead_us``), and
     ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
     share = sharing * hw.comm_cpu_fraction
-    comm = {name: share * v for name, v in breakdown["exposed_comm"].items() if name.endswith(("/tp", "/cp", "/ep"))}
+    priced = {name for name, *_ in traffic}  # EPLB's all_reduce/ep is data-parallel traffic, added below
+    comm = {name: share * v for name, v in breakdown["exposed_comm"].items()
+            if name.endswith(("/tp", "/cp", "/ep")) and name not in priced}
     for name, role, seconds, calls in traffic:
         comm[name] = comm.get(name, 0.0) + share * seconds + sharing * _overlapped_cpu(hw, role, calls)
     if p2p_s:
@@ -257,7 +259,8 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     """(name, role, seconds, calls) of each data-parallel (and expert-replica) collective per step, from the
     ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
     ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
-    (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward)."""
+    (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward) or ``copies``
+    (EPLB's redundant experts summing their gradients over ep, one blocking call after the reduction)."""
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
@@ -266,16 +269,19 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
     m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
     for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
-        if v.dim in ("tp", "ep", "pp") or v.dim.startswith("cp") or v.bytes_per_rank <= 0:  # per layer: cp_inner too
+        # EPLB's copies' gradients: one call after the layout's reduction, exposed whole (the norm's scalar is not)
+        copies = v.dim == "ep" and v.kind == "all_reduce" and v.bytes_per_rank >= 64
+        per_layer = v.dim in ("tp", "pp", "ep") or v.dim.startswith("cp")  # priced per layer: cp_inner too
+        if (per_layer and not copies) or v.bytes_per_rank <= 0:
             continue
         n, stride = group(parallel, _link_dim(parallel, v))
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
         per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per unit and pass
-        calls = 1 if full < 64 else m * units * (2 if v.kind == "all_gather" else 1) if per_unit \
+        calls = 1 if full < 64 or copies else m * units * (2 if v.kind == "all_gather" else 1) if per_unit \
             else max(1, math.ceil(full / bucket))
-        role = ("scalar" if full < 64 else "gather" if v.kind == "all_gather" and sharded_params
+        role = ("scalar" if full < 64 else "copies" if copies else "gather" if v.kind == "all_gather" and sharded_params
                 else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
                 else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
