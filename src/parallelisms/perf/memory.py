@@ -10,6 +10,8 @@ the activation's bytes (2 in bf16, 4 in fp32) and h, q, kv, f the hidden, query,
 * attention (PyTorch's SDPA, flash: no scores) keeps q, the key and value repeated to every query head and its
   output (4 e q) and the log-sum-exp (4 bytes per head); ring attention keeps q, k, v and the output without
   repeating (e(2q + 2kv)); Ulysses also keeps the output as it comes back from the all-to-all (5 e q);
+  all-gather attention the whole sequence's repeated key and value (2 cp e q), q, each run's output and their
+  concatenation ((3 + 2cp) e q) and on CPU its causal masks (:func:`all_gather_masks`);
 * the SwiGLU MLP keeps the gate and up projections, the gate's activation and their product (4 e f; GELU: 2 e f);
 * tensor parallelism divides the attention and MLP terms by t; sequence parallelism divides the norms by t too
   (the column layers' input is kept sequence-sharded and re-gathered for the weight gradient);
@@ -61,6 +63,9 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
         core = e * (2 * q + 2 * kv)
     elif dims.cp > 1 and parallel.cp_attention == "ring":
         core = e * (2 * q + 2 * kv) + 4 * heads
+    elif dims.cp > 1 and parallel.cp_attention == "allgather":
+        core = (3 + 2 * dims.cp) * e * q + 4 * heads
+        return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e)) + all_gather_masks(seq, dims.cp, e)
     elif dims.cp > 1:
         core = 5 * e * q + 4 * heads
     else:
@@ -68,6 +73,15 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
         if attention != "flash":
             core += 5 * heads * seq
     return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e))
+
+
+def all_gather_masks(seq: float, cp: int, e: int) -> float:
+    """The causal masks all-gather attention's SDPA keeps a layer (``parallel/cp_allgather.py``: boolean, made
+    into the query's dtype by SDPA) on the busiest cp rank, the middle one, whose two chunks of c = seq/2 local
+    positions are one run of 2c queries over (cp + 1) c keys. The CUDA path passes torch's CausalBias to the
+    fused kernel and keeps none."""
+    c = seq / 2
+    return 2 * c * (cp + 1) * c * e
 
 
 def mlp_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
