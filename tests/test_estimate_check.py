@@ -111,14 +111,16 @@ MOE_SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64"
 
 
 @pytest.mark.parametrize("flags", [
+    "--dp 4 --global-batch 4",  # experts whole on every rank
     "--dp 4 --ep 4 --tp 2 --global-batch 4",  # fp32, DDP: the counts' all-to-all; no tp collective in the MoE layer
     "--dp 4 --ep 2 --tp 2 --sp --zero 1 --mixed-precision bf16 --global-batch 4",  # bf16 both ways; SP's gathers
     "--dp 4 --ep 4 --pp 2 --schedule 1f1b --recompute full --global-batch 8 --microbatches 2",  # recomputed dispatch
 ])
-def test_expert_collectives_equal_the_dry_run(flags):
+def test_expert_layouts_agree_with_the_dry_run(flags):
     """Per MoE layer and forward run, the tokens per expert (int64) and the dispatch and combine in the compute dtype,
     their reverse in backward; under SP the layer gathers its input and its output's gradient over tp and
-    reduce-scatters nothing; the gradient norm sums the expert weights over ep and their replicas, not over dp."""
+    reduce-scatters nothing; the gradient norm sums the expert weights over ep and their replicas, not over dp.
+    Memory: what an MoE layer keeps per routed row (perf/memory.py: mlp_activation_bytes)."""
     from parallelisms.api import configure
     from parallelisms.estimate_check import check
     from parallelisms.perf.estimate import estimate
@@ -127,8 +129,26 @@ def test_expert_collectives_equal_the_dry_run(flags):
     cfg = configure(MOE_SHAPE + flags.split())
     result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
     out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
-    assert out["collectives"]["all_to_all/ep"]["dry_run"] > 0
+    assert "--ep" not in flags or out["collectives"]["all_to_all/ep"]["dry_run"] > 0
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
+def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
+    """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's
+    from the rank's first backward, priced once (not again as the fresh gradients mixed precision accumulates)."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    cfg = configure(shape + f"--dp 2 --pp 2 --schedule {schedule} --global-batch 8 --microbatches 4".split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
 
 
 def test_expert_weights_are_sharded_over_their_replicas():
