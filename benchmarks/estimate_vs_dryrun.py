@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 
-# (preset, GPUs, layout flags): dp, ZeRO-1/2/3, every FSDP strategy and style, tp, sp, cp ring and Ulysses, ep,
+# (preset, GPUs, layout flags): dp, ZeRO-1/2/3, every FSDP strategy and style, tp, sp, every cp mode, ep,
 # pipeline schedules, recompute modes; one sequence per microbatch, bf16 mixed precision
 MATRIX = [
     ("llama3-8b", 64, "--dp 64 --zero 1"),
@@ -34,6 +34,8 @@ MATRIX = [
     ("llama3-8b", 64, "--dp 8 --tp 8 --sp --zero 1 --recompute full"),
     ("llama3-8b", 64, "--dp 8 --cp 8 --zero 1"),
     ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention ulysses --zero 1"),
+    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention allgather --zero 1"),
+    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention hierarchical --cp-ulysses-size 4 --zero 1"),
     ("llama3-8b", 64, "--dp 8 --tp 8 --sp"),
     ("llama3-70b", 256, "--dp 32 --tp 8 --sp --fsdp full_shard --fsdp-style per_param --recompute full"),
     ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1"),

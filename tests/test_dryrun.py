@@ -16,7 +16,7 @@ from parallelisms.model import build_model
 from _layouts import layout_with
 
 # small layouts covering every dimension: DDP, ZeRO-1/2/3, FSDP (flat, per-parameter, reuse, hybrid), tp + sp,
-# cp ring and Ulysses, ep, pipeline schedules; grad accumulation, recompute and bf16 on the way
+# cp ring, Ulysses, all-gather and hierarchical, ep, pipeline schedules; grad accumulation, recompute and bf16 on the way
 LAYOUTS = {
     "ddp-accum": (["ddp"], {"grad_accum": 2}),
     "zero1": (["zero1"], {}),
@@ -27,6 +27,8 @@ LAYOUTS = {
     "tp-sp-recompute": (["sp", "recompute-full"], {}),
     "cp-ring": (["ring"], {}),
     "cp-ulysses": (["ulysses"], {}),
+    "cp-allgather": (["allgather"], {}),
+    "cp-hierarchical": (["hierarchical"], {}),
     "ep": (["ep"], {}),
     "pp-1f1b-selective": (["1f1b", "recompute-selective"], {}),
     "pp-zbv": (["zb-v"], {}),

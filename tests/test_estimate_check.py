@@ -27,6 +27,8 @@ LAYOUTS = {  # name: flags (each layout's world size in the name)
     "dp2 cp2 ulysses tp2 selective": "--dp 2 --cp 2 --cp-attention ulysses --tp 2 --recompute selective "
                                      "--global-batch 2",
     "dp4 cp2 ring zero3": "--dp 4 --cp 2 --zero 3 --global-batch 4",
+    "dp4 cp2 allgather zero1": "--dp 4 --cp 2 --cp-attention allgather --zero 1 --global-batch 4",
+    "dp2 cp4 hierarchical": "--dp 2 --cp 4 --cp-attention hierarchical --cp-ulysses-size 2 --global-batch 2",
     "dp4 pp2 tp2 sp zb-h1 zero1 (16)": "--dp 4 --pp 2 --tp 2 --sp --schedule zb-h1 --zero 1 --global-batch 16",
     "dp8 pp2 interleaved tp4 sp (64)": "--dp 8 --pp 2 --tp 4 --sp --schedule interleaved --chunks 2 "
                                        "--mixed-precision bf16 --global-batch 32",
@@ -104,6 +106,51 @@ def test_pipeline_gradients_exist_from_the_first_backward(flags):
     assert out["ok"], out
 
 
+MOE_SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
+             "--seq-len", "256", "--experts", "16", "--topk", "4"]
+
+
+@pytest.mark.parametrize("flags", [
+    "--dp 4 --global-batch 4",  # experts whole on every rank
+    "--dp 4 --ep 4 --tp 2 --global-batch 4",  # fp32, DDP: the counts' all-to-all; no tp collective in the MoE layer
+    "--dp 4 --ep 2 --tp 2 --sp --zero 1 --mixed-precision bf16 --global-batch 4",  # bf16 both ways; SP's gathers
+    "--dp 4 --ep 4 --pp 2 --schedule 1f1b --recompute full --global-batch 8 --microbatches 2",  # recomputed dispatch
+])
+def test_expert_layouts_agree_with_the_dry_run(flags):
+    """Per MoE layer and forward run, the tokens per expert (int64) and the dispatch and combine in the compute dtype,
+    their reverse in backward; under SP the layer gathers its input and its output's gradient over tp and
+    reduce-scatters nothing; the gradient norm sums the expert weights over ep and their replicas, not over dp.
+    Memory: what an MoE layer keeps per routed row (perf/memory.py: mlp_activation_bytes)."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    cfg = configure(MOE_SHAPE + flags.split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert "--ep" not in flags or out["collectives"]["all_to_all/ep"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
+def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
+    """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's
+    from the rank's first backward, priced once (not again as the fresh gradients mixed precision accumulates)."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    cfg = configure(shape + f"--dp 2 --pp 2 --schedule {schedule} --global-batch 8 --microbatches 4".split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
 def test_expert_weights_are_sharded_over_their_replicas():
     """ZeRO-1 with expert parallelism: the expert weights' master, optimizer state, reduce-scatter and all-gather are
     over the ranks holding the same experts (ep_replicate, here one rank), the other weights' over dp; the router
@@ -113,9 +160,7 @@ def test_expert_weights_are_sharded_over_their_replicas():
     from parallelisms.perf.estimate import estimate
     from parallelisms.perf.hardware import load_hardware
 
-    shape = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
-             "--seq-len", "256", "--experts", "16", "--topk", "4"]
-    cfg = configure(shape + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
+    cfg = configure(MOE_SHAPE + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
                             "--global-batch 8".split())
     result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
     out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
@@ -124,6 +169,7 @@ def test_expert_weights_are_sharded_over_their_replicas():
         assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
     for key in ("reduce_scatter/dp", "all_gather/dp"):
         assert out["collectives"][key]["dry_run"] > 0 and out["collectives"][key]["difference"] == 0, key
+    assert out["ok"], out
 
 
 def test_estimate_check_command(capsys):

@@ -44,10 +44,19 @@ class AllGatherAttentionCore(nn.Module):
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in kv)
         out = []
         for start, length, end in self.runs:  # the run's queries see keys 0 .. end-1, the last ones causally
-            mask = causal_lower_right(length, end)
             out.append(F.scaled_dot_product_attention(q[:, :, start:start + length], k[:, :, :end], v[:, :, :end],
-                                                      attn_mask=mask))
+                                                      attn_mask=_lower_right(length, end, q)))
         return torch.cat(out, dim=2)
+
+
+def _lower_right(length: int, end: int, q: torch.Tensor):
+    """The causal mask aligned to the last key: torch's CausalBias, which a fused GPU kernel takes without a mask;
+    elsewhere the boolean mask CausalBias becomes there (torch/nn/attention/bias.py: ``_materialize``), made
+    directly, since a CausalBias (a tensor subclass the legacy constructor makes) cannot be made under a Python
+    dispatch mode: fake tensors (the dry run), memory trackers."""
+    if q.is_cuda:
+        return causal_lower_right(length, end)
+    return torch.ones(length, end, dtype=torch.bool, device=q.device).tril(end - length)
 
 
 def all_gather_core(comms: Comms, held: list[torch.Tensor], inner: nn.Module, parallel) -> nn.Module:

@@ -10,6 +10,8 @@ the activation's bytes (2 in bf16, 4 in fp32) and h, q, kv, f the hidden, query,
 * attention (PyTorch's SDPA, flash: no scores) keeps q, the key and value repeated to every query head and its
   output (4 e q) and the log-sum-exp (4 bytes per head); ring attention keeps q, k, v and the output without
   repeating (e(2q + 2kv)); Ulysses also keeps the output as it comes back from the all-to-all (5 e q);
+  all-gather attention the whole sequence's repeated key and value (2 cp e q), q, each run's output and their
+  concatenation ((3 + 2cp) e q) and on CPU its causal masks (:func:`all_gather_masks`);
 * the SwiGLU MLP keeps the gate and up projections, the gate's activation and their product (4 e f; GELU: 2 e f);
 * tensor parallelism divides the attention and MLP terms by t; sequence parallelism divides the norms by t too
   (the column layers' input is kept sequence-sharded and re-gathered for the weight gradient);
@@ -62,6 +64,9 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
         core = e * (2 * q + 2 * kv)
     elif dims.cp > 1 and parallel.cp_attention == "ring":
         core = e * (2 * q + 2 * kv) + 4 * heads
+    elif dims.cp > 1 and parallel.cp_attention == "allgather":
+        core = (3 + 2 * dims.cp) * e * q + 4 * heads
+        return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e)) + all_gather_masks(seq, dims.cp, e)
     elif dims.cp > 1:
         core = 5 * e * q + 4 * heads
     else:
@@ -71,10 +76,27 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
     return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e))
 
 
+def all_gather_masks(seq: float, cp: int, e: int) -> float:
+    """The causal masks all-gather attention's SDPA keeps a layer (``parallel/cp_allgather.py``: boolean, made
+    into the query's dtype by SDPA) on the busiest cp rank, the middle one, whose two chunks of c = seq/2 local
+    positions are one run of 2c queries over (cp + 1) c keys. The CUDA path passes torch's CausalBias to the
+    fused kernel and keeps none."""
+    c = seq / 2
+    return 2 * c * (cp + 1) * c * e
+
+
 def mlp_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
-    """Per token: the MLP's kept tensors (SwiGLU four f-wide, GELU two; MoE: each token's top-k experts)."""
-    width = cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1) / (1 if cfg.n_experts else parallel.dims.tp)
-    return e * width * (4 if cfg.mlp == "swiglu" else 2)
+    """Per token: the MLP's kept tensors (SwiGLU four f-wide, GELU two). An MoE layer (``model/moe.py``, SwiGLU
+    experts whole on every tensor-parallel rank) keeps per routed row (top-k a token) the experts' four f-wide
+    tensors, three h-wide ones (the grouped GEMM's padded input, the combine's output and its weighted copy; a
+    fourth under expert parallelism: the dispatched rows regrouped), four int64 indices (five under expert
+    parallelism), its weight and the top-k's index and softmax; per token the router's fp32 probabilities (the
+    load-balancing loss)."""
+    if not cfg.n_experts:
+        return e * cfg.ffn_dim / parallel.dims.tp * (4 if cfg.mlp == "swiglu" else 2)
+    ep = parallel.dims.ep > 1
+    row = 4 * e * cfg.ffn_dim + (3 + ep) * e * cfg.dim + 8 * (4 + ep) + e + 4 + 8
+    return cfg.top_k * row + 4 * cfg.n_experts
 
 
 def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int, kept: bool = False) -> float:
@@ -349,9 +371,12 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
         fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
         is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and
-        DualPipe: one of the rank's two stages at a time; DualPipeV peaks before the second chunk's buffers exist."""
+        DualPipe: one of the rank's two stages at a time; DualPipeV peaks before the second chunk's buffers exist.
+        DDP in fp32 holds only the parameters' gradients."""
         params, _, states = states_of(layers, embedding, head, stages)
         full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+        if not (parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"):
+            return 4 * params  # DDP in fp32: the parameters' own gradients are the buffers, every stage's, once
         # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
         split = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         fresh = 4 * params * (2 if full_shard or (split and parallel.mixed_precision == "bf16") else 1) / (

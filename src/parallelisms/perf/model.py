@@ -127,36 +127,23 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dp > 1:
         hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
         shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
-        ring = (shards - 1) / shards
-        grads, params = (local_params - expert_params) * 4, (local_params - expert_params) * dtype_bytes
+        dense = local_params - expert_params
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
             replicas = dims.dp_replicate
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
-            out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * grads / shards))
-        # without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather
-        # sharded parameters every microbatch; a pipeline stage holds its units through the step (once)
-        m = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
-        if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
-            out += [CommVolume("all_gather", "dp", m * ring * _gathered_per_microbatch(cfg, parallel, dtype_bytes)),
-                    CommVolume("reduce_scatter", "dp", m * ring * grads)]
-        elif parallel.zero or parallel.fsdp not in (None, "no_shard"):
-            per_microbatch = parallel.zero != 1  # ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does
-            gathers = m if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2") else 1
-            out += [CommVolume("reduce_scatter", "dp", (m if per_microbatch else 1) * ring * grads),
-                    CommVolume("all_gather", "dp", gathers * ring * params)]
-        else:
-            out.append(CommVolume("all_reduce", "dp", 2 * ring * grads))
+            out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * dense * 4 / shards))
+        out += _engine_volumes(parallel, train, "dp", shards, dense, dtype_bytes,
+                               _gathered_per_microbatch(cfg, parallel, dtype_bytes))
     if expert_params:  # expert gradients: only over the ranks holding the same experts
         replicas = dp // dims.ep
-        out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * expert_params * 4))
+        out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
+                               expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
         copies = redundant_expert_grads(cfg, parallel)
         if copies:  # EPLB's copies of a hot expert sum their gradients over ep
             out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
             if replicas > 1 and (parallel.zero or parallel.fsdp not in (None, "no_shard")):  # slots sharded over
                 out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * copies * 4))
-        tokens = train.global_batch // dims.dp * train.seq_len
-        rows = tokens * cfg.top_k * (dims.ep - 1) / dims.ep  # assignments leaving the rank under uniform routing
-        out.append(CommVolume("all_to_all", "ep", 4 * rows * cfg.dim * 4 * cfg.n_layers))  # 2 forward, 2 backward
+        out.append(CommVolume("all_to_all", "ep", _expert_all_to_alls(cfg, parallel, train, dtype_bytes)))
     if dims.tp > 1:
         out += _tensor_parallel_volumes(cfg, parallel, train, dtype_bytes)
     if dims.cp > 1:
@@ -199,6 +186,39 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
         return 0.0
     replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
     return cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+
+
+def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shards: int, params: float,
+                    dtype_bytes: int, gathered: float) -> list[CommVolume]:
+    """The gradient sync engine's bytes per step over ``dim`` (``shards`` ranks) for ``params`` parameters:
+    without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather sharded
+    parameters (``gathered`` bytes per microbatch before the ring factor) every microbatch; a pipeline stage holds
+    its units through the step (once); ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does; DDP
+    all-reduces. Gradients travel in fp32, parameters in the compute dtype."""
+    if shards <= 1:
+        return []
+    ring, grads = (shards - 1) / shards, params * 4
+    m = microbatches_per_step(parallel, train) if parallel.dims.pp == 1 else 1
+    if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
+        return [CommVolume("all_gather", dim, m * ring * gathered), CommVolume("reduce_scatter", dim, m * ring * grads)]
+    if parallel.zero or parallel.fsdp not in (None, "no_shard"):
+        gathers = m if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2") else 1
+        return [CommVolume("reduce_scatter", dim, (m if parallel.zero != 1 else 1) * ring * grads),
+                CommVolume("all_gather", dim, gathers * ring * params * dtype_bytes)]
+    return [CommVolume("all_reduce", dim, 2 * ring * grads)]
+
+
+def _expert_all_to_alls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dtype_bytes: int) -> float:
+    """Rank 0's expert all-to-all bytes per step over its stage's layers (``parallel/expert.py``): per MoE layer,
+    microbatch and forward run (a full recompute runs it again in backward), the tokens per expert (int64) and
+    the dispatch and combine of the routed rows; backward the two reverse all-to-alls of their gradients, rows in
+    the compute dtype. Uniform routing: (ep - 1)/ep of a rank's rows (its tokens x top-k) leave it."""
+    dims = parallel.dims
+    leaving = (dims.ep - 1) / dims.ep
+    rows = train.global_batch // dims.dp * train.seq_len // dims.cp * cfg.top_k * leaving
+    forwards = 2 if parallel.recompute == "full" else 1
+    counts = microbatches_per_step(parallel, train) * leaving * cfg.n_experts * 8
+    return rank0_layers(cfg, parallel) * (forwards * counts + (2 * forwards + 2) * rows * cfg.dim * dtype_bytes)
 
 
 def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_bytes: int) -> float:
@@ -282,13 +302,15 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     # dtype) in every forward, reduce-scattering their gradients in backward
     kv_weights = (t - 1) / t * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim * dtype_bytes if t > cfg.n_kv_heads else 0.0
     m = microbatches_per_step(parallel, train)
+    mlp = 0 if cfg.n_experts else 1  # an MoE layer is whole on every rank; under SP it gathers its input and the
+    # output's gradient (parallel/moe_sequence.py), reduce-scattering nothing
     if not sp:  # the blocks' f and g; the embedding's output; the head input's f
-        reduces = forward * 2 + layers * 2 + 1 + head
+        reduces = (forward + layers) * (1 + mlp) + 1 + head
         out = [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
         return out + ([CommVolume("all_gather", "tp", m * forward * kv_weights),
                        CommVolume("reduce_scatter", "tp", m * layers * kv_weights)] if kv_weights else [])
-    gathers = (forward * 2 + layers * 4 + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
-    scatters = (forward * 2 + layers * 2 + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's input
+    gathers = (forward * 2 + layers * (3 + mlp) + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
+    scatters = ((forward + layers) * (1 + mlp) + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's
     norm_bytes = 2 if parallel.mixed_precision == "bf16" else elem  # the compute dtype's gradients
     norms = m * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
     return [CommVolume("all_gather", "tp", gathers), CommVolume("reduce_scatter", "tp", scatters),
@@ -310,12 +332,16 @@ def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:
 def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[CommVolume]:
     """The global gradient norm, measured every step: the squared norms of parameters sharded over the same
     mesh dimensions form a group, and each group is all-reduced (one element) over each of its dimensions.
-    Groups: tensor-parallel weights (tp), weights replicated across tp (the norms), expert weights (ep),
-    each also over pp (stages) and the sharding dimension of ZeRO/FSDP; dimensions of size 1 send nothing."""
+    Groups: tensor-parallel weights (tp), weights replicated across tp (the norms), each also over pp (stages)
+    and the sharding dimension of ZeRO/FSDP, and expert weights (ep), over pp and, sharded, over the ranks
+    holding the same experts (``ep_replicate``); dimensions of size 1 send nothing."""
     dims = parallel.dims
     sharding = _sharding_dim(parallel)
     base = [("pp", dims.pp)] + ([sharding] if sharding else [])
-    groups = [base] + [base + [(name, size)] for name, size in (("tp", dims.tp), ("ep", dims.ep)) if size > 1]
+    groups = [base] + ([base + [("tp", dims.tp)]] if dims.tp > 1 else [])
+    if dims.ep > 1:  # expert weights are sharded over the ranks holding the same experts, not over dp
+        replicas = [("ep_replicate", dims.dp * dims.cp // dims.ep)] if sharding else []
+        groups.append([("pp", dims.pp)] + replicas + [("ep", dims.ep)])
     out = []
     for group in groups:
         for name, size in group:
