@@ -3,7 +3,8 @@
 Runs ``parallelisms train`` (the tiny preset, a small batch) for ``--steps`` steps with ``--metrics``, follows
 the metrics file as it is written, and reads the resident memory (VmRSS) of the run's processes (the command and
 its rank processes) when the records of the chosen steps appear. The report time is from the last step's record
-to the command's exit (the end-of-run report and teardown). Prints one JSON object.
+to the report's first line on stdout (``report_s``: the end-of-run report's collectives and assembly); ``exit_s``
+adds the teardown, to the command's exit. Prints one JSON object.
 
     slot env PYTHONPATH=$PWD/src python3 benchmarks/long_run.py --steps 20000 --at 1000,20000
 """
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,7 +64,11 @@ def run(steps: int, at: list[int], extra: list[str]) -> dict:
         cmd = [sys.executable, "-m", "parallelisms", "train", "--preset", "tiny", "--steps", str(steps),
                "--metrics", str(metrics), "--no-precheck", *extra]
         began = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each line when printed
+        output, printed = [], []  # the command's lines; when the report's first line ("ran:") came
+        reader = threading.Thread(target=_read, args=(proc.stdout, output, printed))
+        reader.start()
         seen, offset, samples, last_step_at, pending = 0, 0, {}, None, ""
         while proc.poll() is None:
             time.sleep(0.02)
@@ -86,12 +92,21 @@ def run(steps: int, at: list[int], extra: list[str]) -> dict:
                 if seen == steps:
                     last_step_at = time.monotonic()
         ended = time.monotonic()
-        output = proc.stdout.read()
+        reader.join()
     if proc.returncode:
-        raise SystemExit(f"the run failed ({proc.returncode}):\n{output[-2000:]}")
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{''.join(output)[-2000:]}")
+    since_last = (lambda t: round(t - last_step_at, 2) if last_step_at and t else None)
     return {"steps": steps, "command": " ".join(cmd[1:]), "wall_s": round(ended - began, 1),
-            "report_s": round(ended - last_step_at, 2) if last_step_at else None, "at": samples,
-            "summary": [ln for ln in output.splitlines() if ln.startswith(("speed", "loss", "comm"))]}
+            "report_s": since_last(printed[0] if printed else None), "exit_s": since_last(ended), "at": samples,
+            "summary": [ln.rstrip() for ln in output if ln.startswith(("speed", "loss", "comm"))]}
+
+
+def _read(stream, lines: list[str], printed: list[float]) -> None:
+    """The command's output, line by line; the time its report's first line came."""
+    for line in stream:
+        if line.startswith("ran:") and not printed:
+            printed.append(time.monotonic())
+        lines.append(line)
 
 
 def main() -> None:
