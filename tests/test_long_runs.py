@@ -10,7 +10,7 @@ from parallelisms.comm import CommLedger
 from parallelisms.config import ModelConfig, ParallelConfig, ParallelDims, TrainConfig
 from parallelisms.launch import launch
 from parallelisms.step_log import LossLog
-from parallelisms.train import RunSpec, train_rank
+from parallelisms.training import RunSpec, train_rank
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 PHASES = ("setup", "forward", "backward", "optimizer", "report")
