@@ -160,11 +160,9 @@ def tripwire(monkeypatch):
 
     import parallelisms.parallel.pipeline.cli
     monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", started)
-    # parallelisms.train and .verify are API functions: the modules are imported by name
-    monkeypatch.setattr(importlib.import_module("parallelisms.training"), "train_rank", started)
-    monkeypatch.setattr(importlib.import_module("parallelisms.equivalence"), "check_reference", started)
     monkeypatch.setattr(parallelisms.parallel.pipeline.cli, "simulate", started)
-    for module, work in (("parallelisms.perf.plan", "plan"), ("parallelisms.perf.calibrate", "calibrate"),
+    for module, work in (("parallelisms.training", "train_rank"), ("parallelisms.equivalence", "check_reference"),
+                         ("parallelisms.perf.plan", "plan"), ("parallelisms.perf.calibrate", "calibrate"),
                          ("parallelisms.checkpoint", "load_full_state"), ("parallelisms.plot_trace", "plot_trace")):
         monkeypatch.setattr(importlib.import_module(module), work, started)
 
