@@ -9,7 +9,7 @@ from parallelisms.benches.zero import peak_floor
 from parallelisms.config import TrainConfig, preset
 from parallelisms.data import BatchLoader, load_corpus
 from parallelisms.model import build_model
-from parallelisms.parallel.flat import module_units
+from parallelisms.parallel.wrap import module_units
 
 
 def test_transient_peak_counts_what_a_call_holds_at_once():

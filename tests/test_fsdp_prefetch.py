@@ -9,7 +9,8 @@ from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.parallel.flat import ShardedEngine, module_units
+from parallelisms.parallel.flat import ShardedEngine
+from parallelisms.parallel.wrap import module_units
 from parallelisms.parallel.zero import zero_plan
 from parallelisms.support import validate_layout
 from parallelisms.equivalence import compare, reference_train

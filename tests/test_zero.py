@@ -13,7 +13,8 @@ from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig, preset
 from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
-from parallelisms.parallel.flat import ShardedEngine, module_units
+from parallelisms.parallel.flat import ShardedEngine
+from parallelisms.parallel.wrap import module_units
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.zero import zero_plan
 from parallelisms.parallel.memory import zero_formula

@@ -44,7 +44,7 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.model import build_model
 from parallelisms.model.transformer import Block
 from parallelisms.optim import make_optimizer
-from parallelisms.parallel.flat import module_units
+from parallelisms.parallel.wrap import module_units
 from parallelisms.train_setup import parallelize
 
 

@@ -5,7 +5,7 @@ Each parameter keeps its identity: the ``nn.Parameter`` object the user's optimi
 hold stays registered in its module, and its ``.data`` becomes this rank's dim-0 rows (``ceil(d0 / N)``,
 zero-padded on the last ranks), a view into one flat per-unit shard buffer so a unit is all-gathered by
 one collective without a copy-in. A unit is a transformer block, the embedding, or the final norm plus
-output head (the flat engine's ``module_units``). Around a unit's forward:
+output head (:func:`parallelisms.parallel.wrap.module_units`). Around a unit's forward:
 
 * pre-hook: wait for (or issue) the unit's all-gather, copy the rank-major result out into full
   parameters (FSDP2's copy-out), swap them in as fresh leaf tensors, and prefetch the next unit's
@@ -38,15 +38,9 @@ after autograd accumulates it into the leaf, into an fp32 main grad of the unit 
 here the rank-major reduce-scatter input itself, reuse's gradient buffer), which is divided by the
 data-parallel size and reduce-scattered in fp32 into the fp32 gradient shards, held through the step or not.
 
-Full recomputation (:mod:`parallelisms.parallel.recompute`) reruns a block's class forward in backward,
-past the hooks above; each unit registers a recompute context on its block that swaps its full weights in
-around that rerun (held: the forward's leaves; otherwise re-gathered, as fresh leaves: the gradients still
-land on the forward's leaves, whose graph non-reentrant checkpointing keeps).
-
-Expert weights (sharded over ``ep``, :mod:`parallelisms.parallel.expert`) differ between expert-parallel
-ranks: a block holding them is two units, its dense weights sharded over ``dim`` and its experts over the ranks
-holding the same experts, ``ep_replicate`` (as the flat engine's ``split_expert_units``); both divide their
-gradients by the data-parallel size.
+Full recomputation swaps the unit's full weights in around the recomputed forward
+(:meth:`PerParamSharding._swapped_in_for_recompute`); a block holding expert weights is two units, its experts
+sharded over ``ep_replicate`` (:func:`parallelisms.parallel.wrap.split_expert_units`).
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ from torch import nn
 from parallelisms.comm import Comms
 from parallelisms.parallel.common import (SHARD_ATTR, after_last_child_backward, gather_full, mark_sharded,
                                           norm_dims, norm_of_groups, norm_pieces, squared_norms_of_pieces)
-from parallelisms.parallel.flat import module_units, split_expert_units
+from parallelisms.parallel.wrap import module_units, split_expert_units
 from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.recompute import register_recompute_context

@@ -13,7 +13,7 @@
   ranks (pipeline ranks ``r`` and ``pp - 1 - r``) exchange their gradient boxes and both add, so each copy's
   optimizer entry gets the same gradient and AdamW makes the same update on both; the head's copy is left out of
   the gradient norm, so the weight counts once. A stage's sharding engine wraps the head's copy in a unit of its
-  own, sharded as the embedding's (:func:`parallelisms.parallel.flat.module_units`). A rank holding both ends (a
+  own, sharded as the embedding's (:func:`parallelisms.parallel.wrap.module_units`). A rank holding both ends (a
   V-shaped schedule) holds both copies and adds them in place; only the embedding's is an optimizer parameter
   there: the head's boxes are left out of :meth:`TiedEmbeddings.placements` (so of the optimizer and the
   checkpoint) and set to the embedding's in :meth:`TiedEmbeddings.after_step`. A head copy on a rank without

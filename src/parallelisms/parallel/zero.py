@@ -27,7 +27,8 @@ from torch import nn
 
 from parallelisms.comm import Comms
 from parallelisms.config import ParallelConfig, TrainConfig
-from parallelisms.parallel.flat import ShardedEngine, ShardingPlan, module_units
+from parallelisms.parallel.flat import ShardedEngine, ShardingPlan
+from parallelisms.parallel.wrap import module_units
 from parallelisms.parallel.fsdp import fsdp_plan
 
 def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:

@@ -311,7 +311,7 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
 
 
 def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
-    """Parameters of the engine's first unit on a rank (``parallel/flat.py: module_units``): the embedding, with
+    """Parameters of the engine's first unit on a rank (``parallel/wrap.py: module_units``): the embedding, with
     ZeRO-1 the blocks (and the head) after it merged in while the unit's parameters fit the gradient bucket
     (``--bucket-mb``)."""
     from parallelisms.perf.model import block_params
