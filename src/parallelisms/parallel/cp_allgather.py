@@ -51,7 +51,7 @@ class AllGatherAttentionCore(nn.Module):
 
 def _lower_right(length: int, end: int, q: torch.Tensor):
     """The causal mask aligned to the last key: torch's CausalBias, which a fused GPU kernel takes without a mask;
-    elsewhere the boolean mask CausalBias becomes there (torch/nn/attention/bias.py: ``_materialize``), made
+    elsewhere the boolean mask CausalBias becomes there (``torch.nn.attention.bias.CausalBias._materialize``), made
     directly, since a CausalBias (a tensor subclass the legacy constructor makes) cannot be made under a Python
     dispatch mode: fake tensors (the dry run), memory trackers."""
     if q.is_cuda:
