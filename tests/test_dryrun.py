@@ -39,10 +39,12 @@ LAYOUTS = {
 
 
 def _small(features):
-    """``layout_with(features)`` on four layers (a layer per virtual stage of pp 2 x 2) and 16 positions (two
-    blocks per rank of cp 4's load-balanced ring): the ranks' collectives and classes as on the deeper model."""
+    """``layout_with(features)`` on four layers with a pipeline (a layer per virtual stage of pp 2 x 2), two without
+    (the per-layer collectives repeat), and 16 positions (two blocks per rank of cp 4's load-balanced ring): the
+    ranks' collectives and classes as on the deeper model."""
     model, train, parallel = layout_with(features)
-    return dataclasses.replace(model, n_layers=4), train.replace(seq_len=16), parallel
+    layers = 4 if parallel.dims.pp > 1 else 2
+    return dataclasses.replace(model, n_layers=layers), train.replace(seq_len=16), parallel
 
 
 def _layout(name):
