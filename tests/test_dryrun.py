@@ -39,10 +39,12 @@ LAYOUTS = {
 
 
 def _small(features):
-    """``layout_with(features)`` on four layers (a layer per virtual stage of pp 2 x 2) and 16 positions (two
-    blocks per rank of cp 4's load-balanced ring): the ranks' collectives and classes as on the deeper model."""
+    """``layout_with(features)`` on four layers with a pipeline (a layer per virtual stage of pp 2 x 2), two without
+    (the per-layer collectives repeat), and 16 positions (two blocks per rank of cp 4's load-balanced ring): the
+    ranks' collectives and classes as on the deeper model."""
     model, train, parallel = layout_with(features)
-    return dataclasses.replace(model, n_layers=4), train.replace(seq_len=16), parallel
+    layers = 4 if parallel.dims.pp > 1 else 2
+    return dataclasses.replace(model, n_layers=layers), train.replace(seq_len=16), parallel
 
 
 def _layout(name):
@@ -123,9 +125,9 @@ def _planted(rank: int, method: str, plant):
 
 
 def _first_violation(kind: str, rank: int, method: str, plant, train_changes=None) -> str:
-    """The precheck's first violation of layout ``kind`` with ``plant`` wrapping ``method`` on ``rank`` (every
-    rank run); fails if the precheck passes."""
-    model, train, parallel = layout_with([kind])
+    """The precheck's first violation of the small layout ``kind`` with ``plant`` wrapping ``method`` on ``rank``
+    (every rank run); fails if the precheck passes."""
+    model, train, parallel = _small([kind])
     result = dry_run(model, train.replace(**(train_changes or {})), parallel, memory=False, every_rank=True,
                      run_rank=_planted(rank, method, plant))
     assert not result["precheck"]["ok"]
@@ -174,7 +176,7 @@ def test_an_expert_all_to_all_with_a_wrong_split_is_caught():
 
 
 def test_a_correct_layout_passes_with_its_counts():
-    model, train, parallel = layout_with(["zb-v", "tp"])
+    model, train, parallel = _small(["zb-v", "tp"])
     result = dry_run(model, train, parallel, memory=False)
     check = result["precheck"]
     assert check["ok"] and check["groups"] >= 2 and check["collectives"] > 0 and check["messages"] > 0, check
@@ -184,7 +186,7 @@ def test_a_correct_layout_passes_with_its_counts():
 def test_float64_and_tied_embeddings_run_dry():
     """A float64 run (its precheck too) with the head tied to the embedding: the fake parameters are cast as
     ``build_model`` casts them, the tied weight once, so the parameters weigh twice the fp32 run's."""
-    model, train, parallel = layout_with(["tp", "sp"])
+    model, train, parallel = _small(["tp", "sp"])
     model = dataclasses.replace(model, tie_embeddings=True)
     params = {}
     for dtype in ("float32", "float64"):

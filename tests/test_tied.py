@@ -27,7 +27,7 @@ from parallelisms.optim import decays  # noqa: E402
 from parallelisms.training import RunSpec  # noqa: E402
 from parallelisms.equivalence import TOLERANCE_FLOAT64, batch_slices, clip_grad_norm_float64  # noqa: E402
 
-STEPS = 10
+STEPS = 4
 TRAIN = TrainConfig(steps=STEPS, global_batch=4, seq_len=32, lr=1e-2)
 
 
@@ -38,7 +38,7 @@ def tied_dir(tmp_path_factory):
 
 
 def _transformers_training(path) -> tuple[list[float], list[float]]:
-    """Ten steps of the tied transformers model with torch AdamW, one process: per-step losses and gradient norms
+    """``STEPS`` steps of the tied transformers model with torch AdamW, one process: per-step losses and gradient norms
     (before clipping; summed in float64, as torch's fp32 norm is itself ~5e-6 off here). The groups follow the defaults: no decay on 1-D weights nor on the (tied) embedding."""
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -86,7 +86,7 @@ def reference(tied_dir):
 
 @pytest.fixture(scope="module")
 def tied_runs(tied_dir):
-    """name -> rank 0's report of ten ``--init-from`` steps in that layout (one launch per world size)."""
+    """name -> rank 0's report of ``STEPS`` ``--init-from`` steps in that layout (one launch per world size)."""
     cfg, start = load_hf(tied_dir)
     assert cfg.tie_embeddings and torch.equal(start["output.weight"], start["tok_embeddings.weight"])
     return launch_reports({name: RunSpec(cfg, TRAIN, parallel, collect_state=True, init_from=str(tied_dir))
