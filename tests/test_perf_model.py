@@ -189,17 +189,17 @@ def test_redundant_experts_sum_their_gradients_over_ep():
 
 
 def test_redundant_experts_all_reduce_matches_the_ledger_of_a_real_run(capsys):
-    """The all-reduces of a real ``--ep-balance measured --ep-redundant 1`` run (dp and expert-replica gradients,
-    the copies' gradients over ep, the norm) equal the prediction to the byte; the all-to-alls follow the router,
-    which the prediction takes as uniform, so they are left out. (Under ZeRO the prediction counts the expert
-    replicas' gradients as an all-reduce where the engine reduce-scatters and gathers them: DDP here.)"""
+    """The collectives of a real ZeRO-2 ``--ep-balance measured --ep-redundant 1`` run equal the prediction to the
+    byte: the all-reduces (the copies' gradients over ep and over the expert replicas, the norm), the dense and
+    expert gradients' reduce-scatters and the parameters' all-gathers (over dp and over the expert replicas); the
+    all-to-alls follow the router, which the prediction takes as uniform, so they are left out."""
     import json
 
     from parallelisms.cli import main
 
-    argv = ["train", "--preset", "tiny-moe", "--dp", "4", "--ep", "2", "--ep-balance", "measured", "--ep-redundant",
-            "1", "--steps", "2", "--global-batch", "8", "--json"]
+    argv = ["train", "--preset", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "2", "--ep-balance", "measured",
+            "--ep-redundant", "1", "--steps", "2", "--global-batch", "8", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["comm"]["all_reduce"]["bytes_per_rank"] == pytest.approx(report["predicted_comm"]["all_reduce"],
-                                                                           rel=1e-12)
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert report["comm"][kind]["bytes_per_rank"] == pytest.approx(report["predicted_comm"][kind], rel=1e-12)
