@@ -7,29 +7,23 @@ zero-padded on the last ranks), a view into one flat per-unit shard buffer so a 
 one collective without a copy-in. A unit is a transformer block, the embedding, or the final norm plus
 output head (:func:`parallelisms.parallel.wrap.module_units`). Around a unit's forward:
 
-* pre-hook: wait for (or issue) the unit's all-gather, copy the rank-major result out into full
-  parameters (FSDP2's copy-out), swap them in as fresh leaf tensors, and prefetch the next unit's
-  all-gather asynchronously;
-* post-hook: restore the sharded parameters and free the full ones (FULL_SHARD; SHARD_GRAD_OP keeps
-  them to backward). The last unit stays gathered, its backward comes next.
+* pre-hook: wait for (or issue) the unit's all-gather, copy the rank-major result out into full parameters
+  (FSDP2's copy-out), swap them in as fresh leaf tensors, and prefetch the next unit's all-gather asynchronously;
+* post-hook: restore the sharded parameters and free the full ones (FULL_SHARD; SHARD_GRAD_OP keeps them to
+  backward). The last unit stays gathered, its backward comes next.
 
 Autograd keeps no full weight alive between forward and backward: a ``saved_tensors_hooks`` pair stores a
 reference (unit, size, stride, offset) for any saved tensor living in a gathered unit's storage and, in
 backward, re-gathers the unit on first use and prefetches the previous unit (if its forward saved
 weights: the embedding's backward needs none) once a block's MLP has run its backward
-(``after_last_child_backward``). When every full leaf of a unit has accumulated its
-gradient, the gradients are copied in rank-major order (copy-in), divided by N and reduce-scattered
-asynchronously into the unit's flat shard-gradient buffer (``param.grad`` views), one reduce-scatter in
-flight as in FSDP2; the end of backward waits for the last. :mod:`parallelisms.parallel.yafsdp` reuses
-this engine with a flat layout and two preallocated buffer pairs.
+(``after_last_child_backward``). When every full leaf of a unit has accumulated its gradient, the gradients are
+copied in rank-major order (copy-in), divided by N and reduce-scattered asynchronously into the unit's flat
+shard-gradient buffer (``param.grad`` views), one in flight as in FSDP2; the end of backward waits for the last.
+:mod:`parallelisms.parallel.yafsdp` reuses this engine with a flat layout and two preallocated buffer pairs.
 
-:meth:`PerParamSharding.hold_through_step` (a pipeline stage, whose schedule interleaves many microbatches'
-forwards and backwards; torchtitan runs FSDP2 under PP this way): a unit is gathered at its first forward of the step
-and its full leaves stay the same objects through every microbatch, so their ``.grad`` accumulates the
-whole step (autograd's, and the deferred weight gradients a split backward's W action adds to the leaf the
-split linear captured); nothing is reduced in the autograd hooks. :meth:`PerParamSharding.reduce_held`,
-called after the stage's last backward work of the step, reduce-scatters every unit (one in flight) and
-frees it; :meth:`PerParamSharding.finish` waits for the last.
+:meth:`PerParamSharding.hold_through_step` (a pipeline stage; torchtitan runs FSDP2 under PP this way) keeps
+each unit gathered from its first forward of the step, its leaves accumulating every microbatch's gradients,
+until :meth:`PerParamSharding.reduce_held` reduce-scatters them after the stage's last backward work.
 
 Mixed precision (``compute_dtype=bf16``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``): the shards stay fp32 (the optimizer's master weights), each is cast to bf16 before its
@@ -399,8 +393,9 @@ class PerParamSharding:
             unit.accumulated, unit.leaves = 0, None
 
     def hold_through_step(self) -> None:
-        """A pipeline stage (see the module docstring): from now on units stay gathered from their first forward
-        of the step, their leaves' gradients accumulate, and only :meth:`reduce_held` reduces them."""
+        """A pipeline stage: from now on a unit stays gathered from its first forward of the step and its full
+        leaves stay the same objects, so their ``.grad`` accumulates the whole step (autograd's, and the deferred
+        weight gradients a split backward's W action adds); only :meth:`reduce_held` reduces them."""
         self.hold = True
 
     def reduce_held(self) -> None:

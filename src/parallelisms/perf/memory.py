@@ -109,27 +109,13 @@ def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int
     return tokens * (per_logit * vocab + norm)
 
 
-def expert_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then), its
-    redundant slots included (``--ep-balance measured --ep-redundant``)."""
-    from parallelisms.perf.model import expert_slots
-
-    if not cfg.n_experts or parallel.dims.ep == 1:
-        return 0.0
-    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * expert_slots(cfg, parallel)
-
-
 def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, embedding: bool, head: bool) -> float:
     """Parameters a rank holds for ``layers`` blocks and the ends it holds (tensor- and expert-parallel shards)."""
-    from parallelisms.perf.model import block_params
+    from parallelisms.perf.model import block_params, expert_block_change
 
-    dims, d = parallel.dims, cfg.dim
-    block = block_params(cfg, dims.tp)
-    if cfg.n_experts and dims.ep > 1:  # experts split over ep instead of tp (redundant slots too), the router whole
-        experts = cfg.mlp_matrices * d * cfg.ffn_dim * cfg.n_experts
-        block += expert_params(cfg, parallel) - experts / dims.tp + d * cfg.n_experts * (1 - 1 / dims.tp)
-    table = math.ceil(cfg.vocab_size / dims.tp) * d
-    return layers * block + embedding * table + head * (table + d)
+    block = block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel)
+    table = math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim
+    return layers * block + embedding * table + head * (table + cfg.dim)
 
 
 @lru_cache(maxsize=4096)
@@ -350,7 +336,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     rows = max(1, train.global_batch // (dims.dp * m))
     tokens = rows * train.seq_len / dims.cp
     seq = train.seq_len / dims.cp
-    from parallelisms.perf.model import block_params
+    from parallelisms.perf.model import block_params, expert_slot_params
 
     table = math.ceil(cfg.vocab_size / dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
     block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
@@ -364,7 +350,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
         params = stage_parameters(cfg, parallel, layers, embedding, head)
-        experts = layers * expert_params(cfg, parallel)
+        experts = layers * expert_slot_params(cfg, parallel)
         return params, experts, model_states(cfg, parallel, params, m, experts)
 
     def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:

@@ -117,12 +117,11 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     dims = parallel.dims
     out = []
     local_params = rank0_params(cfg, parallel)
-    expert_params = 0.0  # rank 0's expert weights: sharded over ep, reduced and gathered over ep_replicate only
-    if cfg.n_experts and dims.ep > 1:
-        layers, experts = cfg.n_layers // dims.pp, cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts
-        expert_params = layers * experts / cfg.n_experts * expert_slots(cfg, parallel)
-        # rank0_params splits the experts and the router over tp; the router is whole on every rank
-        local_params += layers * (cfg.dim * cfg.n_experts * (1 - 1 / dims.tp) - experts / dims.tp) + expert_params
+    # rank 0's expert weights: sharded over ep, reduced and gathered over ep_replicate only; rank0_params splits
+    # the experts and the router over tp instead
+    layers = cfg.n_layers // dims.pp
+    expert_params = layers * expert_slot_params(cfg, parallel)
+    local_params += layers * expert_block_change(cfg, parallel)
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
         hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
@@ -172,6 +171,23 @@ def expert_slots(cfg: ModelConfig, parallel: ParallelConfig) -> int:
     copies of hot experts under ``--ep-balance measured`` (EPLB; :mod:`parallelisms.parallel.ep_balance`)."""
     extra = parallel.ep_redundant if parallel.ep_balance == "measured" else 0
     return cfg.n_experts // parallel.dims.ep + extra
+
+
+def expert_slot_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """A block's expert weights on a rank under expert parallelism (none without it: tp splits them then), its
+    redundant slots included (``--ep-balance measured --ep-redundant``)."""
+    if not cfg.n_experts or parallel.dims.ep == 1:
+        return 0.0
+    return cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * expert_slots(cfg, parallel)
+
+
+def expert_block_change(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """What expert parallelism changes in a block's parameters as ``block_params`` splits them over tp: the rank's
+    expert slots instead of a tp shard of every expert, and the router whole (none without it)."""
+    if not cfg.n_experts or parallel.dims.ep == 1:
+        return 0.0
+    tp, experts = parallel.dims.tp, cfg.mlp_matrices * cfg.dim * cfg.ffn_dim * cfg.n_experts
+    return expert_slot_params(cfg, parallel) - experts / tp + cfg.dim * cfg.n_experts * (1 - 1 / tp)
 
 
 def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
