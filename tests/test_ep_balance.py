@@ -70,9 +70,11 @@ SPECS = {
     "tp2_ep2_redundant1": _spec(_layout(2, 2, 1, tp=2)),  # experts replicated over tp
     "cp2_ep2_redundant1": _spec(_layout(1, 2, 1, cp=2)),  # ep carved out of cp: ranks route their own tokens
     **_saved("pp2_ep2_redundant1", _layout(2, 2, 1, pp=2)),  # a layer per stage: each stage places its own layer
-    # two copies of each stage (DualPipe), two stages a rank (DualPipeV)
-    "dualpipe_pp2_ep2_redundant1": _spec(_layout(2, 2, 1, pp=2, schedule="dualpipe", microbatches=4)),
-    "dualpipev_pp2_ep2_redundant1": _spec(_layout(2, 2, 1, pp=2, schedule="dualpipev", microbatches=4), MOE4),
+    # two copies of each stage (DualPipe), two stages a rank (DualPipeV); the FSDP styles held through the step
+    "dualpipe_per_param_pp2_ep2_redundant1": _spec(_layout(1, 2, 1, pp=2, dp_shard=2, schedule="dualpipe",
+                                                           microbatches=4, **SHARDED["per_param"])),
+    "dualpipev_reuse_pp2_ep2_redundant1": _spec(_layout(1, 2, 1, pp=2, dp_shard=2, schedule="dualpipev",
+                                                        microbatches=4, **SHARDED["reuse"]), MOE4),
     # the sharding engines: each block's expert slots a unit sharded over ep_replicate 2, a slot's elements in two
     # shards; ZeRO-1 re-places every second step, so its checkpoint carries the counts of a step since the last
     **{f"{name}_dp4_ep2_redundant1": _spec(_layout(1, 2, 1, dp_shard=4, **sharding))
