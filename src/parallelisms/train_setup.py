@@ -63,7 +63,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms, schedule)
     balance = None
     if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
-        grad_sync = balance = ExpertBalance(grad_sync, model, comms, parallel.ep_redundant, parallel.ep_rebalance_every)
+        grad_sync = balance = ExpertBalance(grad_sync, stages, copies, comms, parallel.ep_redundant,
+                                            parallel.ep_rebalance_every)
     if model.cfg.tie_embeddings:
         grad_sync = TiedEmbeddings(grad_sync, comms)
     compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype

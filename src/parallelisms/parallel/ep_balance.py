@@ -10,16 +10,19 @@ copy of a logical expert. The tokens a rank routes to an expert with several cop
 
 Each rank counts the tokens it routes per expert and layer (training forwards only); after ``MEASURE_STEPS``
 steps, and again every ``--ep-rebalance-every`` steps, one all-reduce over the world gives every rank the same
-counts and so the same new placement. Moving an expert moves its weights and AdamW's moments with one uneven
-all-to-all per layer over ``ep`` (a rank keeps what it holds already). Both run between steps, outside their
-timing, as ledger phase ``setup`` (one-off, like DDP's bucket rebuild), so the per-step figures leave them out.
+counts and so the same new placement of every layer (a pipeline stage moves its own; DualPipe's two copies of a
+stage count into the same layer and move alike). Moving an expert moves its weights (the master weights under bf16,
+whose working copies the engine casts and gathers from them again) and AdamW's moments with one uneven all-to-all
+per layer over ``ep`` (a rank keeps what it holds already). Both run between steps, outside their timing, as ledger
+phase ``setup`` (one-off, like DDP's bucket rebuild), so the per-step figures leave them out.
 
 Training stays equal to single-process training (:class:`ExpertBalance`, a ``GradSync`` around the layout's):
 copies of one expert are one logical expert, so after the layout's reductions their gradients are summed over
 ``ep`` (one all-reduce of the replicated experts' gradients) and every copy steps with the same gradient and the
 same AdamW state; the gradient norm counts each expert once (its first copy), checkpoints present each expert as
-its box of the plain model's tensor (a box two ranks hold is written once) and the placement in the data state,
-and the full state dict gathers each expert's first copy.
+its box of the plain model's tensor (a box two ranks hold is written once) and, in the data state, every layer's
+placement with the tokens counted since it (a resumed run continues as the uninterrupted one), and the full state
+dict gathers each expert's first copy.
 """
 
 from __future__ import annotations
@@ -92,14 +95,26 @@ class ExpertBalance:
     """``inner`` (the layout's ``GradSync``) with the copies of each expert kept one expert, and the placement
     measured and moved between steps (see the module docstring); every other call goes to ``inner``."""
 
-    def __init__(self, inner, model, comms: Comms, redundant: int, every: int):
+    def __init__(self, inner, stages: dict, copies: set, comms: Comms, redundant: int, every: int):
+        """``stages``: this rank's modules (the model, or its pipeline stages), DualPipe's second ``copies``
+        among them."""
         self.inner, self.comms, self.ep = inner, comms, comms["ep"]
-        self.layers = [m for m in model.modules() if isinstance(m, BalancedExperts)]
-        # each layer's index in the whole model: under a pipeline a rank holds its stages' layers only
-        self.index = [int(key) for key, block in model.layers.items()
-                      for m in block.modules() if isinstance(m, BalancedExperts)]
-        self.shape = (model.cfg.n_layers, model.cfg.n_experts)
-        self.prefix = {id(m): name for name, m in model.named_modules()}  # a flat engine takes the parameters
+        self.layers, self.index, self.first = [], [], []  # each layer's index in the model; not a second copy
+        self.prefix = {}  # the engines name the parameters as the stage (the plain model's names)
+        for s in sorted(stages):
+            self.prefix.update({id(m): name for name, m in stages[s].named_modules()})
+            for key, block in stages[s].layers.items():
+                for m in block.modules():
+                    if isinstance(m, BalancedExperts):
+                        self.layers.append(m)
+                        self.index.append(int(key))
+                        self.first.append(s not in copies)
+        cfg = next(iter(stages.values())).cfg
+        self.shape = (cfg.n_layers, cfg.n_experts)
+        # every layer's placement (each is a MoE layer), the same on every rank, which computes them all from the
+        # same counts: what the checkpoint and the report hold, whichever stages a rank runs
+        self.all = [canonical(cfg.n_experts, self.ep.size, redundant)] * cfg.n_layers
+        self.carried = torch.zeros(self.shape, dtype=torch.float64)  # counts a resumed run takes over (rank 0)
         self._held: list[list[Holder]] | None = None
         self.redundant, self.every = redundant, every
         self.history: list[int] = []  # the step after which each measured placement was taken
@@ -164,11 +179,12 @@ class ExpertBalance:
         """The layout's full parameters (each rank's slots, as the layout gathers them), each layer's experts
         gathered over ep and taken from their first copies."""
         state = self.inner.full_state_dict()
-        for m, held in zip(self.layers, self._holders()):
-            first = torch.tensor([copies[0] for copies in m.copies])
+        for m, held, first in zip(self.layers, self._holders(), self.first):
+            if not first:  # DualPipe's second copy of a stage: the first copy on another rank stands for it
+                continue
             for name in WEIGHTS:
                 slots = state[self.name_of(m, name)].to(held[0].param.device).contiguous()
-                state[self.name_of(m, name)] = self.ep.all_gather(slots)[first].cpu()
+                state[self.name_of(m, name)] = self.ep.all_gather(slots)[[copies[0] for copies in m.copies]].cpu()
         return state
 
     def name_of(self, m: BalancedExperts, weight: str) -> str:
@@ -196,21 +212,28 @@ class ExpertBalance:
             self.history.append(done)
 
     def _rebalance(self, optimizers) -> None:
-        mine = torch.zeros(self.shape, dtype=torch.float64)
-        for i, m in zip(self.index, self.layers):  # every layer of the model: pipeline stages hold different ones
-            mine[i] = m.load
-        with self.comms.ledger.in_phase("setup"):
-            every = self.comms["world"].all_reduce(mine) if self.comms["world"].size > 1 else mine
-        loads = every[self.index]
-        for m in self.layers:
-            m.load.zero_()
-        new = [place(layer.tolist(), self.ep.size, self.redundant) for layer in loads]
-        before = [rank_loads(layer.tolist(), m.placement, self.ep.size) for layer, m in zip(loads, self.layers)]
-        after = [rank_loads(layer.tolist(), p, self.ep.size) for layer, p in zip(loads, new)]
-        self.measured.append({"tokens_per_expert": loads.sum(0).tolist(),
+        every = self._counted("setup")
+        new = [place(layer.tolist(), self.ep.size, self.redundant) for layer in every]
+        before = [rank_loads(layer.tolist(), p, self.ep.size) for layer, p in zip(every, self.all)]
+        after = [rank_loads(layer.tolist(), p, self.ep.size) for layer, p in zip(every, new)]
+        self.measured.append({"tokens_per_expert": every.sum(0).tolist(),
                               "rank_tokens_before": [sum(r) for r in zip(*before)],
                               "rank_tokens_after": [sum(r) for r in zip(*after)]})
-        self._move(new, optimizers)
+        for m in self.layers:
+            m.load.zero_()
+        self.carried.zero_()
+        self.all = new
+        self._move([new[i] for i in self.index], optimizers)
+
+    def _counted(self, phase: str) -> torch.Tensor:
+        """The tokens routed to each expert of each layer since the last placement, summed over every rank (one
+        all-reduce over the world: pipeline stages hold different layers, DualPipe's two copies of a layer add
+        up), with the counts a resumed run took over from its checkpoint."""
+        mine = self.carried.clone() if self.comms["world"].rank == 0 else torch.zeros(self.shape, dtype=torch.float64)
+        for i, m in zip(self.index, self.layers):
+            mine[i] += m.load
+        with self.comms.ledger.in_phase(phase):
+            return self.comms["world"].all_reduce(mine) if self.comms["world"].size > 1 else mine
 
     @torch.no_grad()
     def _move(self, placements: list[list[int]], optimizers) -> None:
@@ -239,19 +262,26 @@ class ExpertBalance:
 
     # -- the checkpoint's data state and the report --------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"ep_placement": [m.placement for m in self.layers]}
+        """Every layer's placement and the tokens counted since it was taken (a collective: every rank saves)."""
+        return {"ep_placement": self.all, "ep_counted": self._counted("checkpoint").tolist()}
 
     def load_state_dict(self, state, optimizers) -> None:
         """Continue with a saved placement when it fits this run (same layers, experts, ep degree and slots): the
-        weights and moments just loaded for the even placement move to it. Otherwise start even and measure."""
-        saved = state.get("ep_placement") if isinstance(state, dict) else None
-        if isinstance(saved, list) and len(saved) == len(self.layers) and all(
-                valid(p, m.n_experts, self.ep.size, len(m.placement)) for p, m in zip(saved, self.layers)):
-            self._move([list(p) for p in saved], optimizers)
+        weights and moments just loaded for the even placement move to it. Otherwise start even and measure. The
+        counts since the saved placement carry on, so the next one is the uninterrupted run's."""
+        state = state if isinstance(state, dict) else {}
+        saved, counted = state.get("ep_placement"), state.get("ep_counted")
+        if isinstance(saved, list) and len(saved) == self.shape[0] and all(
+                valid(p, self.shape[1], self.ep.size, len(self.all[0])) for p in saved):
+            self.all = [list(p) for p in saved]
+            self._move([self.all[i] for i in self.index], optimizers)
+        if self.comms["world"].rank == 0 and isinstance(counted, list) and len(counted) == self.shape[0] and all(
+                isinstance(row, list) and len(row) == self.shape[1] for row in counted):
+            self.carried = torch.tensor(counted, dtype=torch.float64)
 
     def report(self) -> dict:
         """The placement in use per layer, when it was measured, and each measurement's rank loads."""
-        out = {"redundant": self.redundant, "every": self.every, "placements": [m.placement for m in self.layers],
+        out = {"redundant": self.redundant, "every": self.every, "placements": self.all,
                "measured_after_steps": self.history, "measurements": self.measured}
         if self.measured:
             last = self.measured[-1]

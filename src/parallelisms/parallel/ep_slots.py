@@ -1,7 +1,8 @@
 """Where the expert slots of a layer under ``--ep-balance measured`` live in the optimizer's parameters, for every
-engine that lays them out: DDP's own slot tensors, or the flat buffers of ZeRO-1/2/3, the flat FSDP strategies and
-bf16 mixed precision (:mod:`parallelisms.parallel.flat`: a block's expert weights are a unit of their own, sharded
-over ``ep_replicate``, the ranks holding the same slots).
+engine that lays them out: DDP's own slot tensors; the flat buffers of ZeRO-1/2/3, the flat FSDP strategies and
+bf16 mixed precision (:mod:`parallelisms.parallel.flat`) and of buffer reuse (:mod:`parallelisms.parallel.yafsdp`);
+or per-parameter FSDP's dim-0 rows (:mod:`parallelisms.parallel.fsdp2`). In every sharding engine a block's expert
+weights are a unit of their own, sharded over ``ep_replicate``, the ranks holding the same slots.
 
 A :class:`Holder` is one expert weight of one layer (``w_gate``, ``w_up`` or ``w_down``, shaped [slots, ...]): the
 optimizer parameter that holds it (the weight itself, or its unit's flat shard), the positions of each slot's
@@ -52,21 +53,33 @@ class Holder:
 
 
 def holders(module, engines) -> list[Holder]:
-    """The holders of ``module``'s (a ``BalancedExperts``) three weights: in a flat engine's unit where one holds
-    them, else the module's own parameters (DDP and plain local gradients)."""
+    """The holders of ``module``'s (a ``BalancedExperts``) three weights: in a flat engine's unit (ZeRO, flat FSDP,
+    bf16 over DDP), a buffer-reuse unit's flat shard, or a per-parameter unit's dim-0 rows where one holds them,
+    else the module's own parameters (DDP and plain local gradients)."""
     for engine in engines:
         for unit in getattr(engine, "units", ()):
-            found = {attr: i for i, (_, owner, attr, _) in enumerate(getattr(unit, "slots", ()))
-                     if owner is module and attr in WEIGHTS}
-            if found:
-                lo = unit.comm.rank * unit.shard_numel
-                return [Holder(unit.shard, sum(unit.numels[:found[name]]), unit.numels[found[name]] // module.local,
-                               lo, lo + unit.shard_numel, unit.comm) for name in WEIGHTS]
-    out = []
-    for name in WEIGHTS:
-        p = getattr(module, name)
-        out.append(Holder(p, 0, p[0].numel(), 0, p.numel()))
-    return out
+            if hasattr(unit, "slots"):  # the flat engine: the weights run back to back in the unit's buffer
+                found = {attr: i for i, (_, owner, attr, _) in enumerate(unit.slots)
+                         if owner is module and attr in WEIGHTS}
+                param, numels, chunk = unit.shard, unit.numels, unit.shard_numel
+            else:  # per-parameter (FSDP2) and buffer-reuse (YaFSDP) units: (owner, attribute, parameter) entries
+                found = {attr: i for i, (owner, attr, _) in enumerate(unit.entries)
+                         if owner is module and attr in WEIGHTS}
+                param, numels, chunk = unit.flat_param, [s.numel() for s in unit.shapes], unit.shard.numel()
+            if not found:
+                continue
+            if param is None:  # per-parameter: each weight is its own optimizer parameter, its dim-0 rows here
+                return [_rows_holder(unit.entries[found[name]][2], numels[found[name]] // module.local, unit.comm)
+                        for name in WEIGHTS]
+            lo = unit.comm.rank * chunk
+            return [Holder(param, sum(numels[:found[name]]), numels[found[name]] // module.local, lo, lo + chunk,
+                           unit.comm) for name in WEIGHTS]
+    return [Holder(p, 0, p[0].numel(), 0, p.numel()) for p in (getattr(module, name) for name in WEIGHTS)]
+
+
+def _rows_holder(param: torch.nn.Parameter, per_slot: int, comm) -> Holder:
+    """A weight sharded by dim-0 rows over ``comm`` (equal padded chunks of its flattened elements)."""
+    return Holder(param, 0, per_slot, comm.rank * param.numel(), (comm.rank + 1) * param.numel(), comm)
 
 
 def engines_of(grad_sync) -> list:
