@@ -177,7 +177,8 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2", "--sp", "--grad-accum", "2"], ["--dp", "2", "--zero", "3"],
-                                  ["--pp", "2", "--dp", "1"], ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "3"]])
+                                  ["--pp", "2", "--dp", "1"], ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "3"],
+                                  ["--preset", "tiny-moe", "--tp", "2"], ["--preset", "tiny-moe", "--tp", "2", "--sp"]])
 def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
     """The blocking collectives the model charges a meeting overhead for are the calls a real run's ledger
     records per step (rank 0: the whole model, or the first pipeline stage with its one send and one receive

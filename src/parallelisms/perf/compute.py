@@ -57,16 +57,18 @@ TP_HEAD_OPS = {"tp": (109, 51), "sp": (120, 86)}  # instead of HEAD_OPS (the los
 # the norms' gradient all-reduces), and at the ends the vocabulary-parallel loss's two all-reduces and the
 # embedding's and head input's collective.
 GPU_TP_BLOCK_OPS = {"tp": (2, 2), "sp": (4, 8)}
+GPU_TP_MOE_BLOCK_OPS = {"tp": (1, 1), "sp": (3, 6)}  # attention's; an MoE layer's SP gathers (parallel/moe_sequence.py)
 GPU_TP_HEAD_OPS = {"tp": (4, 2), "sp": (5, 4)}
 
 
-def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False) -> tuple[int, int]:
+def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False, moe: bool = False) -> tuple[int, int]:
     """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's: this runtime's
-    on a CPU, the collective calls alone on a ``device``)."""
+    on a CPU, counted on a dense block; the collective calls alone on a ``device``, an ``moe`` block's fewer)."""
     forward, backward = BLOCK_OPS[mlp]
     if tp == 1:
         return forward, backward
-    extra = (GPU_TP_BLOCK_OPS if device else TP_BLOCK_OPS)["sp" if sp else "tp"]
+    extra = (GPU_TP_MOE_BLOCK_OPS if moe else GPU_TP_BLOCK_OPS) if device else TP_BLOCK_OPS
+    extra = extra["sp" if sp else "tp"]
     return forward + extra[0], backward + extra[1]
 
 
@@ -266,7 +268,7 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     elementwise = [(passes * moved + copied + cast) / hw.memory_bytes_per_s
                    for passes, copied, cast in zip((1, 2), copies, casts)]
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
-    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=not hw.cores)
+    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=not hw.cores, moe=bool(shape.cfg.n_experts))
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise[0], ops_f),
                      with_dispatch(hw, dgrad + core_b + elementwise[1], ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))

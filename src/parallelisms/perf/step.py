@@ -4,8 +4,9 @@ times, the optimizer, and the memory per rank.
 
 Where each collective goes (spec: "Critical path and latency hiding"):
 
-* tensor/sequence parallel: two collectives per block forward and two backward, each where the runtime puts
-  it (perf.overlap): ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient
+* tensor/sequence parallel: two collectives per block forward and two backward (an MoE layer's experts run
+  whole on every tp rank: none, or under SP one all-gather each way), each where the runtime puts it
+  (perf.overlap): ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient
   GEMM as far as that GEMM lasts, SP's re-gather of a column region's input runs behind its input-gradient
   GEMMs, and ``--tp-overlap-chunks C`` pipelines each forward collective with its GEMM over C chunks (the
   first chunk's GEMM or collective and the last's exposed, plus the chunking's cost: C smaller GEMMs and C
@@ -235,15 +236,18 @@ def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, mee
 def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: list) -> int:
     """Collectives a rank of the busiest stage meets its peers in per step (as the ledger counts them): per
     layer and microbatch, tensor parallelism's (Megatron's f and g per sublayer both ways; with sequence
-    parallelism the backward's re-gather and the norms' two all-reduces), ring attention's hops or Ulysses'
-    all-to-alls, the experts' dispatch and combine (a full recompute repeats the forward's); per microbatch the
+    parallelism the backward's re-gather and the norms' two all-reduces; an MoE layer's: none, or under SP an
+    all-gather each way), ring attention's hops or Ulysses' all-to-alls, the experts' dispatch and combine (a full recompute repeats the forward's); per microbatch the
     vocabulary-parallel embedding's and head's (with the cross-entropy's two all-reduces; the last stage holds
     the head) and a pipeline send and receive; per step the data-parallel calls and the gradient norm's."""
     dims, sp = parallel.dims, parallel.sequence_parallel
     forward = backward = ends = 0  # ring attention: one exchange per hop (its sends and receives together)
     if dims.tp > 1:  # --tp-overlap-chunks C: each forward GEMM's collective (SP: the head's gather too) in C calls
         chunks = max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1
-        forward, backward = (4 * chunks, 8) if sp else (2 * chunks, 2)
+        dense = 1 if cfg.n_experts else 2  # sublayers with Megatron's f and g (attention, a dense MLP)
+        forward, backward = (2 * dense * chunks, 3 * dense + 2) if sp else (dense * chunks, dense)
+        if cfg.n_experts and sp:  # the MoE layer's input gathered, and its output's gradient
+            forward, backward = forward + 1, backward + 1
         ends = (5 + chunks if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
     if dims.cp > 1:
         forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
