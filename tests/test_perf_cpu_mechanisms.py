@@ -222,8 +222,11 @@ def test_hardware_file_rejects_bad_mechanism_values(tmp_path, key, value):
         load_hardware(str(path))
 
 
-def _dispatched(fn, moved: tuple[str, ...] = ()) -> tuple[int, int]:
-    """(operators ``fn`` dispatches, bytes read and written by those named in ``moved``)."""
+def _dispatched(fn, moved: tuple[str, ...] = (), outside: str = "") -> tuple[int, int]:
+    """(operators ``fn`` dispatches, bytes read and written by those named in ``moved``, but those called from a
+    file named ``outside``)."""
+    import sys
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -234,8 +237,12 @@ def _dispatched(fn, moved: tuple[str, ...] = ()) -> tuple[int, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
-            if func.__name__.split(".")[0] in moved:
-                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+            name, frame = func.__name__.split(".")[0], sys._getframe() if outside else None
+            while frame is not None and not frame.f_code.co_filename.endswith(outside):
+                frame = frame.f_back
+            if name in moved and frame is None:  # read and written (copy_ writes its first argument unread)
+                moved_tensors = (args, kwargs) if name == "copy_" else (args, kwargs, out)
+                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_flatten(moved_tensors)[0]
                                     if isinstance(t, torch.Tensor))
             return out
     with Count():
@@ -285,6 +292,46 @@ def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
         assert all(abs(g - want) <= max(5, 0.05 * want) for g, want in zip(got, expected)), (sp, got, expected)
         # the sequence's concatenations copy what sequence_parallel_copies charges (none without SP)
         assert (cat_f, cat_b) == sequence_parallel_copies(LayerShape(SMALL, 1, 128, tp=2, sp=sp), 4)
+
+
+def _sp_copies(info):
+    """Bytes a tp 2 SP block's copies (concatenations, clones, copies into place) move forward and backward on two
+    sequences, its forward collectives whole and in 2 and 3 pieces (--tp-overlap --tp-overlap-chunks C); not the
+    shared-memory transport's own (the collective's CPU work, asynchronous ones on the comm worker's thread)."""
+    import torch
+
+    from parallelisms.comm import CommLedger, Comms
+    from parallelisms.model import build_model
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+
+    out, comms = {}, Comms(ParallelDims(tp=2).build_meshes(), CommLedger())
+    for chunks in (1, 2, 3):
+        model = apply_tensor_parallel(build_model(SMALL, 0), comms["tp"], sequence_parallel=True, overlap=True,
+                                      chunks=chunks)
+        block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
+        h, y, copies = torch.randn(2, 64, SMALL.dim, requires_grad=True), [], ("cat", "clone", "copy_")
+        block(h, cos, sin).sum().backward()  # first calls set up the transports
+        forward = _dispatched(lambda: y.append(block(h, cos, sin)), copies, "shm.py")[1]
+        backward = _dispatched(lambda: y[0].backward(torch.ones_like(y[0])), copies, "shm.py")[1]
+        out[chunks] = (forward, backward)
+    return out
+
+
+def test_chunked_sequence_parallel_copies_are_what_the_pieces_copy():
+    """--tp-overlap-chunks C under SP: the forward's concatenations give way to copies of the GEMMs' input and
+    output pieces (parallel/tensor.py), whatever C; sequence_parallel_copies charges the difference a tp 2 block
+    measures (the backward, unchunked, unchanged), and layer_times carries it."""
+    from parallelisms.launch import launch
+
+    measured = launch(_sp_copies, 2, backend="gloo", threads=1)[0]
+    model = {c: sequence_parallel_copies(LayerShape(SMALL, 2, 128, tp=2, sp=True, chunks=c), 4) for c in (1, 2, 3)}
+    assert model[2] == model[3] and model[2][0] != model[1][0]
+    for c in (2, 3):
+        assert measured[c][0] - measured[1][0] == pytest.approx(model[c][0] - model[1][0], abs=1), c
+        assert measured[c][1] == measured[1][1] and model[c][1] == model[1][1]
+    shapes = [LayerShape(SMALL, 2, 128, tp=2, sp=True, chunks=c) for c in (1, 2)]
+    extra = (model[2][0] - model[1][0]) / CPU.memory_bytes_per_s
+    assert layer_times(CPU, shapes[1]).forward - layer_times(CPU, shapes[0]).forward == pytest.approx(extra)
 
 
 def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():

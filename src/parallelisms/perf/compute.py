@@ -133,6 +133,7 @@ class LayerShape:
     attention: str = "flash"
     fp8: bool = False   # the linear layers' GEMMs in FP8 (Transformer Engine's recipe)
     kernels: str = "eager"  # the non-GEMM work on a GPU: KERNELS
+    chunks: int = 1     # pieces each forward tp GEMM and its collective run in (--tp-overlap-chunks)
 
     @property
     def tokens(self) -> float:
@@ -221,11 +222,22 @@ def sequence_parallel_copies(shape: LayerShape, e: int) -> tuple[float, float]:
     own: a gather or reduce-scatter along the sequence goes through the comm layer's dim-0 buffer, and the
     full activation is laid back along the sequence by a concatenation (read and written once). Forward: the
     two gathers and two reduce-scatters; backward: two (the others reuse the forward's). Counted with
-    TorchDispatchMode on a tp 2 block (comm/ops.py; Megatron-LM's kernels gather in place on GPUs)."""
+    TorchDispatchMode on a tp 2 block (comm/ops.py; Megatron-LM's kernels gather in place on GPUs). In
+    ``shape.chunks`` pieces (``--tp-overlap-chunks``) a dense region's forward concatenates nothing
+    (parallel/tensor.py's chunked gather and reduce-scatter): a column GEMM's input pieces are copied out of the
+    transposed sequence shard (already contiguous for one sequence) and its output pieces laid back into place, a
+    row GEMM's input pieces copied out of their rank-major blocks, each element once whatever the count (an MoE
+    layer is never chunked)."""
     if shape.tp == 1 or not shape.sp:
         return 0.0, 0.0
     activation = 2 * shape.tokens * shape.cfg.dim * e  # read and written
-    return 4 * activation, 2 * activation
+    if shape.chunks <= 1:
+        return 4 * activation, 2 * activation
+    linears = _linears(shape)
+    regions = [linears[:2]] + ([] if shape.cfg.n_experts else [linears[-2:]])
+    inputs = shape.batch > 1
+    pieces = sum(inputs * m * k / shape.tp + m * n + row_m * row_k for (m, n, k, _), (row_m, _, row_k, _) in regions)
+    return 2 * pieces * e + (4 - 2 * len(regions)) * activation, 2 * activation
 
 
 def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:

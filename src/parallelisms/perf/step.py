@@ -140,7 +140,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention,
-                       fp8, kernels)
+                       fp8, kernels, max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1)
 
     def per_layer():
         layer = layer_times(hw, shape)
