@@ -14,7 +14,9 @@ from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elemen
                                        layer_times, sequence_parallel_copies)
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.network import comm_time as _comm
-from parallelisms.perf.step import Layout, _data_parallel_traffic, _layer_comm, _meetings, predict_step
+from parallelisms.perf.cpu import accumulation_time, gradient_copies_time
+from parallelisms.perf.cpu import meetings as _meetings
+from parallelisms.perf.step import Layout, _data_parallel_traffic, _gradient_shards, _layer_comm, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
@@ -341,7 +343,7 @@ def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     import torch
 
     from parallelisms.model import build_model
-    from parallelisms.perf.compute import accumulation_time, head_times
+    from parallelisms.perf.compute import head_times
 
     model = build_model(SMALL, 0)
     block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
@@ -354,7 +356,9 @@ def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     tokens = torch.randint(0, SMALL.vocab_size, (1, 128))
     added = [_dispatched(lambda: model(tokens, tokens).backward(), ("add_",))[1] for _ in range(2)]
     assert added[1] - added[0] == pytest.approx(accumulation_time(CPU, shape, SMALL.n_layers, 2) * CPU.memory_bytes_per_s)
-    assert accumulation_time(PRESETS["h100"], shape, 4) == 0
+    gpu = [predict_step(SMALL, ParallelConfig(ParallelDims()), TrainConfig(global_batch=2 * m, seq_len=128, grad_accum=m),
+                        PRESETS["h100"])["per_microbatch_stage_s"]["weight_grad"] for m in (1, 4)]
+    assert gpu[0] == gpu[1]  # a GPU's weight-gradient GEMM accumulates in place: nothing more
     four = TrainConfig(global_batch=8, seq_len=128, grad_accum=4)  # two sequences per microbatch
     weight_grad = predict_step(SMALL, ParallelConfig(ParallelDims()), four, CPU)["per_microbatch_stage_s"]["weight_grad"]
     shape, rank = LayerShape(SMALL, 2, 128), CPU.per_rank(1)  # one rank: both cores' threads
@@ -435,8 +439,6 @@ def test_gradient_copies_are_what_the_engines_move():
     and finish move beyond the plain model's backward (read and written, the operators' own tensors), and GPUs
     are charged none."""
     from parallelisms.launch import launch
-    from parallelisms.perf.compute import accumulation_time
-    from parallelisms.perf.step import gradient_copies_time
 
     layouts = [(ParallelConfig(ParallelDims(dp_replicate=2)), 1), (ParallelConfig(ParallelDims(dp_shard=2), zero=3), 1),
                (ParallelConfig(ParallelDims(dp_shard=2), fsdp="shard_grad_op", fsdp_style="per_param"), 1),
@@ -447,7 +449,7 @@ def test_gradient_copies_are_what_the_engines_move():
     accumulated = accumulation_time(CPU, LayerShape(tiny, 2, 32), tiny.n_layers, 2)  # the plain model's, later microbatches
     for (parallel, m), extra in zip(layouts, moved):
         sharded = parallel.zero in (2, 3)  # a later microbatch adds its reduced half into the shard's gradient instead
-        expected = gradient_copies_time(tiny, parallel, m, CPU) - sharded * (m - 1) * accumulated / 2
+        expected = gradient_copies_time(tiny, parallel, m, CPU, _gradient_shards(parallel)) - sharded * (m - 1) * accumulated / 2
         assert extra == pytest.approx(expected * CPU.memory_bytes_per_s), (parallel.label(), m)
     # the step prices the sharded accumulation at 1/N of the plain one
     zero2 = ParallelConfig(ParallelDims(dp_shard=2), zero=2)
@@ -455,9 +457,11 @@ def test_gradient_copies_are_what_the_engines_move():
     without = predict_step(tiny, zero2, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
     plain = dataclasses.replace(zero2, dims=ParallelDims(dp_replicate=2), zero=0)
     ddp = predict_step(tiny, plain, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
-    copies = {p: gradient_copies_time(tiny, p, 2, CPU) / 2 for p in (zero2, plain)}
+    copies = {p: gradient_copies_time(tiny, p, 2, CPU, _gradient_shards(p)) / 2 for p in (zero2, plain)}
     assert (ddp - copies[plain]) - (without - copies[zero2]) == pytest.approx(accumulated / 2 / 2)
-    assert gradient_copies_time(tiny, layouts[0][0], 1, PRESETS["h100"]) == 0
+    ddp, alone = (predict_step(tiny, p, TrainConfig(global_batch=g, seq_len=32), PRESETS["h100"])
+                  ["per_microbatch_stage_s"]["weight_grad"] for p, g in ((layouts[0][0], 8), (ParallelConfig(ParallelDims()), 4)))
+    assert ddp == alone  # a GPU's engine reduces gradients where the backward writes them: no copy
 
 
 def _optimizer_tensor_counts(info, layouts):

@@ -9,8 +9,9 @@ from parallelisms.cli import main
 from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS, LayerShape, _linears, block_ops,
-                                       fp8_cast_bytes, gemm_time, head_gemms, layer_times)
+from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, LayerShape, _linears, block_ops, fp8_cast_bytes,
+                                       gemm_time, head_gemms, layer_times)
+from parallelisms.perf.cpu import TP_BLOCK_OPS
 from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import PRESETS as HARDWARE
 
