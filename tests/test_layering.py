@@ -79,7 +79,7 @@ def test_lower_layers_do_not_import_higher_ones():
 STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
-              "parallelisms.perf.prefetch", "parallelisms.perf.overlap")
+              "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
                 "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
                 "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",
@@ -113,3 +113,24 @@ def test_perf_imports_the_runtime_only_in_its_cpu_adapter():
         beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)} - PERF_EXTRAS.get(name, set())
         assert not beyond, (name, beyond)
         assert not graph[name] & set(CPU_ADAPTER), name
+
+
+# The CPU hardware adapter: perf/cpu.py holds the step model's mechanisms that exist only because ranks share CPU
+# cores; compute and step select it by the hardware's kind (``hw.kind``), and no other module of the step model
+# imports it or asks for a CPU's cores, so the GPU path reads without them. The calibrators measure this machine
+# by running the runtime, never through the command line above it.
+SELECTS_THE_CPU_ADAPTER = {"parallelisms.perf.compute", "parallelisms.perf.step"}
+COMMAND_LINE = ("parallelisms.cli", "parallelisms.cli_args", "parallelisms.cli_configs", "parallelisms.cli_results",
+                "parallelisms.bench")
+
+
+def test_the_cpu_mechanisms_sit_behind_their_adapter():
+    graph = _imports()
+    assert {name for name, targets in graph.items() if "parallelisms.perf.cpu" in targets} == SELECTS_THE_CPU_ADAPTER
+    assert not {t for t in graph["parallelisms.perf.cpu"] if t in SELECTS_THE_CPU_ADAPTER}
+    for name in STEP_MODEL:
+        if name not in ("parallelisms.perf.cpu", "parallelisms.perf.hardware"):
+            source = (SRC / (name.removeprefix("parallelisms.").replace(".", "/") + ".py")).read_text()
+            assert "hw.cores" not in source, name  # the kind selects; only the adapter and the hardware read cores
+    for name in CPU_ADAPTER:
+        assert not graph[name] & set(COMMAND_LINE), (name, graph[name] & set(COMMAND_LINE))

@@ -14,7 +14,9 @@ from parallelisms.perf.compute import (LayerShape, _attention_core, eager_elemen
                                        layer_times, sequence_parallel_copies)
 from parallelisms.perf.hardware import PRESETS, load_hardware
 from parallelisms.perf.network import comm_time as _comm
-from parallelisms.perf.step import Layout, _data_parallel_traffic, _layer_comm, _meetings, predict_step
+from parallelisms.perf.cpu import accumulation_time, gradient_copies_time
+from parallelisms.perf.cpu import meetings as _meetings
+from parallelisms.perf.step import Layout, _data_parallel_traffic, _gradient_shards, _layer_comm, predict_step
 
 CPU = PRESETS["cpu"]
 SMALL = preset("small")
@@ -177,7 +179,8 @@ def test_ranks_outnumbering_the_cores_make_the_step_their_cpu_work():
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2", "--sp", "--grad-accum", "2"], ["--dp", "2", "--zero", "3"],
-                                  ["--pp", "2", "--dp", "1"], ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "3"]])
+                                  ["--pp", "2", "--dp", "1"], ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-chunks", "3"],
+                                  ["--preset", "tiny-moe", "--tp", "2"], ["--preset", "tiny-moe", "--tp", "2", "--sp"]])
 def test_meetings_are_the_collectives_the_ledger_counts(capsys, argv):
     """The blocking collectives the model charges a meeting overhead for are the calls a real run's ledger
     records per step (rank 0: the whole model, or the first pipeline stage with its one send and one receive
@@ -221,8 +224,11 @@ def test_hardware_file_rejects_bad_mechanism_values(tmp_path, key, value):
         load_hardware(str(path))
 
 
-def _dispatched(fn, moved: tuple[str, ...] = ()) -> tuple[int, int]:
-    """(operators ``fn`` dispatches, bytes read and written by those named in ``moved``)."""
+def _dispatched(fn, moved: tuple[str, ...] = (), outside: str = "") -> tuple[int, int]:
+    """(operators ``fn`` dispatches, bytes read and written by those named in ``moved``, but those called from a
+    file named ``outside``)."""
+    import sys
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -233,8 +239,12 @@ def _dispatched(fn, moved: tuple[str, ...] = ()) -> tuple[int, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
-            if func.__name__.split(".")[0] in moved:
-                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+            name, frame = func.__name__.split(".")[0], sys._getframe() if outside else None
+            while frame is not None and not frame.f_code.co_filename.endswith(outside):
+                frame = frame.f_back
+            if name in moved and frame is None:  # read and written (copy_ writes its first argument unread)
+                moved_tensors = (args, kwargs) if name == "copy_" else (args, kwargs, out)
+                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_flatten(moved_tensors)[0]
                                     if isinstance(t, torch.Tensor))
             return out
     with Count():
@@ -286,6 +296,46 @@ def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
         assert (cat_f, cat_b) == sequence_parallel_copies(LayerShape(SMALL, 1, 128, tp=2, sp=sp), 4)
 
 
+def _sp_copies(info):
+    """Bytes a tp 2 SP block's copies (concatenations, clones, copies into place) move forward and backward on two
+    sequences, its forward collectives whole and in 2 and 3 pieces (--tp-overlap --tp-overlap-chunks C); not the
+    shared-memory transport's own (the collective's CPU work, asynchronous ones on the comm worker's thread)."""
+    import torch
+
+    from parallelisms.comm import CommLedger, Comms
+    from parallelisms.model import build_model
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+
+    out, comms = {}, Comms(ParallelDims(tp=2).build_meshes(), CommLedger())
+    for chunks in (1, 2, 3):
+        model = apply_tensor_parallel(build_model(SMALL, 0), comms["tp"], sequence_parallel=True, overlap=True,
+                                      chunks=chunks)
+        block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
+        h, y, copies = torch.randn(2, 64, SMALL.dim, requires_grad=True), [], ("cat", "clone", "copy_")
+        block(h, cos, sin).sum().backward()  # first calls set up the transports
+        forward = _dispatched(lambda: y.append(block(h, cos, sin)), copies, "shm.py")[1]
+        backward = _dispatched(lambda: y[0].backward(torch.ones_like(y[0])), copies, "shm.py")[1]
+        out[chunks] = (forward, backward)
+    return out
+
+
+def test_chunked_sequence_parallel_copies_are_what_the_pieces_copy():
+    """--tp-overlap-chunks C under SP: the forward's concatenations give way to copies of the GEMMs' input and
+    output pieces (parallel/tensor.py), whatever C; sequence_parallel_copies charges the difference a tp 2 block
+    measures (the backward, unchunked, unchanged), and layer_times carries it."""
+    from parallelisms.launch import launch
+
+    measured = launch(_sp_copies, 2, backend="gloo", threads=1)[0]
+    model = {c: sequence_parallel_copies(LayerShape(SMALL, 2, 128, tp=2, sp=True, chunks=c), 4) for c in (1, 2, 3)}
+    assert model[2] == model[3] and model[2][0] != model[1][0]
+    for c in (2, 3):
+        assert measured[c][0] - measured[1][0] == pytest.approx(model[c][0] - model[1][0], abs=1), c
+        assert measured[c][1] == measured[1][1] and model[c][1] == model[1][1]
+    shapes = [LayerShape(SMALL, 2, 128, tp=2, sp=True, chunks=c) for c in (1, 2)]
+    extra = (model[2][0] - model[1][0]) / CPU.memory_bytes_per_s
+    assert layer_times(CPU, shapes[1]).forward - layer_times(CPU, shapes[0]).forward == pytest.approx(extra)
+
+
 def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     """A block's second backward adds its weight gradients to the first's (AccumulateGrad's add_: read two,
     write one), the bytes accumulation_time prices per microbatch after a step's first; the first adds none;
@@ -293,7 +343,7 @@ def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     import torch
 
     from parallelisms.model import build_model
-    from parallelisms.perf.compute import accumulation_time, head_times
+    from parallelisms.perf.compute import head_times
 
     model = build_model(SMALL, 0)
     block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
@@ -306,7 +356,9 @@ def test_accumulation_is_what_autograd_adds_for_a_later_microbatch():
     tokens = torch.randint(0, SMALL.vocab_size, (1, 128))
     added = [_dispatched(lambda: model(tokens, tokens).backward(), ("add_",))[1] for _ in range(2)]
     assert added[1] - added[0] == pytest.approx(accumulation_time(CPU, shape, SMALL.n_layers, 2) * CPU.memory_bytes_per_s)
-    assert accumulation_time(PRESETS["h100"], shape, 4) == 0
+    gpu = [predict_step(SMALL, ParallelConfig(ParallelDims()), TrainConfig(global_batch=2 * m, seq_len=128, grad_accum=m),
+                        PRESETS["h100"])["per_microbatch_stage_s"]["weight_grad"] for m in (1, 4)]
+    assert gpu[0] == gpu[1]  # a GPU's weight-gradient GEMM accumulates in place: nothing more
     four = TrainConfig(global_batch=8, seq_len=128, grad_accum=4)  # two sequences per microbatch
     weight_grad = predict_step(SMALL, ParallelConfig(ParallelDims()), four, CPU)["per_microbatch_stage_s"]["weight_grad"]
     shape, rank = LayerShape(SMALL, 2, 128), CPU.per_rank(1)  # one rank: both cores' threads
@@ -387,8 +439,6 @@ def test_gradient_copies_are_what_the_engines_move():
     and finish move beyond the plain model's backward (read and written, the operators' own tensors), and GPUs
     are charged none."""
     from parallelisms.launch import launch
-    from parallelisms.perf.compute import accumulation_time
-    from parallelisms.perf.step import gradient_copies_time
 
     layouts = [(ParallelConfig(ParallelDims(dp_replicate=2)), 1), (ParallelConfig(ParallelDims(dp_shard=2), zero=3), 1),
                (ParallelConfig(ParallelDims(dp_shard=2), fsdp="shard_grad_op", fsdp_style="per_param"), 1),
@@ -399,7 +449,7 @@ def test_gradient_copies_are_what_the_engines_move():
     accumulated = accumulation_time(CPU, LayerShape(tiny, 2, 32), tiny.n_layers, 2)  # the plain model's, later microbatches
     for (parallel, m), extra in zip(layouts, moved):
         sharded = parallel.zero in (2, 3)  # a later microbatch adds its reduced half into the shard's gradient instead
-        expected = gradient_copies_time(tiny, parallel, m, CPU) - sharded * (m - 1) * accumulated / 2
+        expected = gradient_copies_time(tiny, parallel, m, CPU, _gradient_shards(parallel)) - sharded * (m - 1) * accumulated / 2
         assert extra == pytest.approx(expected * CPU.memory_bytes_per_s), (parallel.label(), m)
     # the step prices the sharded accumulation at 1/N of the plain one
     zero2 = ParallelConfig(ParallelDims(dp_shard=2), zero=2)
@@ -407,9 +457,11 @@ def test_gradient_copies_are_what_the_engines_move():
     without = predict_step(tiny, zero2, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
     plain = dataclasses.replace(zero2, dims=ParallelDims(dp_replicate=2), zero=0)
     ddp = predict_step(tiny, plain, train, CPU)["per_microbatch_stage_s"]["weight_grad"]
-    copies = {p: gradient_copies_time(tiny, p, 2, CPU) / 2 for p in (zero2, plain)}
+    copies = {p: gradient_copies_time(tiny, p, 2, CPU, _gradient_shards(p)) / 2 for p in (zero2, plain)}
     assert (ddp - copies[plain]) - (without - copies[zero2]) == pytest.approx(accumulated / 2 / 2)
-    assert gradient_copies_time(tiny, layouts[0][0], 1, PRESETS["h100"]) == 0
+    ddp, alone = (predict_step(tiny, p, TrainConfig(global_batch=g, seq_len=32), PRESETS["h100"])
+                  ["per_microbatch_stage_s"]["weight_grad"] for p, g in ((layouts[0][0], 8), (ParallelConfig(ParallelDims()), 4)))
+    assert ddp == alone  # a GPU's engine reduces gradients where the backward writes them: no copy
 
 
 def _optimizer_tensor_counts(info, layouts):

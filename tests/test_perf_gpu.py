@@ -9,8 +9,9 @@ from parallelisms.cli import main
 from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
-from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, TP_BLOCK_OPS, LayerShape, _linears, block_ops,
-                                       fp8_cast_bytes, gemm_time, head_gemms, layer_times)
+from parallelisms.perf.compute import (BLOCK_OPS, GPU_TP_BLOCK_OPS, LayerShape, _linears, block_ops, fp8_cast_bytes,
+                                       gemm_time, head_gemms, layer_times)
+from parallelisms.perf.cpu import TP_BLOCK_OPS
 from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import PRESETS as HARDWARE
 
@@ -172,6 +173,39 @@ def test_sp_regather_hides_behind_the_input_gradient_gemms_without_tp_overlap():
     expected = sum(gather + max(0.0, gather - dgrad) + scatter for dgrad in times.column_input_grads) + 2 * norm
     assert tensor_parallel_comm(SP_SHAPE.cfg, SP_LAYOUT, A100, SP_SHAPE, times)[1] == pytest.approx(expected)
     assert expected < 2 * (2 * gather + scatter) + 2 * norm
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_an_moe_layer_holds_no_tp_collective_but_its_sequence_gathers(sp):
+    """Experts run whole on every tp rank (parallel/moe_sequence.py): an MoE block's tp collectives are its
+    attention's alone, plus under SP one all-gather of the MoE layer's input forward and one of its output's
+    gradient backward (closed form). On a link of one rate without latency and nothing to hide behind, the block's
+    priced seconds times that rate are the tp bytes one more layer adds to comm_per_step (the ledger's bytes)."""
+    from parallelisms.perf.compute import PassTimes
+    from parallelisms.perf.model import comm_per_step
+    from parallelisms.perf.network import comm_time
+    from parallelisms.perf.overlap import tensor_parallel_comm
+
+    moe, parallel = PRESETS["tiny-moe"], ParallelConfig(ParallelDims(tp=2), sequence_parallel=sp)
+    shape = LayerShape(moe, 4, 32, tp=2, sp=sp)
+    times, e = layer_times(A100, shape), A100.bytes_per_element
+    reduce, gather, scatter = (comm_time(A100, parallel, kind, "tp", shape.tokens * moe.dim * e)
+                               for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    norm = comm_time(A100, parallel, "all_reduce", "tp", moe.dim * e)
+    regather = max(0.0, gather - times.column_input_grads[0])  # attention's, behind its input-gradient GEMMs
+    expected = ((gather + scatter + gather, gather + regather + scatter + gather + 2 * norm) if sp
+                else (reduce, reduce))
+    assert tensor_parallel_comm(moe, parallel, A100, shape, times) == pytest.approx(expected)
+
+    flat = dataclasses.replace(HARDWARE["cpu"], comm_cpu_fraction=0.0, collectives={
+        kind: {"alpha_us": 0.0, "gbps": 1.0} for kind in ("all_reduce", "all_gather", "reduce_scatter")})
+    forward, backward = tensor_parallel_comm(moe, parallel, flat, shape, PassTimes(0.0, 0.0, 0.0, 0.0, 0.0))
+    train = TrainConfig(global_batch=4, seq_len=32)
+
+    def tp_bytes(layers: int) -> float:
+        volumes = comm_per_step(dataclasses.replace(moe, n_layers=layers), parallel, train, flat.bytes_per_element)
+        return sum(v.bytes_per_rank for v in volumes if v.dim == "tp")
+    assert (forward + backward) * 1e9 == pytest.approx(tp_bytes(3) - tp_bytes(2), rel=1e-12)
 
 
 def test_data_parallel_all_reduce_bandwidth_holds_at_a_thousand_nodes():

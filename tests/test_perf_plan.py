@@ -4,6 +4,8 @@ malformed hardware) is one line. The 1,024-GPU search just runs here (its speed 
 
 import json
 
+import pytest
+
 from parallelisms.cli import main
 from parallelisms.config import PRESETS, TrainConfig
 from parallelisms.mesh import ParallelDims
@@ -73,3 +75,17 @@ def test_five_plans_by_default_each_with_its_bound(capsys):
         bound = p["reason"].split(";")[0].rsplit(" ", 1)
         assert bound[1].endswith("%") and bound[0] in ("compute", "pipeline bubble", "optimizer") or \
             bound[0].startswith("exposed "), p["reason"]
+
+
+@pytest.mark.parametrize("search", [["--tp", "2", "--tp-overlap", "--tp-overlap-chunks", "4"], ["--pp", "2"]])
+def test_the_printed_flags_reproduce_the_priced_step(capsys, search):
+    """Each plan's flags, beside the model, batch and hardware flags plan was given, make ``estimate`` price the
+    very step plan priced: --tp-overlap and --tp-overlap-chunks where the layout has tp, bf16, the schedule."""
+    given = ["--preset", "small", "--global-batch", "16", "--hardware", "a100"]
+    plans = _plans(capsys, "--gpus", "8", *given, *search, "--top", "3")
+    assert plans
+    for p in plans:
+        assert ("--tp-overlap --tp-overlap-chunks 4" in p["flags"]) == ("--tp-overlap" in search), p["flags"]
+        assert main(["estimate", *given, *p["flags"].split(), "--json"]) == 0
+        estimated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert estimated["step_s"] == pytest.approx(p["step_s"], rel=1e-12), p["flags"]

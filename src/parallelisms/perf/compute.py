@@ -10,7 +10,7 @@ move; nothing is fitted to a step time.
   background" guide). Tensor parallelism slices n or k by t, which is where tp-sliced GEMMs lose efficiency.
 * Elementwise kernels (norms, residual adds, activation, softmax, dropout) are memory-bound: bytes read and
   written over the HBM bandwidth; backward moves about twice the forward's bytes. On a GPU they are the fused
-  kernels of the published runs (Megatron-LM); on a CPU (``hw.cores``) they are this project's eager
+  kernels of the published runs (Megatron-LM); on a CPU (``hw.kind``) they are this project's eager
   operators, each reading and writing its own tensors (:func:`eager_elementwise_bytes`, about three times
   the fused count).
 * Attention: ``flash`` (fused, causal half of the scores, nothing materialised; Dao et al. 2022) or
@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig
+from parallelisms.perf import cpu
 from parallelisms.perf.hardware import Hardware
 
 ATTENTION_KERNELS = ("flash", "fused-softmax")
@@ -42,31 +43,30 @@ FUSED_ADAMW_BYTES = 36
 # CrossEntropy): forward the upcast (read 2, write 4) and log-softmax (read, write 4); backward the loss
 # gradient written (4), log-softmax's backward (read two, write one: 12) and the cast back (read 4, write 2).
 EAGER_LOSS_BYTES = (14, 22)
+FUSED_LOSS_BYTES = (3 * 4, 3 * 4)  # a fused cross-entropy reads and writes the fp32 logits about three times
 # Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
-# Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``: on a CPU
-# in addition to its work, on a GPU hidden behind the kernels unless they are shorter (launch-bound models).
-# Tensor parallelism adds the comm layer's and the sharded modules' own (output buffers, contiguous copies,
-# views; under SP the sequence shards' and the norms' gradient reductions): counted the same way at tp 2 on
-# `small` (SwiGLU; GELU within 3), one sequence of 128 tokens.
+# Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``, hidden
+# behind a GPU's kernels unless they are shorter (launch-bound models; on a CPU: perf.cpu.dispatched). A CPU's
+# tensor parallelism adds this runtime's comm-layer operators (perf.cpu.TP_BLOCK_OPS).
 BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
 HEAD_OPS = (21, 34)
-TP_BLOCK_OPS = {"tp": (38, 28), "sp": (62, 98)}  # beyond BLOCK_OPS
-TP_HEAD_OPS = {"tp": (109, 51), "sp": (120, 86)}  # instead of HEAD_OPS (the loss's maxima through shared memory)
 # On a GPU the collectives are NCCL calls on device buffers, Megatron-LM's f and g (Shoeybi et al. 2019): tensor
 # parallelism adds only its collective calls per block (forward, backward; with SP the backward's re-gathers and
 # the norms' gradient all-reduces), and at the ends the vocabulary-parallel loss's two all-reduces and the
 # embedding's and head input's collective.
 GPU_TP_BLOCK_OPS = {"tp": (2, 2), "sp": (4, 8)}
+GPU_TP_MOE_BLOCK_OPS = {"tp": (1, 1), "sp": (3, 6)}  # attention's; an MoE layer's SP gathers (parallel/moe_sequence.py)
 GPU_TP_HEAD_OPS = {"tp": (4, 2), "sp": (5, 4)}
 
 
-def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False) -> tuple[int, int]:
+def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False, moe: bool = False) -> tuple[int, int]:
     """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's: this runtime's
-    on a CPU, the collective calls alone on a ``device``)."""
+    on a CPU, counted on a dense block; the collective calls alone on a ``device``, an ``moe`` block's fewer)."""
     forward, backward = BLOCK_OPS[mlp]
     if tp == 1:
         return forward, backward
-    extra = (GPU_TP_BLOCK_OPS if device else TP_BLOCK_OPS)["sp" if sp else "tp"]
+    extra = (GPU_TP_MOE_BLOCK_OPS if moe else GPU_TP_BLOCK_OPS) if device else cpu.TP_BLOCK_OPS
+    extra = extra["sp" if sp else "tp"]
     return forward + extra[0], backward + extra[1]
 
 
@@ -77,13 +77,15 @@ def head_ops(tp: int = 1, sp: bool = False, device: bool = False) -> tuple[int, 
     if device:
         extra = GPU_TP_HEAD_OPS["sp" if sp else "tp"]
         return HEAD_OPS[0] + extra[0], HEAD_OPS[1] + extra[1]
-    return TP_HEAD_OPS["sp" if sp else "tp"]
+    return cpu.TP_HEAD_OPS["sp" if sp else "tp"]
 
 
 def with_dispatch(hw: Hardware, seconds: float, ops: int) -> float:
-    """A pass of ``seconds`` of work that dispatches ``ops`` operators."""
-    host = ops * hw.op_overhead_us * 1e-6
-    return seconds + host if hw.cores else max(seconds, host)
+    """A pass of ``seconds`` of work that dispatches ``ops`` operators: the device runs ahead of the host while
+    its kernels are longer (a CPU: perf.cpu.dispatched)."""
+    if hw.kind == "cpu":
+        return cpu.dispatched(hw, seconds, ops)
+    return max(seconds, ops * hw.op_overhead_us * 1e-6)
 
 
 def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
@@ -99,16 +101,13 @@ def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1
 
 
 def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1, cold: float = 0.0) -> float:
-    """Seconds for ``batch`` GEMMs [m, k] x [k, n]: compute at the shape's efficiency, or memory if slower. On a
-    CPU (``hw.cores``) ``cold`` elements of the operands come from memory rather than cache first (a weight is
-    read once per pass, evicted by the rest of the pass since), a load the core waits for: measured here, a
-    layer's GEMMs at 128 rows ran at 127 GFLOP/s on cached operands and 108 after the weights were evicted,
-    the difference the weights' bytes at the elementwise bandwidth."""
+    """Seconds for ``batch`` GEMMs [m, k] x [k, n]: compute at the shape's efficiency, or memory if slower; on a
+    CPU a core also waits for its ``cold`` operand elements (perf.cpu.cold_load)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
     flops = 2 * m * n * k * batch
     traffic = (m * k + k * n + m * n) * batch * hw.bytes_per_element
-    load = cold * batch * hw.bytes_per_element / hw.memory_bytes_per_s if hw.cores else 0.0
+    load = cpu.cold_load(hw, cold, batch) if hw.kind == "cpu" else 0.0
     return max(flops / (hw.gemm_peak_flops * gemm_efficiency(hw, m, n, k, batch)) + load, traffic / hw.memory_bytes_per_s)
 
 
@@ -131,10 +130,16 @@ class LayerShape:
     attention: str = "flash"
     fp8: bool = False   # the linear layers' GEMMs in FP8 (Transformer Engine's recipe)
     kernels: str = "eager"  # the non-GEMM work on a GPU: KERNELS
+    chunks: int = 1     # pieces each forward tp GEMM and its collective run in (--tp-overlap-chunks)
 
     @property
     def tokens(self) -> float:
         return self.batch * self.seq / self.cp
+
+    @property
+    def linear_params(self) -> float:
+        """Parameters of the layer's linear layers on one rank."""
+        return sum(n * k * b for _, n, k, b in _linears(self))
 
 
 @dataclass(frozen=True)
@@ -219,11 +224,22 @@ def sequence_parallel_copies(shape: LayerShape, e: int) -> tuple[float, float]:
     own: a gather or reduce-scatter along the sequence goes through the comm layer's dim-0 buffer, and the
     full activation is laid back along the sequence by a concatenation (read and written once). Forward: the
     two gathers and two reduce-scatters; backward: two (the others reuse the forward's). Counted with
-    TorchDispatchMode on a tp 2 block (comm/ops.py; Megatron-LM's kernels gather in place on GPUs)."""
+    TorchDispatchMode on a tp 2 block (comm/ops.py; Megatron-LM's kernels gather in place on GPUs). In
+    ``shape.chunks`` pieces (``--tp-overlap-chunks``) a dense region's forward concatenates nothing
+    (parallel/tensor.py's chunked gather and reduce-scatter): a column GEMM's input pieces are copied out of the
+    transposed sequence shard (already contiguous for one sequence) and its output pieces laid back into place, a
+    row GEMM's input pieces copied out of their rank-major blocks, each element once whatever the count (an MoE
+    layer is never chunked)."""
     if shape.tp == 1 or not shape.sp:
         return 0.0, 0.0
     activation = 2 * shape.tokens * shape.cfg.dim * e  # read and written
-    return 4 * activation, 2 * activation
+    if shape.chunks <= 1:
+        return 4 * activation, 2 * activation
+    linears = _linears(shape)
+    regions = [linears[:2]] + ([] if shape.cfg.n_experts else [linears[-2:]])
+    inputs = shape.batch > 1
+    pieces = sum(inputs * m * k / shape.tp + m * n + row_m * row_k for (m, n, k, _), (row_m, _, row_k, _) in regions)
+    return 2 * pieces * e + (4 - 2 * len(regions)) * activation, 2 * activation
 
 
 def layer_gemms(shape: LayerShape) -> tuple[list, list, list]:
@@ -257,7 +273,7 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     dgrads, wgrads = [gemm_time(linear_hw, *g) for g in input_grads], [gemm_time(linear_hw, *g) for g in weight_grads]
     dgrad, wgrad = sum(dgrads), sum(wgrads)
     core_f, core_b, core_flops = _attention_core(hw, shape)
-    if hw.cores or shape.kernels == "eager":  # this runtime's eager operators
+    if hw.kind == "cpu" or shape.kernels == "eager":  # this runtime's eager operators
         copies = sequence_parallel_copies(shape, hw.bytes_per_element)
         moved = eager_elementwise_bytes(shape, hw.bytes_per_element)
     else:  # the fused kernels of Megatron-LM's runs
@@ -266,24 +282,10 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
     elementwise = [(passes * moved + copied + cast) / hw.memory_bytes_per_s
                    for passes, copied, cast in zip((1, 2), copies, casts)]
     column = (0, len(forwards) - 2)  # QKV and the MLP's input projection
-    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=not hw.cores)
+    ops_f, ops_b = block_ops(shape.cfg.mlp, shape.tp, shape.sp, device=hw.kind != "cpu", moe=bool(shape.cfg.n_experts))
     return PassTimes(with_dispatch(hw, fwd + core_f + elementwise[0], ops_f),
                      with_dispatch(hw, dgrad + core_b + elementwise[1], ops_b), wgrad, core_f,
                      flops + core_flops, tuple(dgrads[i] for i in column), tuple(wgrads[i] for i in column))
-
-
-def accumulation_time(hw: Hardware, shape: LayerShape, layers: int, tables: int = 1) -> float:
-    """Seconds a CPU rank spends adding one more microbatch's weight gradients into those it holds (autograd's
-    AccumulateGrad: read both, write one) for ``layers`` blocks (linears and norms), the head (the final norm
-    and the output layer) and ``tables - 1`` more vocabulary tables (the embedding, where the rank holds both
-    ends); the first microbatch of a step only hands its gradients over. GPUs are priced as Megatron-LM runs
-    them: the weight-gradient GEMM accumulates in place (gradient-accumulation fusion), nothing more."""
-    if not hw.cores:
-        return 0.0
-    cfg = shape.cfg  # a block: its linears' shards and its two norms' weights (whole on every tp rank)
-    weights = (layers * (sum(n * k * b for _, n, k, b in _linears(shape)) + 2 * cfg.dim)
-               + tables * cfg.vocab_size / shape.tp * cfg.dim + cfg.dim)
-    return 3 * weights * hw.bytes_per_element / hw.memory_bytes_per_s
 
 
 def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, tuple]:
@@ -299,8 +301,8 @@ def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool 
     operators move :data:`EAGER_LOSS_BYTES` per logit."""
     v = cfg.vocab_size / tp
     forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
-    per_logit = EAGER_LOSS_BYTES if kernels == "eager" and not hw.cores else (3 * 4, 3 * 4)
+    per_logit = cpu.LOSS_BYTES if hw.kind == "cpu" else EAGER_LOSS_BYTES if kernels == "eager" else FUSED_LOSS_BYTES
     loss_f, loss_b = (tokens * v * b / hw.memory_bytes_per_s for b in per_logit)
-    ops_f, ops_b = head_ops(tp, sp, device=not hw.cores)
+    ops_f, ops_b = head_ops(tp, sp, device=hw.kind != "cpu")
     return PassTimes(with_dispatch(hw, forward + loss_f, ops_f), with_dispatch(hw, input_grad + loss_b, ops_b),
                      weight_grad, 0.0, 2 * tokens * v * cfg.dim)

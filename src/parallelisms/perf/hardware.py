@@ -79,6 +79,11 @@ class Hardware:
     measurements: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     @property
+    def kind(self) -> str:
+        """``cpu`` where ranks run on ``cores`` (their mechanisms: perf/cpu.py), else ``gpu`` (a device each)."""
+        return "cpu" if self.cores else "gpu"
+
+    @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 

@@ -15,7 +15,9 @@ reduce-scatters it (with C chunks each pipelined with its GEMM: the column GEMM 
 piece, the row GEMM's output is reduce-scattered piece by piece); backward, g's all-gather of the output
 gradient is exposed, f's re-gather of the saved sequence shard runs behind the input-gradient GEMMs (the
 runtime always launches it before them) and f's reduce-scatter behind the weight gradient under
-``--tp-overlap``; each norm weight's gradient is all-reduced (Sec. 4.2.2).
+``--tp-overlap``; each norm weight's gradient is all-reduced (Sec. 4.2.2). An MoE layer's experts run whole on
+every tp rank (parallel/moe_sequence.py, as Megatron-Core with expert TP 1): without SP it holds no tp
+collective, with SP one all-gather each way (its input forward, its output's gradient backward), exposed.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ def tensor_parallel_comm(cfg, parallel, hw: Hardware, shape: LayerShape, times: 
     """(forward, backward) exposed seconds of a block's tp collectives per microbatch (see the module docstring)."""
     activation = shape.tokens * cfg.dim * hw.bytes_per_element
     linears, gemm_hw = layer_gemms(shape)[0], hw.fp8() if shape.fp8 else hw
-    sublayers = zip(((linears[0], linears[1]), (linears[-2], linears[-1])),  # (column, row): QKV/out, MLP in/out
-                    times.column_input_grads, times.column_weight_grads)
+    regions = [(linears[0], linears[1])] + ([] if cfg.n_experts else [(linears[-2], linears[-1])])
+    sublayers = zip(regions, times.column_input_grads, times.column_weight_grads)  # (column, row): QKV/out, MLP in/out
     forward = backward = 0.0
+    if cfg.n_experts and parallel.sequence_parallel:  # the MoE layer: its input gathered, its output's gradient too
+        forward = backward = comm_time(hw, parallel, "all_gather", "tp", activation)
     for (column, row), dgrad, wgrad in sublayers:
         hide = wgrad if parallel.tp_overlap else 0.0  # f's backward collective behind the weight gradient
         if parallel.sequence_parallel:

@@ -169,7 +169,7 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
         fits, leanest = _search(cfg, train, base, hw, gpus, search, attention, fp8, kernels, cache)
     if not fits:
         need = "no layout could be formed" if leanest is None else (
-            f"the leanest ({_flags(leanest[1], leanest[2])}) needs {leanest[0] / 2**30:,.1f} GiB per GPU, "
+            f"the leanest ({_flags(leanest[1], leanest[2], base)}) needs {leanest[0] / 2**30:,.1f} GiB per GPU, "
             f"{(leanest[0] - hw.memory_bytes) / 2**30:,.1f} GiB more than the {hw.memory_bytes / 2**30:,.1f} GiB of {hw.name}")
         raise ConfigError(f"no layout of {gpus} GPUs fits this model and batch: {need}; use more GPUs, a smaller "
                           f"--global-batch or --seq-len, or hardware with more memory")
@@ -187,13 +187,15 @@ def plan(cfg: ModelConfig, train: TrainConfig, base: ParallelConfig, hw: Hardwar
         result = estimate(cfg, parallel, run, hw, attention, fp8=fp8, kernels=kernels)
         if result["fits"]:
             dp, tp, pp, cp, ep = dims
-            plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v),
+            plans.append({**dict(zip(LAYOUT_KEYS, (dp, tp, pp, cp, ep))), **v, "flags": _flags(dims, v, base),
                           "reason": bottleneck(result), **result})
     plans.sort(key=lambda p: p["step_s"])
     return plans
 
 
-def _flags(dims, v: dict) -> str:
+def _flags(dims, v: dict, base: ParallelConfig) -> str:
+    """The layout flags of ``(dims, v)`` with ``base``'s options where they apply: with the model, batch and
+    hardware flags given to plan, ``estimate`` with these prices exactly the layout plan priced."""
     dp, tp, pp, cp, ep = dims
     hsdp = v.get("hsdp", 0)
     data = [f"--dp-replicate {dp // hsdp}", f"--dp-shard {hsdp}"] if hsdp else [f"--dp {dp}"]
@@ -207,6 +209,12 @@ def _flags(dims, v: dict) -> str:
         out += [f"--chunks {v['chunks']}"] if v["schedule"] == "interleaved" else []
     elif v["grad_accum"] > 1:
         out.append(f"--grad-accum {v['grad_accum']}")
+    priced = _config(dims, v, base)  # --tp-overlap (-chunks) where there is tp, as _config prices them
+    out += ["--tp-overlap"] if priced.tp_overlap else []
+    out += [f"--tp-overlap-chunks {priced.tp_overlap_chunks}"] if priced.tp_overlap_chunks else []
+    out += [f"--cp-attention {priced.cp_attention}"] if cp > 1 else []
+    out += [f"--fsdp-style {priced.fsdp_style}"] if hsdp and priced.fsdp_style != "flat" else []
+    out += [f"--mixed-precision {priced.mixed_precision}"] if priced.mixed_precision != "fp32" else []
     return " ".join(out)
 
 

@@ -4,8 +4,9 @@ times, the optimizer, and the memory per rank.
 
 Where each collective goes (spec: "Critical path and latency hiding"):
 
-* tensor/sequence parallel: two collectives per block forward and two backward, each where the runtime puts
-  it (perf.overlap): ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient
+* tensor/sequence parallel: two collectives per block forward and two backward (an MoE layer's experts run
+  whole on every tp rank: none, or under SP one all-gather each way), each where the runtime puts it
+  (perf.overlap): ``--tp-overlap`` hides the backward's input-gradient collective behind the weight-gradient
   GEMM as far as that GEMM lasts, SP's re-gather of a column region's input runs behind its input-gradient
   GEMMs, and ``--tp-overlap-chunks C`` pipelines each forward collective with its GEMM over C chunks (the
   first chunk's GEMM or collective and the last's exposed, plus the chunking's cost: C smaller GEMMs and C
@@ -25,11 +26,9 @@ Where each collective goes (spec: "Critical path and latency hiding"):
 * pipeline: the schedule simulator (Qi et al. 2024's cost model) with these F, B, W and p2p times gives the
   makespan, so interleaved, zero-bubble and DualPipe schedules come out of their own orders;
 * optimizer: Adam reads and writes its fp32 state once per step (memory-bound);
-* ranks outnumbering a CPU's cores (``hw.cores``): the cores run whichever rank is ready, so a rank's waits
-  (for a peer, for the pipeline) are other ranks' working time. The step is then one rank's CPU work (compute,
-  optimizer, the CPU share of every collective, and each blocking collective's ``meeting_overhead_us``: the
-  switch to another rank and the caches it leaves) times the ranks per core, where that exceeds the critical
-  path; no bubble remains.
+* a CPU (``hw.kind``: the CPU hardware adapter, perf.cpu): the gradient work on the rank's core (accumulation,
+  the engines' buffer copies) and, where ranks outnumber the cores, the step as one rank's CPU work times the
+  ranks per core, where that exceeds the critical path.
 
 Memory per rank: model states per ZeRO stage / FSDP strategy (Rajbhandari et al. 2020), activations per
 layer per recompute mode (Korthikanti et al. 2023, Table 2, with the MLP's own width and GQA) times the
@@ -44,8 +43,8 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.perf.compute import (FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes,
-                                       accumulation_time, head_times, layer_times)
+from parallelisms.perf import cpu
+from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.perf.model import (block_params, comm_per_step, grad_norm_volumes,
@@ -139,7 +138,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     dims, lay = parallel.dims, Layout.of(cfg, parallel, train)
     hw = hw.per_rank(dims.world_size)  # a CPU rank with several threads
     shape = LayerShape(cfg, lay.batch, train.seq_len, dims.tp, parallel.sequence_parallel, dims.cp, dims.ep, attention,
-                       fp8, kernels)
+                       fp8, kernels, max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1)
 
     def per_layer():
         layer = layer_times(hw, shape)
@@ -158,11 +157,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     t_f = n * (layer.forward + comm_f) + ends * (head.forward + head_f)
     t_b = n * layer_b + ends * (head.input_grad + head_b)
     t_w = n * layer.weight_grad + ends * head.weight_grad
-    if lay.m > 1:  # every microbatch after a step's first adds its weight gradients to the held ones (the
-        # embedding's too where the rank holds both ends; sharded gradients: the reduced 1/N shards)
-        tables = 1 + rank0_holds_head(parallel)
-        t_w += (lay.m - 1) / lay.m * accumulation_time(hw, shape, n, tables) / _gradient_shards(parallel)
-    t_w += gradient_copies_time(cfg, parallel, lay.m, hw) / lay.m
+    if hw.kind == "cpu":  # gradients added and copied on the rank's core (perf.cpu)
+        t_w = _with_cpu_gradient_work(cfg, parallel, hw, shape, lay.m, n, t_w)
     p2p_bytes = shape.tokens * cfg.dim * hw.bytes_per_element / (dims.tp if parallel.sequence_parallel else 1)
     t_comm = comm_time(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
@@ -184,14 +180,9 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     breakdown = {"compute": compute_s, "exposed_comm": exposed, "bubble": pipeline_s - lay.m * (t_f + t_b + t_w),
                  "optimizer": optimizer_s}
     stage_s = {"forward": t_f, "input_grad": t_b, "weight_grad": t_w, "p2p": t_comm}
-    sharing = hw.ranks_per_core(dims.world_size)
-    if sharing > 1:  # ranks outnumber the cores: the cores run whichever rank is ready
-        bound = _cores_bound(breakdown, traffic, hw, 2 * lay.m * t_comm if dims.pp > 1 else 0.0,
-                             _meetings(cfg, parallel, lay, traffic), sharing)
-        cores_s = bound["compute"] + sum(bound["exposed_comm"].values()) + bound["optimizer"] + bound["shared_cores"]
-        if cores_s > step_s:
-            step_s, breakdown = cores_s, bound
-            stage_s, bubble = {k: sharing * v for k, v in stage_s.items()}, 0.0  # the cores never idle
+    if hw.kind == "cpu":  # ranks outnumbering the cores run whichever is ready (perf.cpu)
+        step_s, breakdown, stage_s, bubble = cpu.cores_step(cfg, parallel, lay, hw, traffic, 2 * lay.m * t_comm if
+                                                            dims.pp > 1 else 0.0, (step_s, breakdown, stage_s, bubble))
 
     tokens = train.global_batch * train.seq_len
     world = dims.world_size
@@ -213,46 +204,16 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     }
 
 
-def _cores_bound(breakdown: dict, traffic: list, hw: Hardware, p2p_s: float, meetings: int, sharing: float) -> dict:
-    """The step's breakdown where ranks outnumber a CPU's cores: the cores run whichever rank is ready, so while
-    one waits for a peer (or for the pipeline) another works, and the step is one rank's CPU work times the
-    ``sharing`` ranks per core, with no bubble. The work: compute and optimizer, the CPU share
-    (``hw.comm_cpu_fraction``) of every collective (the data-parallel ones whole, overlapped or not) and of the
-    pipeline sends, each asynchronous data-parallel call's worker overhead (``hw.overlap_overhead_us``), and
-    ``meetings`` blocking collectives at ``hw.meeting_overhead_us`` each."""
-    share = sharing * hw.comm_cpu_fraction
-    priced = {name for name, *_ in traffic}  # EPLB's all_reduce/ep is data-parallel traffic, added below
-    comm = {name: share * v for name, v in breakdown["exposed_comm"].items()
-            if name.endswith(("/tp", "/cp", "/ep")) and name not in priced}
-    for name, role, seconds, calls in traffic:
-        comm[name] = comm.get(name, 0.0) + share * seconds + sharing * _overlapped_cpu(hw, role, calls)
-    if p2p_s:
-        comm["send/pp"] = share * p2p_s
-    return {"compute": sharing * breakdown["compute"], "exposed_comm": comm, "bubble": 0.0,
-            "optimizer": sharing * breakdown["optimizer"], "shared_cores": sharing * meetings * hw.meeting_overhead_us * 1e-6}
-
-
-def _meetings(cfg: ModelConfig, parallel: ParallelConfig, lay: Layout, traffic: list) -> int:
-    """Collectives a rank of the busiest stage meets its peers in per step (as the ledger counts them): per
-    layer and microbatch, tensor parallelism's (Megatron's f and g per sublayer both ways; with sequence
-    parallelism the backward's re-gather and the norms' two all-reduces), ring attention's hops or Ulysses'
-    all-to-alls, the experts' dispatch and combine (a full recompute repeats the forward's); per microbatch the
-    vocabulary-parallel embedding's and head's (with the cross-entropy's two all-reduces; the last stage holds
-    the head) and a pipeline send and receive; per step the data-parallel calls and the gradient norm's."""
-    dims, sp = parallel.dims, parallel.sequence_parallel
-    forward = backward = ends = 0  # ring attention: one exchange per hop (its sends and receives together)
-    if dims.tp > 1:  # --tp-overlap-chunks C: each forward GEMM's collective (SP: the head's gather too) in C calls
-        chunks = max(1, parallel.tp_overlap_chunks) if parallel.tp_overlap else 1
-        forward, backward = (4 * chunks, 8) if sp else (2 * chunks, 2)
-        ends = (5 + chunks if sp else 3) + (2 if sp else 1) * (dims.pp == 1)  # head, and the embedding on one stage
-    if dims.cp > 1:
-        forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
-    if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
-        forward, backward = forward + 3, backward + 2
-    per_layer = forward * (2 if parallel.recompute == "full" else 1) + backward
-    per_microbatch = lay.layers * per_layer + ends + (2 if dims.pp > 1 else 0)
-    norms = sum(1 for v in grad_norm_volumes(parallel) if v.dim in ("tp", "pp", "ep"))
-    return lay.m * per_microbatch + sum(calls for _, _, _, calls in traffic) + norms
+def _with_cpu_gradient_work(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, shape: LayerShape, m: int,
+                            layers: int, t_w: float) -> float:
+    """A CPU rank's weight-gradient seconds per microbatch ``t_w`` with its gradient work (perf.cpu): every
+    microbatch after a step's first adds its weight gradients to the held ones (the embedding's too where the
+    rank holds both ends; sharded gradients: the reduced 1/N shards), and the data-parallel engine copies
+    gradients into its buffers."""
+    shards = _gradient_shards(parallel)
+    if m > 1:
+        t_w += (m - 1) / m * cpu.accumulation_time(hw, shape, layers, 1 + rank0_holds_head(parallel)) / shards
+    return t_w + cpu.gradient_copies_time(cfg, parallel, m, hw, shards) / m
 
 
 def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, float, int]]:
@@ -308,43 +269,6 @@ def _gradient_shards(parallel: ParallelConfig) -> int:
     return 1
 
 
-def gradient_copies_time(cfg: ModelConfig, parallel: ParallelConfig, m: int, hw: Hardware) -> float:
-    """CPU seconds per step the data-parallel engine spends moving gradients into its communication buffers, on
-    the rank's own core during the backward (memory-bound: each pass reads and writes the gradient once):
-
-    * DDP's buckets: each gradient copied into its bucket slot and pre-divided in one pass (as torch DDP's
-      reducer does), once a step; with microbatches the bucket is divided again as it is launched; a pipeline
-      stage's buffers are zeroed each step (a write), take the first microbatch's gradients by accumulation
-      (read two, write one) and are divided as they are launched;
-    * ZeRO and flat FSDP: every microbatch's backward concatenates a unit's gradients into its flat gradient
-      (the backward of the split that made its parameters), and every reduction divides that in place first;
-      ZeRO-1 then copies the reduced 1/N into its shard's gradient (a slice of the full gradient it keeps);
-    * per-parameter FSDP and buffer reuse: every reduction copies the gradients into the rank-major send buffer
-      and divides it.
-
-    A reduction per microbatch where gradients are sharded (ZeRO-2/3, FSDP but NO_SHARD), else one a step. GPUs
-    are priced as Megatron-LM runs them (gradients written into the reduction buffer: no copy), 0."""
-    dims = parallel.dims
-    if not hw.cores or dims.dp * dims.cp == 1:
-        return 0.0
-    reductions = m if _gradient_shards(parallel) > 1 else 1
-    if not (parallel.zero or parallel.fsdp):
-        passes = 3.0 if dims.pp > 1 else 1 + (m > 1)
-    elif parallel.zero or parallel.fsdp_style == "flat":
-        passes = m + reductions + (reductions / (dims.dp * dims.cp) if parallel.zero == 1 else 0)
-    else:
-        passes = 2 * reductions
-    return passes * 2 * rank0_params(cfg, parallel) * hw.bytes_per_element / hw.memory_bytes_per_s
-
-
-def _overlapped_cpu(hw: Hardware, role: str, calls: int) -> float:
-    """CPU seconds the asynchronous calls of an overlapped data-parallel collective (gradient buckets, ZeRO-3 and
-    FSDP gathers and reduce-scatters) cost the rank beyond blocking ones (``hw.overlap_overhead_us``: a CPU comm
-    layer's worker thread shares the rank's core with the compute it overlaps; 0 on GPUs)."""
-    return calls * hw.overlap_overhead_us * 1e-6 if role in ("gather", "reduce", "reduce_each", "overlapped_update") \
-        else 0.0
-
-
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int = 1, units: list | None = None,
                            depth: int = 1) -> dict:
     """Exposed seconds of each data-parallel collective (see the module docstring). Without a pipeline, a fully
@@ -366,7 +290,7 @@ def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int =
             exposed = t / calls + behind(hw, t, t_f)
         else:
             exposed = t
-        out[name] = out.get(name, 0.0) + exposed + _overlapped_cpu(hw, role, calls)
+        out[name] = out.get(name, 0.0) + exposed + (cpu.overlapped_cpu(hw, role, calls) if hw.kind == "cpu" else 0.0)
     return out
 
 
@@ -421,7 +345,7 @@ def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     states = _states(cfg, parallel)
     if not states["optimizer"]:
         return 0.0
-    per_param = FOREACH_ADAMW_BYTES if kernels == "eager" and not hw.cores else FUSED_ADAMW_BYTES
+    per_param = FOREACH_ADAMW_BYTES if kernels == "eager" and hw.kind != "cpu" else FUSED_ADAMW_BYTES
     return (states["optimizer"] / 8 * per_param / hw.optimizer_bytes_per_s
             + _optimizer_tensors(cfg, parallel, train) * hw.optimizer_tensor_us * 1e-6)
 
