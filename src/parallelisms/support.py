@@ -13,6 +13,8 @@ from parallelisms.parallel.checks import HYBRID, STRATEGIES
 from parallelisms.parallel.cp_modes import MODES, Shape
 from parallelisms.parallel.ep_placement import check_ep_balance
 from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
+from parallelisms.options import (Balance, Dtype, FsdpStrategy, FsdpStyle, PpBalance, Precision, Recompute, Schedule,
+                                  choices)
 
 # -- the support table ---------------------------------------------------------------------------------------
 # Features a layout can switch on, as `features()` names them, with the flag a user writes for each.
@@ -23,8 +25,7 @@ FLAGS = {
     "tp": "--tp", "sp": "--sp", "tp-overlap": "--tp-overlap",
     **{name: f"--cp-attention {name}" for name in MODES}, "ring": "--cp (ring)",
     "moe": "a mixture-of-experts model", "ep": "--ep", "pp": "--pp",
-    **{s: f"--schedule {s}" for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe",
-                                      "dualpipev", "pipedream")},
+    **{s: f"--schedule {s}" for s in Schedule},
     "recompute-selective": "--recompute selective", "recompute-full": "--recompute full",
     "bf16": "--mixed-precision bf16", "float64": "--dtype float64",
 }
@@ -58,7 +59,7 @@ def features(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -
         out.append(f"zero{parallel.zero}")
     if parallel.fsdp:
         out.append(f"fsdp-{parallel.fsdp}")
-    if parallel.fsdp_style in ("per_param", "reuse"):
+    if parallel.fsdp_style in (FsdpStyle.PER_PARAM, FsdpStyle.REUSE):
         out.append(parallel.fsdp_style)
     out += [name for name, on in (("tp", dims.tp > 1), ("sp", parallel.sequence_parallel),
                                   ("tp-overlap", parallel.tp_overlap), ("moe", model.n_experts > 0),
@@ -67,11 +68,11 @@ def features(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -
         out.append(parallel.cp_attention)
     if dims.pp > 1:
         out.append(parallel.schedule)
-    if parallel.recompute != "none":
+    if parallel.recompute is not Recompute.NONE:
         out.append(f"recompute-{parallel.recompute}")
-    if parallel.mixed_precision == "bf16":
+    if parallel.mixed_precision is Precision.BF16:
         out.append("bf16")
-    if train.dtype == "float64":
+    if train.dtype is Dtype.FLOAT64:
         out.append("float64")
     return out
 
@@ -117,14 +118,14 @@ def _check_dp_balance(parallel: ParallelConfig) -> None:
     pipeline, each replica's share in whole microbatch rounds; with experts too: the router's load-balancing
     loss is a mean over sequences, so weighting it like the language-model loss keeps training exact)."""
     dims = parallel.dims
-    require(parallel.dp_balance in ("even", "measured"),
-            f"unknown --dp-balance {parallel.dp_balance!r}; choose even or measured")
-    if parallel.dp_balance != "measured":
+    require(parallel.dp_balance in tuple(Balance),
+            f"unknown --dp-balance {parallel.dp_balance!r}; choose {choices(Balance)}")
+    if parallel.dp_balance is not Balance.MEASURED:
         require(parallel.rebalance_every == 0, f"--rebalance-every {parallel.rebalance_every} applies only with "
                                                f"--dp-balance measured; add it or drop --rebalance-every")
         return
     require(dims.dp > 1, f"--dp-balance measured needs data parallelism, got dp {dims.dp}; add --dp 2 or more")
-    require(dims.pp == 1 or parallel.schedule != "pipedream",
+    require(dims.pp == 1 or parallel.schedule is not Schedule.PIPEDREAM,
             "--dp-balance measured with --schedule pipedream: its updates after each microbatch would each group "
             "other sequences than single-process training's microbatches do (a replica's microbatches follow its "
             "share); use another schedule or --dp-balance even")
@@ -132,17 +133,17 @@ def _check_dp_balance(parallel: ParallelConfig) -> None:
 
 def _check_names(parallel: ParallelConfig) -> None:
     """Every named option is one that exists (the support table names features by them)."""
-    require(parallel.recompute in ("none", "selective", "full"),
-            f"unknown --recompute {parallel.recompute!r}; choose none, selective or full")
+    require(parallel.recompute in tuple(Recompute),
+            f"unknown --recompute {parallel.recompute!r}; choose {choices(Recompute)}")
     require(parallel.zero in (0, 1, 2, 3), f"--zero {parallel.zero} is not a ZeRO stage; use 1, 2 or 3 (or 0 for plain DDP)")
     require(parallel.fsdp is None or parallel.fsdp in STRATEGIES,
             f"unknown --fsdp strategy {parallel.fsdp!r}; choose one of {', '.join(STRATEGIES)}")
-    require(parallel.fsdp_style in ("flat", "per_param", "reuse"),
-            f"unknown --fsdp-style {parallel.fsdp_style!r}; choose flat, per_param or reuse")
+    require(parallel.fsdp_style in tuple(FsdpStyle),
+            f"unknown --fsdp-style {parallel.fsdp_style!r}; choose {choices(FsdpStyle)}")
     require(parallel.cp_attention in MODES,
             f"unknown --cp-attention {parallel.cp_attention!r}; choose {', '.join(MODES)}")
-    require(parallel.mixed_precision in ("fp32", "bf16"),
-            f"unknown --mixed-precision {parallel.mixed_precision!r}; choose fp32 or bf16")
+    require(parallel.mixed_precision in tuple(Precision),
+            f"unknown --mixed-precision {parallel.mixed_precision!r}; choose {choices(Precision)}")
 
 
 def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
@@ -152,15 +153,15 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     if dims.pp == 1:
         return
     require(parallel.microbatches >= 0, f"--microbatches must be positive, got {parallel.microbatches}")
-    require(parallel.pp_balance in ("layers", "measured"),
-            f"unknown --pp-balance {parallel.pp_balance!r}; choose layers or measured")
-    require(name == "interleaved" or parallel.chunks == 1,
+    require(parallel.pp_balance in tuple(PpBalance),
+            f"unknown --pp-balance {parallel.pp_balance!r}; choose {choices(PpBalance)}")
+    require(name is Schedule.INTERLEAVED or parallel.chunks == 1,
             f"--chunks {parallel.chunks} applies to --schedule interleaved only ({name} fixes its chunks)")
     require(train.grad_accum == 1, f"--grad-accum {train.grad_accum} with --pp: the pipeline's --microbatches "
                                    f"already accumulate; use --microbatches instead")
     m = parallel.microbatches or 2 * dims.pp
     try:
-        schedule = build_schedule(name, dims.pp, m, parallel.chunks if name == "interleaved" else None)
+        schedule = build_schedule(name, dims.pp, m, parallel.chunks if name is Schedule.INTERLEAVED else None)
     except ScheduleError as exc:
         raise ConfigError(f"--schedule {exc}") from None
     require(model.n_layers >= schedule.num_stages,
@@ -169,7 +170,7 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCo
     require(train.global_batch % (dims.dp * m) == 0,
             f"global batch {train.global_batch} must split into dp x microbatches = {dims.dp} x {m}; "
             f"try --global-batch {dims.dp * m * max(1, train.global_batch // (dims.dp * m))}")
-    require(not (model.tie_embeddings and name == "pipedream"),
+    require(not (model.tie_embeddings and name is Schedule.PIPEDREAM),
             "tied embeddings with --schedule pipedream: its per-stage updates would step the embedding and the "
             "head apart; use another schedule (1f1b) or an untied model")
 
@@ -182,7 +183,7 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
             f"needs --zero 1 or 2 without --pp (got --zero {parallel.zero}, --pp {parallel.dims.pp})")
     dims, zero, fsdp = parallel.dims, parallel.zero, parallel.fsdp
     require(parallel.fsdp_prefetch >= 1, f"--fsdp-prefetch {parallel.fsdp_prefetch}: give 1 or more units")
-    require(parallel.fsdp_prefetch == 1 or ((zero == 3 or fsdp not in (None, "no_shard")) and parallel.fsdp_style == "flat"
+    require(parallel.fsdp_prefetch == 1 or ((zero == 3 or fsdp not in (None, FsdpStrategy.NO_SHARD)) and parallel.fsdp_style is FsdpStyle.FLAT
                                             and dims.pp == 1),
             f"--fsdp-prefetch {parallel.fsdp_prefetch} gathers that many units ahead: it needs sharded parameters on "
             f"the flat engine without a pipeline (--zero 3 or --fsdp full_shard/shard_grad_op/hybrid_shard, "
@@ -205,10 +206,11 @@ def _check_sharded_data_parallel(parallel: ParallelConfig) -> None:
                            f"needs --fsdp hybrid_shard or hybrid_shard_zero2; use a single --dp degree otherwise")
     require(fsdp is None or dims.dp * dims.cp > 1,
             f"--fsdp {fsdp} needs a data-parallel degree above 1, got {dims.dp}; use --dp 2 or more")
-    require(not (zero or fsdp) or parallel.fsdp_style == "flat" or fsdp is not None,
+    require(not (zero or fsdp) or parallel.fsdp_style is FsdpStyle.FLAT or fsdp is not None,
             f"--fsdp-style {parallel.fsdp_style} applies to --fsdp; --zero uses flat parameters")
-    if parallel.fsdp_style != "flat":
-        strategies = ("full_shard",) if parallel.fsdp_style == "reuse" else ("full_shard", "shard_grad_op")
+    if parallel.fsdp_style is not FsdpStyle.FLAT:
+        strategies = ((FsdpStrategy.FULL_SHARD,) if parallel.fsdp_style is FsdpStyle.REUSE
+                      else (FsdpStrategy.FULL_SHARD, FsdpStrategy.SHARD_GRAD_OP))
         require(fsdp in strategies, f"--fsdp-style {parallel.fsdp_style} runs --fsdp {' or '.join(strategies)}, "
                                     f"got {fsdp}; use --fsdp-style flat for the others")
 

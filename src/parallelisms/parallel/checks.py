@@ -6,7 +6,9 @@ their own (:mod:`parallelisms.parallel.cp_modes`).
 
 from __future__ import annotations
 
+from parallelisms.options import FsdpStrategy
+
 # FSDP1's sharding strategies (:mod:`parallelisms.parallel.fsdp`), and the ones that need a 2-D
 # ``dp_replicate x dp_shard`` mesh
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
+STRATEGIES = tuple(FsdpStrategy)
+HYBRID = tuple(s for s in FsdpStrategy if s.hybrid)
