@@ -290,7 +290,7 @@ class TrainConfig:
     slow_rank: tuple[int, float] | None = None  # (rank, factor): that rank's compute factor x slower (stragglers)
 
     def __post_init__(self):
-        coerce(self, TRAIN_OPTIONS)
+        coerce(self)  # a valid string given for an enum-typed option becomes its member
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
@@ -366,7 +366,7 @@ class ParallelConfig:
     ep_rebalance_every: int = 0        # steps between re-measured placements (0: the first measured one stays)
 
     def __post_init__(self):
-        coerce(self, PARALLEL_OPTIONS)
+        coerce(self)
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
@@ -400,9 +400,3 @@ class ParallelConfig:
             "bf16" if self.mixed_precision is Precision.BF16 else "",
         ]
         return " ".join([d.describe(" x "), *filter(None, options)])
-
-
-# The options of each config whose values are an enum: a valid string given for one becomes its member
-TRAIN_OPTIONS = {"dtype": Dtype, "nonfinite": NonFinite, "lr_schedule": LrSchedule}
-PARALLEL_OPTIONS = {"fsdp": FsdpStrategy, "fsdp_style": FsdpStyle, "mixed_precision": Precision, "schedule": Schedule,
-                    "pp_balance": PpBalance, "recompute": Recompute, "dp_balance": Balance, "ep_balance": Balance}

@@ -10,6 +10,8 @@ Options whose values are a registry's keys stay strings checked against it: ``cp
 
 from __future__ import annotations
 
+import functools
+import typing
 from enum import StrEnum
 
 
@@ -98,10 +100,21 @@ def choices(kind: type[StrEnum], last: str = "or") -> str:
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} {last} {values[-1]}"
 
 
-def coerce(config, kinds: dict[str, type[StrEnum]]) -> None:
-    """Turn each field of the frozen dataclass ``config`` named in ``kinds`` from a valid string into its member
-    (another value stays as given, for the config's checks to refuse with the flag's name)."""
-    for name, kind in kinds.items():
+def coerce(config) -> None:
+    """Turn each enum-typed field of the frozen dataclass ``config`` from a valid string into its member (another
+    value stays as given, for the config's checks to refuse with the flag's name)."""
+    for name, kind in enum_fields(type(config)).items():
         value = getattr(config, name)
         if isinstance(value, str) and not isinstance(value, kind) and value in kind._value2member_map_:
             object.__setattr__(config, name, kind(value))
+
+
+@functools.cache
+def enum_fields(cls: type) -> dict[str, type[StrEnum]]:
+    """The fields of dataclass ``cls`` typed by an enum (optional ones included), by name."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if isinstance(kind, type) and issubclass(kind, StrEnum):
+            out[name] = kind
+    return out
