@@ -70,7 +70,7 @@ def test_lower_layers_do_not_import_higher_ones():
     for name, targets in graph.items():
         if name.startswith(("parallelisms.parallel", "parallelisms.model", "parallelisms.comm", "parallelisms.data")):
             assert not targets & set(ABOVE_THE_PARALLELISMS), (name, targets & set(ABOVE_THE_PARALLELISMS))
-    for bottom in ("parallelisms.errors", "parallelisms.config", "parallelisms.mesh"):
+    for bottom in ("parallelisms.errors", "parallelisms.config", "parallelisms.options", "parallelisms.mesh"):
         assert not {t for t in graph[bottom] if t.startswith(("parallelisms.parallel", "parallelisms.model"))}, bottom
 
 

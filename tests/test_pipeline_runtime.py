@@ -102,7 +102,7 @@ def test_balancing_by_cost_beats_equal_layer_counts():
     (["--pp", "3", "--schedule", "dualpipe", "--microbatches", "6"], "even pp"),
     (["--pp", "2", "--schedule", "dualpipe", "--microbatches", "5"], "even microbatch count"),
     (["--pp", "2", "--schedule", "1f1b", "--microbatches", "3"], "must split into dp x microbatches"),
-    (["--pp", "2", "--schedule", "nope"], "unknown schedule"),
+    (["--pp", "2", "--schedule", "nope"], "unknown --schedule 'nope'; choose one of gpipe, 1f1b"),
 ])
 def test_bad_pipeline_input_is_one_line(args, needle, capsys):
     argv = ["verify", "--preset", "tiny", "--global-batch", "8", *args]

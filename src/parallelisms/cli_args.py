@@ -12,8 +12,9 @@ from parallelisms.config import TrainConfig, PRESETS
 from parallelisms.config_file import CONFIG_FILE, CONFIG_FLAG, expand
 from parallelisms.errors import ConfigError
 from parallelisms.flags import DEGREE, integer, number, number_pair, slow_rank
+from parallelisms.options import Dtype, choices
 from parallelisms.perf.shapes import add_shape_args
-from parallelisms.parallel.cp_modes import MODES
+from parallelisms.parallel.registry import LAYOUT, PARALLELISMS
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
 COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
@@ -66,55 +67,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
-    g = p.add_argument_group("layout (world size = pp x dp x cp x tp)")
+    """The degrees, then every parallelism's options (:mod:`parallelisms.parallel.registry`), in its ``--help``
+    group: flags, parsers, defaults and choices from the descriptors and the config's fields."""
+    g = p.add_argument_group(LAYOUT)
     when = f"{dp_default} when --tp, --pp and --cp are 1, else 1" if dp_default > 1 else str(dp_default)
     g.add_argument("--dp", type=DEGREE, help=f"data-parallel degree (replicas for DDP; the shard group for "
                                               f"--zero/--fsdp); default {when}")
     p.set_defaults(dp_default=dp_default)
     g.add_argument("--dp-replicate", type=DEGREE, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
     g.add_argument("--dp-shard", type=DEGREE, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
-    for name, text in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
-        g.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{text}-parallel degree")
-    g.add_argument("--find-unused-parameters", action="store_true",
-                   help="treat parameters with no gradient as zero instead of raising")
-    g = p.add_argument_group("tensor parallelism")
-    g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
-    g.add_argument("--tp-overlap", action="store_true", help="overlap the input-gradient all-reduce with dW")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="--zero 1/2: all-gather the updated parameters under the next forward (Megatron's)")
-    g.add_argument("--tp-overlap-chunks", type=integer(0, 64), default=0,
-                   help="with --tp-overlap: hide the forward's collectives too, pipelined with their GEMMs over N chunks")
-    g = p.add_argument_group("sharded data parallelism")
-    g.add_argument("--zero", type=integer(0, 3), default=0, help="ZeRO stage 1, 2 or 3")
-    g.add_argument("--fsdp", help="full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2")
-    g.add_argument("--fsdp-prefetch", type=integer(1, 64), default=1,
-                   help="ZeRO-3 / flat FSDP: units whose parameters are gathered ahead of the running one")
-    g.add_argument("--fsdp-style", default="flat", help="flat (FSDP1), per_param (FSDP2) or reuse (YaFSDP)")
-    g.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16 (bf16 compute, fp32 master weights)")
-    g = p.add_argument_group("data-parallel balance")
-    g.add_argument("--dp-balance", default="even", help="split each global batch evenly (even) or in proportion "
-                                                        "to each data-parallel rank's measured speed (measured)")
-    g.add_argument("--rebalance-every", type=integer(0, 10**9), default=0,
-                   help="with --dp-balance measured: re-measure and re-split every N steps (0: once)")
-    g = p.add_argument_group("expert-parallel balance")
-    g.add_argument("--ep-balance", default="even", help="experts split evenly over --ep (even) or placed by the "
-                                                        "tokens measured per expert, EPLB-style (measured)")
-    g.add_argument("--ep-redundant", type=integer(0, 10**6), default=0,
-                   help="with --ep-balance measured: extra expert slots per ep rank, for copies of the hottest experts")
-    g.add_argument("--ep-rebalance-every", type=integer(0, 10**9), default=0,
-                   help="with --ep-balance measured: re-measure and re-place every N steps (0: once)")
-    g = p.add_argument_group("activation memory")
-    g.add_argument("--recompute", default="none", help="activation recomputation: none, selective or full")
-    g = p.add_argument_group("context parallelism")
-    g.add_argument("--cp-attention", help="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()))
-    g.add_argument("--cp-ulysses-size", type=COUNT, help="hierarchical: the all-to-all degree inside (a divisor of --cp)")
-    g = p.add_argument_group("pipeline parallelism")
-    g.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, zb-h2, zb-v, dualpipe, dualpipev "
-                                      "or pipedream")
-    g.add_argument("--microbatches", type=COUNT, help="microbatches per step (default 2 x pp)")
-    g.add_argument("--chunks", type=COUNT, help="virtual stages per rank (interleaved: 2 or more)")
-    g.add_argument("--pp-balance", help="cut stages by equal layer counts (layers, default) or by per-layer "
-                                        "forward+backward time measured on rank 0 (measured)")
+    for par in PARALLELISMS.values():
+        if par.degree:
+            g.add_argument(f"--{par.dim}", type=DEGREE, default=1, help=f"{par.degree}-parallel degree")
+    groups = {LAYOUT: g}
+    for par in PARALLELISMS.values():
+        for option in par.options:
+            title = option.group or par.title
+            group = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
+            group.add_argument(option.name, **option.arguments())
 
 
 def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
@@ -137,8 +107,8 @@ def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
                    help="data-parallel gradient bucket cap")
     g.add_argument("--timeout", type=number(0, 10**6, above=True), default=d.timeout_s,
                    help="collective timeout, seconds")
-    g.add_argument("--dtype", default=d.dtype, help="parameter dtype: float32, or float64 (rounding ~1e-16, so verify's "
-                                                    "contract tightens to 1e-10)")
+    g.add_argument("--dtype", default=d.dtype, help=f"parameter dtype: {choices(Dtype)} (float64: rounding ~1e-16, so "
+                                                    f"verify's contract tightens to 1e-10)")
     g.add_argument("--slow-rank", type=slow_rank, metavar="R:F", help="make rank R's compute F times slower (real "
                                                                        "work; a straggler to see in the report)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")

@@ -15,11 +15,11 @@ from parallelisms.data.options import check_data_args, data_settings
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import shape_from_args
 from parallelisms.mesh import ParallelDims
+from parallelisms.parallel.registry import OPTIONS, parallel_config
 
 # Options that mean something only with a degree above 1 (default None: given or not is known); given without
 # it they would be silently ignored. Their defaults are ParallelConfig's.
-NEEDS_DEGREE = {"schedule": "pp", "microbatches": "pp", "chunks": "pp", "pp_balance": "pp", "cp_attention": "cp",
-                "cp_ulysses_size": "cp"}
+NEEDS_DEGREE = {o.field: o.needs for o in OPTIONS.values() if o.needs}
 
 
 def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig, ParallelConfig]:
@@ -35,15 +35,9 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
                         slow_rank=getattr(args, "slow_rank", None),
                         **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    parallel = ParallelConfig(dims=dims, find_unused_parameters=args.find_unused_parameters,
-                              sequence_parallel=args.sp, tp_overlap=args.tp_overlap, zero=args.zero,
-                              overlap_param_gather=getattr(args, "overlap_param_gather", False),
-                              tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
-                              fsdp_prefetch=getattr(args, "fsdp_prefetch", 1),
-                              fsdp=args.fsdp, fsdp_style=args.fsdp_style, mixed_precision=args.mixed_precision,
-                              recompute=args.recompute, dp_balance=args.dp_balance,
-                              rebalance_every=args.rebalance_every, ep_balance=args.ep_balance,
-                              ep_redundant=args.ep_redundant, ep_rebalance_every=args.ep_rebalance_every, **options)
+    parallel = parallel_config(dims, **{o.field: getattr(args, o.dest, o.default) for o in OPTIONS.values()
+                                                  if not o.needs},
+                               **options)
     parallel = validate_layout(model, train, parallel, runtime)
     require(train.slow_rank is None or train.slow_rank[0] < dims.world_size,
             lambda: f"--slow-rank {train.slow_rank[0]}:{train.slow_rank[1]:g} names rank {train.slow_rank[0]}, but the "
@@ -81,7 +75,7 @@ def _degree_options(args) -> dict:
     """The NEEDS_DEGREE options the user gave, each refused without its degree above 1."""
     given = {name: getattr(args, name) for name in NEEDS_DEGREE if getattr(args, name) is not None}
     for name, value in given.items():
-        flag, degree = f"--{name.replace('_', '-')}", NEEDS_DEGREE[name]
+        flag, degree = OPTIONS[name].name, NEEDS_DEGREE[name]
         require(getattr(args, degree) > 1, f"{flag} {value} applies only with --{degree} 2 or more, got --{degree} "
                                            f"{getattr(args, degree)}; add --{degree} 2 or drop {flag}")
     return given

@@ -11,6 +11,7 @@ import dataclasses
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
 from parallelisms.data.options import check_output_args
 from parallelisms.flags import check_writable
+from parallelisms.options import Dtype, Precision, Schedule
 
 
 def run_layout(spec, placement, trace: bool = False):
@@ -78,7 +79,7 @@ def _tolerance(args, train) -> float:
 
     if args.tolerance is not None:
         return args.tolerance
-    return TOLERANCE_FLOAT64 if train.dtype == "float64" else TOLERANCE
+    return TOLERANCE_FLOAT64 if train.dtype is Dtype.FLOAT64 else TOLERANCE
 
 
 def reference_for(model, train, parallel):
@@ -87,11 +88,11 @@ def reference_for(model, train, parallel):
 
     from parallelisms.equivalence import Run, batch_slices, reference_train, reference_train_bf16
 
-    if parallel.dims.pp > 1 and parallel.schedule == "pipedream":  # asynchronous: its own delayed-update reference
+    if parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM:  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
         return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp,
-                                        parallel.dims.dp, torch.bfloat16 if parallel.mixed_precision == "bf16" else None))
-    if parallel.mixed_precision == "bf16":  # the same arithmetic in one process: bf16 grads of each batch slice
+                                        parallel.dims.dp, torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None))
+    if parallel.mixed_precision is Precision.BF16:  # the same arithmetic in one process: bf16 grads of each batch slice
         return reference_train_bf16(model, train, splits=batch_slices(parallel, train))
     return reference_train(model, train, splits=batch_slices(parallel, train))
 
@@ -110,7 +111,7 @@ def verify_result(args, announce: bool = False) -> dict | None:
     # every token id in the batches, so that every vocabulary shard is looked up (parallelisms.data.loader)
     train = train.replace(data=dataclasses.replace(train.data, vocab_sweep=model.vocab_size))
     result = _verify_dtype(args, model, train, parallel, placement)
-    if result is None or not (args.dtype is None and placement.device == "cpu" and parallel.mixed_precision == "fp32"
+    if result is None or not (args.dtype is None and placement.device == "cpu" and parallel.mixed_precision is Precision.FP32
                               and model.num_params() <= PRESETS[FLOAT64_UP_TO].num_params()):
         return result
     wide = _verify_dtype(args, model, train.replace(dtype="float64"), parallel, placement)
@@ -132,9 +133,9 @@ def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
     report = run_layout(RunSpec(model, train, parallel, collect_state=True, poison_fresh_memory=True), placement)
     if report is None:
         return None
-    if parallel.mixed_precision == "bf16":  # the same arithmetic, or else within the spread of bf16's roundings
+    if parallel.mixed_precision is Precision.BF16:  # the same arithmetic, or else within the spread of bf16's roundings
         def samples():  # PipeDream's twin is its own delayed-update reference: fp32 is its one other computation
-            if parallel.dims.pp > 1 and parallel.schedule == "pipedream":
+            if parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM:
                 return [reference_for(model, train, dataclasses.replace(parallel, mixed_precision="fp32"))]
             return bf16_samples(model, train, batch_slices(parallel, train))
         result = compare_mixed_precision(report, reference, samples, tolerance)

@@ -15,6 +15,8 @@ from parallelisms.errors import ConfigError, divisors, path_kind, require, requi
 from parallelisms.hf_arch import architecture_fields, check_architecture
 from parallelisms.hf_keys import check_config_keys
 from parallelisms.mesh import ParallelDims
+from parallelisms.options import (Balance, Dtype, FsdpStrategy, FsdpStyle, LrSchedule, NonFinite, PpBalance,
+                                  Precision, Recompute, Schedule, choices, coerce)
 
 
 MAX_MODEL_INT = 2**31 - 1
@@ -243,8 +245,8 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-DTYPES = ("float32", "float64")  # parameter dtypes a run can train in
-LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup (parallelisms.schedule)
+DTYPES = tuple(Dtype)  # parameter dtypes a run can train in
+LR_SCHEDULES = tuple(LrSchedule)  # after --warmup (parallelisms.lr_schedule)
 
 
 @dataclass(frozen=True)
@@ -279,13 +281,16 @@ class TrainConfig:
     seed: int = 0
     bucket_mb: float = 25.0        # data-parallel gradient bucket cap
     timeout_s: float = 300.0       # collective timeout
-    dtype: str = "float32"         # parameter dtype: float32, or float64 (verify's tight contract)
-    nonfinite: str = "continue"    # a non-finite loss or gradient: continue (verify finds where), stop or skip
+    dtype: Dtype = Dtype.FLOAT32   # parameter dtype: float32, or float64 (verify's tight contract)
+    nonfinite: NonFinite = NonFinite.CONTINUE  # a non-finite loss or gradient: continue (verify finds where), stop or skip
     warmup: int = 0                # linear warmup steps of the learning rate
-    lr_schedule: str = "constant"  # after warmup: constant, cosine or linear decay to min_lr at the last step
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT  # after warmup: constant, cosine or linear decay to min_lr at the last step
     min_lr: float = 0.0            # the decay's floor
     data: DataConfig = field(default_factory=DataConfig)
     slow_rank: tuple[int, float] | None = None  # (rank, factor): that rank's compute factor x slower (stragglers)
+
+    def __post_init__(self):
+        coerce(self)  # a valid string given for an enum-typed option becomes its member
 
     def validate(self, model: ModelConfig, dp: int = 1) -> "TrainConfig":
         require(isinstance(self.steps, int) and self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
@@ -310,9 +315,10 @@ class TrainConfig:
                 f"--betas {','.join(map(str, self.betas))} must be two numbers in [0, 1), e.g. 0.9,0.95")
         require_finite("--bucket-mb", self.bucket_mb, above=0)
         require_finite("--timeout (seconds)", self.timeout_s, above=0)
-        require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {' or '.join(DTYPES)}")
+        require(self.dtype in DTYPES, f"unknown --dtype {self.dtype!r}; choose {choices(Dtype)}")
         require(self.lr_schedule in LR_SCHEDULES, f"unknown --lr-schedule {self.lr_schedule!r}; choose one of "
                                                   f"{', '.join(LR_SCHEDULES)}")
+        require(self.nonfinite in tuple(NonFinite), f"unknown nonfinite {self.nonfinite!r}; choose {choices(NonFinite)}")
         require(self.min_lr <= self.lr, f"--min-lr {self.min_lr:g} exceeds --lr {self.lr:g}; use at most --lr")
         return self
 
@@ -337,27 +343,30 @@ class ParallelConfig:
     tp_overlap_chunks: int = 0         # >1: the forward's collectives too, pipelined with their GEMMs over chunks
     # sharded data parallelism (issue: ZeRO / FSDP)
     zero: int = 0                      # 0 (plain DDP), 1, 2, 3
-    fsdp: str | None = None            # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
-    fsdp_style: str = "flat"           # flat, per_param, reuse
+    fsdp: FsdpStrategy | None = None   # full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2
+    fsdp_style: FsdpStyle = FsdpStyle.FLAT  # flat, per_param, reuse
     overlap_param_gather: bool = False  # ZeRO-1/2: the updated parameters' all-gather under the next forward
     fsdp_prefetch: int = 1             # ZeRO-3 / flat FSDP: units gathered ahead of the running one
-    mixed_precision: str = "fp32"      # fp32, bf16
+    mixed_precision: Precision = Precision.FP32  # fp32, bf16
     # pipeline parallelism (issue: pipeline)
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     microbatches: int = 0              # 0: 2 x pp
     chunks: int = 1                    # virtual stages per rank (interleaved)
-    pp_balance: str = "layers"         # cut stages by equal layer counts, or by measured per-layer time
+    pp_balance: PpBalance = PpBalance.LAYERS  # cut stages by equal layer counts, or by measured per-layer time
     # context parallelism
     cp_attention: str = "ring"         # a mode of parallelisms.parallel.cp_modes: ring, ulysses, allgather, ...
     cp_ulysses_size: int = 0           # hierarchical: the Ulysses (all-to-all) degree inside, ring across
-    recompute: str = "none"            # activation recomputation: none, selective (attention core), full (block)
+    recompute: Recompute = Recompute.NONE  # activation recomputation: none, selective (attention core), full (block)
     # data-parallel balance (parallelisms.parallel.dp_balance): split each batch by measured speed
-    dp_balance: str = "even"           # even, or measured
+    dp_balance: Balance = Balance.EVEN  # even, or measured
     rebalance_every: int = 0           # steps between re-measured splits (0: the first measured split stays)
     # expert-parallel balance (parallelisms.parallel.ep_balance): experts placed by measured load, EPLB
-    ep_balance: str = "even"           # even, or measured
+    ep_balance: Balance = Balance.EVEN  # even, or measured
     ep_redundant: int = 0              # extra expert slots per ep rank (copies of the hottest experts)
     ep_rebalance_every: int = 0        # steps between re-measured placements (0: the first measured one stays)
+
+    def __post_init__(self):
+        coerce(self)
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
@@ -377,17 +386,17 @@ class ParallelConfig:
             f"forward x{self.tp_overlap_chunks}" if self.tp_overlap_chunks > 1 else "",
             f"zero{self.zero}" if self.zero else "", "+overlap-param-gather" if self.overlap_param_gather else "",
             f"fsdp {self.fsdp}" if self.fsdp else "",
-            self.fsdp_style if self.fsdp and self.fsdp_style != "flat" else "",
+            self.fsdp_style if self.fsdp and self.fsdp_style is not FsdpStyle.FLAT else "",
             f"prefetch {self.fsdp_prefetch}" if self.fsdp_prefetch > 1 else "",
             self.cp_attention if d.cp > 1 else "",
             self.schedule if d.pp > 1 else "",
             f"{self.microbatches} microbatches" if d.pp > 1 and self.microbatches else "",
             f"{self.chunks} chunks" if d.pp > 1 and self.chunks > 1 else "",
-            "balance measured" if d.pp > 1 and self.pp_balance == "measured" else "",
-            f"recompute {self.recompute}" if self.recompute != "none" else "",
-            "dp-balance measured" if self.dp_balance == "measured" else "",
-            "ep-balance measured" if self.ep_balance == "measured" else "",
+            "balance measured" if d.pp > 1 and self.pp_balance is PpBalance.MEASURED else "",
+            f"recompute {self.recompute}" if self.recompute is not Recompute.NONE else "",
+            "dp-balance measured" if self.dp_balance is Balance.MEASURED else "",
+            "ep-balance measured" if self.ep_balance is Balance.MEASURED else "",
             f"+{self.ep_redundant} redundant" if self.ep_redundant else "",
-            "bf16" if self.mixed_precision == "bf16" else "",
+            "bf16" if self.mixed_precision is Precision.BF16 else "",
         ]
         return " ".join([d.describe(" x "), *filter(None, options)])

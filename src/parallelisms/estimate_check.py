@@ -13,6 +13,7 @@ names them. The verdict: memory within ``tolerance`` (5%) and every collective's
 from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.options import Precision
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 NOT_THE_STEP = ("setup", "report", "eval", "checkpoint")  # as the train report's ledger summary leaves them out
@@ -28,7 +29,7 @@ def estimated_collectives(cfg: ModelConfig, parallel: ParallelConfig, train: Tra
     from parallelisms.perf.model import comm_per_step
 
     out: dict[str, float] = {}
-    for v in comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4):
+    for v in comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision is Precision.BF16 else 4):
         if v.bytes_per_rank:
             key = f"{v.kind}/{dim_family(v.dim)}"
             out[key] = out.get(key, 0.0) + v.bytes_per_rank

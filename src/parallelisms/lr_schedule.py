@@ -13,6 +13,7 @@ import math
 import torch
 
 from parallelisms.config import TrainConfig
+from parallelisms.options import LrSchedule
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -20,11 +21,11 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     from 1 to ``min_lr / lr`` over the remaining steps (reached at the last step)."""
     if step < cfg.warmup:
         return (step + 1) / cfg.warmup
-    if cfg.lr_schedule == "constant":
+    if cfg.lr_schedule is LrSchedule.CONSTANT:
         return 1.0
     floor = cfg.min_lr / cfg.lr
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule is LrSchedule.COSINE else 1 - progress
     return floor + (1 - floor) * shape
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from parallelisms.errors import require
 from parallelisms.flags import integer, number
+from parallelisms.options import Schedule
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
 
@@ -51,7 +52,7 @@ def layout_meta(model, train, parallel) -> dict:
     from parallelisms.checkpoint_files import FORMAT
 
     return {"format": FORMAT, "model": dataclasses.asdict(model), "layout": dims.describe(),
-            "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule == "pipedream",
+            "world_size": dims.world_size, "pipedream": dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM,
             "global_batch": train.global_batch, "seq_len": train.seq_len, "seed": train.seed,
             "optimizer": optimizer_settings(train)}
 

@@ -26,6 +26,7 @@ from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.trainer import MicrobatchLoop, Trainer
+from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
@@ -44,11 +45,11 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     positions = None
     if dims.cp > 1:
         positions = apply_context_parallel(model, comms, parallel, train.seq_len)
-    if dims.ep > 1 and parallel.ep_balance == "measured":
+    if dims.ep > 1 and parallel.ep_balance is Balance.MEASURED:
         apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
     elif dims.ep > 1:
         apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
-    if parallel.recompute != "none":
+    if parallel.recompute is not Recompute.NONE:
         apply_recompute(model, parallel.recompute)
     schedule, stages, copies = None, {0: model}, set()
     if not parallel.one_tied_parameter():  # the last stage holds a copy of the tied weight
@@ -62,12 +63,12 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
             split_linears(stage, store)
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms, schedule)
     balance = None
-    if parallel.ep_balance == "measured":  # copies of an expert kept one expert; the placement moved between steps
+    if parallel.ep_balance is Balance.MEASURED:  # copies of an expert kept one expert; the placement moved between steps
         grad_sync = balance = ExpertBalance(grad_sync, stages, copies, comms, parallel.ep_redundant,
                                             parallel.ep_rebalance_every)
     if model.cfg.tie_embeddings:
         grad_sync = TiedEmbeddings(grad_sync, comms)
-    compute_dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
+    compute_dtype = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None  # None: the parameters' dtype
     if schedule is None:
         trainer = Trainer(grad_sync, MicrobatchLoop(model, comms, train.grad_accum, positions), comms, train,
                           _optimizer(grad_sync, model.cfg, train))
@@ -107,7 +108,7 @@ def _engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, com
     dims = parallel.dims
     # mixed precision without sharding is DDP over the flat engine's NO_SHARD plan: bf16 weights and compute,
     # fp32 master weights and gradients, all-reduced
-    mixed = parallel.mixed_precision == "bf16" and not weights_cast_elsewhere
+    mixed = parallel.mixed_precision is Precision.BF16 and not weights_cast_elsewhere
     if parallel.zero or parallel.fsdp or mixed:
         return _sharding_engine(module, parallel, train, comms)
     if dims.dp * dims.cp > 1:  # context-parallel ranks hold different tokens: average over both
@@ -122,10 +123,10 @@ def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainCo
     (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and with context parallelism
     over dp_shard x cp (those ranks hold different tokens of the same model)."""
     dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
-    compute = torch.bfloat16 if parallel.mixed_precision == "bf16" else None  # None: the parameters' dtype
-    if parallel.fsdp and parallel.fsdp_style == "reuse":
+    compute = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None  # None: the parameters' dtype
+    if parallel.fsdp and parallel.fsdp_style is FsdpStyle.REUSE:
         return ReuseSharding(module, comms, dim, compute_dtype=compute)
-    if parallel.fsdp and parallel.fsdp_style == "per_param":
-        return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp != "shard_grad_op",
+    if parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM:
+        return PerParamSharding(module, comms, dim, reshard_after_forward=parallel.fsdp is not FsdpStrategy.SHARD_GRAD_OP,
                                 compute_dtype=compute)
     return sharded_grad_sync(module, parallel, train, comms)

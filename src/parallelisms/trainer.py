@@ -20,6 +20,7 @@ from parallelisms.lr_schedule import make_scheduler
 from parallelisms.parallel.common import clip_grad_norm_
 from parallelisms.parallel.ep_balance import ExpertBalance
 from parallelisms.parallel.grad_sync import GradSync
+from parallelisms.options import NonFinite
 
 
 class MicrobatchLoop:
@@ -115,7 +116,7 @@ class Trainer:
         with self.comms.ledger.in_phase("optimizer"), self.comms.timeline.span("optimizer"):
             self.grad_norm = self.grad_sync.grad_norm()
             # the same on every rank: under --skip-nonfinite or stop-on-non-finite, no rank applies the update
-            self.skipped = self.cfg.nonfinite != "continue" and not bool(torch.isfinite(self.grad_norm))
+            self.skipped = self.cfg.nonfinite is not NonFinite.CONTINUE and not bool(torch.isfinite(self.grad_norm))
             if self.skipped:
                 return
             if self.cfg.grad_clip > 0:

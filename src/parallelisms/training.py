@@ -29,6 +29,7 @@ from parallelisms.resume import CheckpointOptions
 from parallelisms.stragglers import StragglerWatch
 from parallelisms.train_setup import parallelize
 from parallelisms.trainer import Trainer
+from parallelisms.options import Balance, NonFinite
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
                          spec.train.data.vocab_sweep)
     unit = trainer.forward_backward.schedule.microbatches if dims.pp > 1 else spec.train.grad_accum  # rows split whole
     balance = (DataBalance(comms, dims.dp, dp_rank, spec.train.global_batch, unit, spec.parallel.rebalance_every)
-               if spec.parallel.dp_balance == "measured" else None)
+               if spec.parallel.dp_balance is Balance.MEASURED else None)
     data = spec.train.data
     evaluation = None
     if eval_tokens is not None:  # fixed held-out batches, the same at every evaluation
@@ -192,9 +193,9 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         if hasattr(steps, "set_postfix"):  # the loss as the summary shows it: the mean over the data-parallel ranks
             steps.set_postfix(loss_rank_mean=f"{mean:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
                               refresh=False)  # the bar redraws on its own clock (mininterval)
-        if spec.train.nonfinite != "continue":
+        if spec.train.nonfinite is not NonFinite.CONTINUE:
             nonfinite = _nonfinite(loss, trainer, comms, step + 1, info)
-            if nonfinite is not None and spec.train.nonfinite == "skip":
+            if nonfinite is not None and spec.train.nonfinite is NonFinite.SKIP:
                 nonfinite, skipped = None, skipped + 1
             elif nonfinite is not None:
                 break  # stop: every rank agrees (one all-reduce); cmd_train names the step and the rank
@@ -253,7 +254,7 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         report["expert_load"] = expert_load
     if trainer.ep_balance is not None:
         report["ep_balance"] = trainer.ep_balance.report()
-    if spec.train.nonfinite != "continue":
+    if spec.train.nonfinite is not NonFinite.CONTINUE:
         report.update(nonfinite=nonfinite, skipped_steps=skipped)
     if save_times:
         from parallelisms.checkpoint import checkpoint_dir

@@ -11,6 +11,7 @@ from pathlib import Path
 from parallelisms.errors import require
 from parallelisms.flags import json_line
 from parallelisms.resume import CheckpointOptions, layout_meta
+from parallelisms.options import Dtype
 
 
 def verify_resume(args, configs, run_layout) -> int:
@@ -31,7 +32,7 @@ def verify_resume(args, configs, run_layout) -> int:
     _, train2, resume_par, resume_place = parse(args.resume_layout, "--resume-layout")
     save_at = args.save_at or max(1, train.steps // 2)
     require(save_at < train.steps, f"--save-at {save_at} must be before the run's --steps {train.steps}")
-    tolerance = args.tolerance or (TOLERANCE_FLOAT64 if train.dtype == "float64" else TOLERANCE)
+    tolerance = args.tolerance or (TOLERANCE_FLOAT64 if train.dtype is Dtype.FLOAT64 else TOLERANCE)
     with tempfile.TemporaryDirectory(prefix="verify-resume-") as tmp:
         meta = layout_meta(model, train, save_par)
         full = run_layout(RunSpec(model, train, save_par, collect_state=True,

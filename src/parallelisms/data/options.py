@@ -11,6 +11,7 @@ from pathlib import Path
 from parallelisms.config import LR_SCHEDULES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import require
 from parallelisms.flags import check_installed, integer, number
+from parallelisms.options import FsdpStyle, LrSchedule, Precision, Schedule
 
 
 def add_data_args(p: argparse.ArgumentParser, evaluation: bool = True) -> None:
@@ -63,19 +64,19 @@ def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
     data = train.data
     require(not data.eval_every or data.eval_split > 0, f"--eval-every {data.eval_every} needs held-out data; add "
                                                         f"--eval-split 0.1, or drop --eval-every")
-    require(not data.eval_every or parallel.dims.pp == 1 or not parallel.fsdp or parallel.fsdp_style == "flat",
+    require(not data.eval_every or parallel.dims.pp == 1 or not parallel.fsdp or parallel.fsdp_style is FsdpStyle.FLAT,
             f"--eval-every {data.eval_every} with --pp {parallel.dims.pp} and --fsdp-style {parallel.fsdp_style}: "
             f"a stage's per-parameter engine keeps its gathered weights from the first forward of a step to the "
             f"step's reduction, so a validation between steps is not written for it; use --fsdp-style flat, or drop "
             f"--eval-every (--eval-split alone validates after the last step)")
-    require(data.eval_split == 0 or parallel.dims.pp == 1 or parallel.schedule != "pipedream"
-            or parallel.mixed_precision != "bf16",
+    require(data.eval_split == 0 or parallel.dims.pp == 1 or parallel.schedule is not Schedule.PIPEDREAM
+            or parallel.mixed_precision is not Precision.BF16,
             f"--eval-split {data.eval_split:g} with --schedule pipedream and --mixed-precision bf16: its bf16 weights "
             f"exist only as stashed versions inside a step; validate in fp32, or drop --eval-split")
     require(data.bin_dtype == DataConfig.bin_dtype or str(data.path).endswith(".bin"),
             f"--data-dtype {data.bin_dtype} applies only to a pre-tokenized .bin --data, got "
             f"{'--data ' + repr(data.path) if data.path else 'no --data'}; drop --data-dtype")
-    require(train.min_lr == 0 or train.lr_schedule != "constant", f"--min-lr {train.min_lr:g} with --lr-schedule "
+    require(train.min_lr == 0 or train.lr_schedule is not LrSchedule.CONSTANT, f"--min-lr {train.min_lr:g} with --lr-schedule "
                                                                   f"constant would be ignored; add --lr-schedule cosine "
                                                                   f"or linear, or drop --min-lr")
     if data != DataConfig():

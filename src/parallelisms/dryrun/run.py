@@ -17,6 +17,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.dryrun.fake import balance_routing, fake_rank
 from parallelisms.dryrun.memory import MemoryAccount
 from parallelisms.dryrun.replay import MicrobatchReplay
+from parallelisms.options import PpBalance
 
 
 @dataclass
@@ -69,7 +70,7 @@ def layers_on(parallel: ParallelConfig, model_cfg: ModelConfig, rank: int) -> li
     from parallelisms.parallel.pipeline.partition import equal_bounds
     from parallelisms.parallel.pipeline.runner import schedule_for
 
-    if parallel.dims.pp == 1 or parallel.pp_balance == "measured":
+    if parallel.dims.pp == 1 or parallel.pp_balance is PpBalance.MEASURED:
         return None
     schedule = schedule_for(parallel)
     bounds = equal_bounds(model_cfg.n_layers, schedule.num_stages)

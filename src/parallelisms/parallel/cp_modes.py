@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from parallelisms.errors import divisors, require
+from parallelisms.options import Recompute
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Shape:
     n_kv_heads: int
     seq_len: int
     grad_bytes: float = 1.0  # a dK or dV byte per K or V byte (the ring accumulates them in fp32 at least)
-    recompute: str = "none"  # --recompute: a recomputed forward sends its exchanges again in backward
+    recompute: str = Recompute.NONE  # --recompute: a recomputed forward sends its exchanges again in backward
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _ring_hops(s: Shape, dim: str, n: int, kv: float) -> Traffic:
     backward; a recomputed forward (full, or selective: the core) sends K and V its N-1 hops again."""
     forward = 2 * (n - 1) * kv
     return Traffic("send", dim, forward, forward + 2 * n * kv * s.grad_bytes, (n - 1, n), hidden=True,
-                   recomputed=forward if s.recompute != "none" else 0.0)
+                   recomputed=forward if s.recompute != Recompute.NONE else 0.0)
 
 
 def _repeated(s: Shape, degree: int, kv: float) -> float:
@@ -134,7 +135,7 @@ def _all_gather_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
     """K and V (stacked) all-gathered forward (again by a recomputed forward: the gather is in the core);
     dK and dV reduce-scattered backward."""
     gathered = 2 * s.cp * kv
-    return [Traffic("all_gather", "cp", gathered, 0.0, (1, 0), recomputed=gathered if s.recompute != "none" else 0.0),
+    return [Traffic("all_gather", "cp", gathered, 0.0, (1, 0), recomputed=gathered if s.recompute != Recompute.NONE else 0.0),
             Traffic("reduce_scatter", "cp", 0.0, gathered, (0, 1))]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from parallelisms.options import FsdpStrategy
 from parallelisms.parallel.checks import HYBRID, STRATEGIES
 from parallelisms.parallel.flat import ShardingPlan
 
@@ -30,11 +31,11 @@ def fsdp_plan(strategy: str, compute_dtype: torch.dtype = torch.float32) -> Shar
     """The engine configuration of an FSDP1 sharding strategy (names as ``--fsdp`` takes them)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if strategy == "no_shard":
+    if strategy == FsdpStrategy.NO_SHARD:
         return ShardingPlan(shard_params=False, shard_grads=False, shard_dim=None, replicate_dim="dp",
                             compute_dtype=compute_dtype)
     hybrid = strategy in HYBRID
     return ShardingPlan(shard_params=True, shard_grads=True,
-                        reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
+                        reshard_after_forward=strategy in (FsdpStrategy.FULL_SHARD, FsdpStrategy.HYBRID_SHARD),
                         shard_dim="dp_shard" if hybrid else "dp",
                         replicate_dim="dp_replicate" if hybrid else None, compute_dtype=compute_dtype)

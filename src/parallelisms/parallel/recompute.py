@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-MODES = ("none", "selective", "full")
+from parallelisms.options import Recompute
+
+MODES = tuple(Recompute)
 _CONTEXTS = "_parallelisms_recompute_contexts"
 
 
@@ -60,8 +62,8 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     if mode not in MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; choose one of {', '.join(MODES)}")
     for layer in model.layers.values():
-        if mode == "full":
+        if mode == Recompute.FULL:
             _checkpointed(layer)
-        elif mode == "selective":
+        elif mode == Recompute.SELECTIVE:
             _checkpointed(layer.attention.core)
     return model

@@ -30,6 +30,7 @@ from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.parallel.flat import ShardedEngine, ShardingPlan
 from parallelisms.parallel.wrap import module_units
 from parallelisms.parallel.fsdp import fsdp_plan
+from parallelisms.options import Precision
 
 def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:
     """ZeRO stage 1, 2 or 3 over the flattened data-parallel dimension ``dp``."""
@@ -44,7 +45,7 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     hybrid strategies shard over ``dp_shard_cp`` (dp_shard x cp, torchtitan's FSDP mesh) and replicate over
     ``dp_replicate``."""
     # bf16 compute over fp32 master weights, or the parameters' own dtype (fp32; float64 under verify --dtype)
-    dtype = torch.bfloat16 if parallel.mixed_precision == "bf16" else next(model.parameters()).dtype
+    dtype = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else next(model.parameters()).dtype
     # neither: mixed precision over plain data parallelism, the NO_SHARD plan (DDP with fp32 master weights)
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp or "no_shard", dtype)
     if parallel.dims.cp > 1:

@@ -38,12 +38,13 @@ from parallelisms.parallel.pipeline.schedules import Action, Kind, Schedule, bui
 from parallelisms.parallel.pipeline.simulate import Times, simulate
 from parallelisms.parallel.pipeline.stage import build_stages
 from parallelisms.parallel.pipeline.stage_sync import StageSyncs
+from parallelisms.options import PpBalance, Schedule
 
 
 def schedule_for(parallel: ParallelConfig) -> Schedule:
     """The schedule a layout runs (microbatches default to 2 x pp; chunks only for interleaved)."""
     pp = parallel.dims.pp
-    chunks = parallel.chunks if parallel.schedule == "interleaved" else None
+    chunks = parallel.chunks if parallel.schedule is Schedule.INTERLEAVED else None
     return build_schedule(parallel.schedule, pp, parallel.microbatches or 2 * pp, chunks)
 
 
@@ -168,7 +169,7 @@ def cut_stages(model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, com
     layer bounds: ``bounds`` if given, else equal layer counts, or for ``pp_balance="measured"`` the
     per-layer times rank 0 measures."""
     if bounds is None:
-        bounds = (measured_bounds(model.cfg, parallel, cfg, comms) if parallel.pp_balance == "measured"
+        bounds = (measured_bounds(model.cfg, parallel, cfg, comms) if parallel.pp_balance is PpBalance.MEASURED
                   else equal_bounds(model.cfg.n_layers, schedule.num_stages))
     wanted = schedule.modules_on(comms["pp"].rank)
     stages = build_stages(model, bounds, wanted)
