@@ -7,8 +7,10 @@ Tiers: ``-m fast`` runs the tests marked ``fast`` (a file's ``pytestmark`` or a 
 functions that start no process (schedules, the performance model, configuration and its rules, the modes'
 descriptors), a fraction of the suite's time; the suite without ``-m`` runs everything.
 
-A test or fixture that times how fast something ends runs :func:`alone`: no test of another worker runs
-meanwhile (an exclusive lock that every other test holds shared), so its bound holds on a busy machine too."""
+A test or fixture whose result depends on no other process competing for the cores (which rank the straggler
+report names) runs :func:`alone`: no test of another worker runs meanwhile (an exclusive lock that every other test
+holds shared). A module fixture that starts processes holds the lock shared itself (:func:`beside_the_others`): the
+autouse lock below is taken after module fixtures are set up."""
 
 import contextlib
 import fcntl
@@ -51,6 +53,12 @@ def _locked(path: str, mode: int):
 def alone(tmp_path_factory):
     """A context manager: the code under it runs while no test of another worker does."""
     return lambda: _locked(_lock_path(tmp_path_factory), fcntl.LOCK_EX)
+
+
+@pytest.fixture(scope="session")
+def beside_the_others(tmp_path_factory):
+    """A context manager: the code under it runs beside other workers' tests, but not beside an :func:`alone` one."""
+    return lambda: _locked(_lock_path(tmp_path_factory), fcntl.LOCK_SH)
 
 
 @pytest.fixture(autouse=True)
