@@ -7,8 +7,10 @@ Tiers: ``-m fast`` runs the tests marked ``fast`` (a file's ``pytestmark`` or a 
 functions that start no process (schedules, the performance model, configuration and its rules, the modes'
 descriptors), a fraction of the suite's time; the suite without ``-m`` runs everything.
 
-A test or fixture that times how fast something ends runs :func:`alone`: no test of another worker runs
-meanwhile (an exclusive lock that every other test holds shared), so its bound holds on a busy machine too."""
+A test or fixture whose result depends on no other process competing for the cores (which rank the straggler
+report names) runs :func:`alone`: no test of another worker runs meanwhile (an exclusive lock that every other test
+holds shared). A module fixture that starts processes holds the lock shared itself (:func:`beside_the_others`): the
+autouse lock below is taken after module fixtures are set up."""
 
 import contextlib
 import fcntl
@@ -24,12 +26,22 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-# the longest files (a minute or more each) start first, so that no worker is left running one alone at the end
-FIRST = ("test_verify_matrix.py", "test_checkpoint.py")
+# pytest-xdist hands the files out in the order collected (pyproject's --no-loadscope-reorder: by default it sorts
+# them by their count of tests, which put files of one or two long tests, calibrate's, last): the longest first,
+# longest to shortest (worker-seconds measured one file at a time: 125 to 35 s), so that no worker is left running a
+# long one alone at the end; the rest follow by name. test_stragglers runs last: its runs hold the other worker off
+# (``alone``), which costs nothing once the other worker has no file left.
+FIRST = ("test_verify_matrix.py", "test_checkpoint.py", "test_dryrun.py", "test_faults.py", "test_benches.py",
+         "test_dryrun_replay.py", "test_api.py", "test_dryrun_own_layers.py", "test_tied.py", "test_docs.py",
+         "test_estimate_check.py", "test_launch.py", "test_perf_cpu_mechanisms.py", "test_cp_modes.py",
+         "test_pipeline_runtime.py", "test_perf_calibrate.py", "test_hf_architectures.py", "test_context_parallel.py")
+LAST = ("test_stragglers.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every file keeps its tests' order
+    order = {name: i for i, name in enumerate(FIRST)}
+    # stable: every file keeps its tests' order
+    items.sort(key=lambda item: (item.path.name in LAST, order.get(item.path.name, len(FIRST))))
 
 
 def _lock_path(factory) -> str:
@@ -51,6 +63,12 @@ def _locked(path: str, mode: int):
 def alone(tmp_path_factory):
     """A context manager: the code under it runs while no test of another worker does."""
     return lambda: _locked(_lock_path(tmp_path_factory), fcntl.LOCK_EX)
+
+
+@pytest.fixture(scope="session")
+def beside_the_others(tmp_path_factory):
+    """A context manager: the code under it runs beside other workers' tests, but not beside an :func:`alone` one."""
+    return lambda: _locked(_lock_path(tmp_path_factory), fcntl.LOCK_SH)
 
 
 @pytest.fixture(autouse=True)

@@ -4,10 +4,11 @@ rank with ``interrupted`` and exit code 130, also while the ranks are still impo
 
 The command line runs as a subprocess (in a session of its own, so Ctrl-C can reach its whole process group as
 a terminal's would). The scenarios run at once, each acting once its run has trained a step (or, for Ctrl-C
-while starting, once both ranks have begun to import torch), to keep the file
-within a minute on a small machine, and no test of another worker runs meanwhile (conftest's ``alone``). The
-seconds allowed beyond the timeout scale with the same run's measured start-up time (:func:`_slack`), so that a
-loaded machine stretches bound and run alike.
+while starting, once both ranks have begun to import torch), to keep the file within a minute on a small
+machine. Other workers' tests run beside them (conftest's ``beside_the_others``): the seconds allowed beyond the
+timeout scale with the same run's measured start-up time (:func:`_slack`), so that a loaded machine stretches
+bound and run alike, and the mechanism is told by the line (a stopped rank's missing heartbeat, a killed rank's
+exit code, ``interrupted``), not by the seconds.
 """
 
 import os
@@ -134,11 +135,11 @@ def _run(args: list[str], env: dict, action: str, rank: int | None, tmp: pathlib
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, alone):
+def runs(tmp_path_factory, beside_the_others):
     if not os.path.isdir("/proc") or not hasattr(os, "killpg"):
         pytest.skip("needs Linux /proc and process groups to find and signal the ranks")
     dirs = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}  # not in the threads: it numbers them
-    with alone():  # the bounds are on how fast each run ends: no other test's ranks compete meanwhile
+    with beside_the_others():  # not beside an ``alone`` test, whose result the eight runs' load would change
         return _run_all(dirs)
 
 
@@ -192,7 +193,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(runs, name)
 @pytest.mark.parametrize("name", ["kill", "kill_forkserver"])
 def test_a_killed_rank_ends_every_rank_within_seconds_and_is_named(runs, name):
     result = _result(runs, name)
-    assert result["code"] == 1 and result["seconds"] < _slack(result), result  # 0.5 s alone; more with the other runs
+    assert result["code"] == 1 and result["seconds"] < _slack(result), result  # 0.5-1.0 s, at a load average of 12 too
     assert result["lines"][0].startswith(f"error: rank {SCENARIOS[name][3]} failed (exit code -9)"), result["lines"]
 
 

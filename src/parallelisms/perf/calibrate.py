@@ -222,28 +222,30 @@ def calibrate_compute(repeats: int = 9) -> tuple[dict, list[dict]]:
 
 
 @contextlib.contextmanager
-def calibration_pool():
+def calibration_pool(warm: bool = True):
     """One process per core, for :func:`calibrate_shared` (a caller that calibrates often keeps one open), each
     warmed by one measurement first, left out: a fresh pool's first measurement gave 0.7-1.1 us per operator
-    and 12.6 GB/s where the next five gave 2.5-2.9 and 14.7-15.6."""
+    and 12.6 GB/s where the next five gave 2.5-2.9 and 14.7-15.6 (``warm=False``: not warmed, for ``--quick``,
+    which trades that accuracy for half the time)."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
     processes = os.cpu_count() or 1
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(calibrate_compute, [1] * processes))
+        if warm:
+            list(pool.map(calibrate_compute, [1] * processes))
         yield pool
 
 
-def calibrate_shared(repeats: int, pool=None) -> tuple[dict, list[dict]]:
+def calibrate_shared(repeats: int, pool=None, warm: bool = True) -> tuple[dict, list[dict]]:
     """:func:`calibrate_compute` as each rank gets it when every core runs one: that many processes measure at
-    once (in ``pool``, else a :func:`calibration_pool` of its own), and each key is their mean. Ranks that
-    share a machine's caches and memory run slower than one process alone (here a two-rank forward took 62-63
-    ms where one process alone took 54-55 ms, back to back); the GEMM rows are the first process's."""
+    once (in ``pool``, else a :func:`calibration_pool` of its own, ``warm`` or not), and each key is their mean.
+    Ranks that share a machine's caches and memory run slower than one process alone (here a two-rank forward took
+    62-63 ms where one process alone took 54-55 ms, back to back); the GEMM rows are the first process's."""
     processes = os.cpu_count() or 1
     if processes == 1:
         return calibrate_compute(repeats)
-    with contextlib.nullcontext(pool) if pool else calibration_pool() as workers:
+    with contextlib.nullcontext(pool) if pool else calibration_pool(warm) as workers:
         results = list(workers.map(calibrate_compute, [repeats] * processes))
     keys = {k: statistics.fmean(r[0][k] for r in results) for k in results[0][0]}
     return keys, results[0][1]
@@ -258,7 +260,7 @@ def calibrate(quick: bool = False, progress=lambda stage: None) -> dict:
     ``progress(i)`` is called as stage ``STAGES[i]`` starts."""
     repeats = 2 if quick else 9
     progress(0)
-    compute, gemms = calibrate_shared(repeats)
+    compute, gemms = calibrate_shared(repeats, warm=not quick)
     sizes = [2**k for k in range(8, 19 if quick else 23, 2)]
     progress(1)
     collectives = measure_collectives(sizes, repeats)
