@@ -206,3 +206,16 @@ def test_futex_sleeps_until_the_word_changes():
         futex.wait(address, 0, timeout)
     writer.join()
     assert 0.09 < time.monotonic() - start < timeout  # woken, not timed out
+
+
+@pytest.mark.fast
+def test_spinning_is_for_ranks_with_a_core_each(monkeypatch):
+    """A wait polls for 10 ms where each local rank has a core of its own, sleeps at once where they outnumber the
+    cores, and under ``PARALLELISMS_SPIN=0`` (a machine other jobs share) sleeps whatever the count."""
+    from parallelisms.comm.shm import Backoff
+
+    cores = os.cpu_count() or 1
+    for spin, ranks, expected in (("1", cores, 0.01), ("1", cores + 1, 0.0), ("0", 1, 0.0)):
+        monkeypatch.setenv("PARALLELISMS_SPIN", spin)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert Backoff.spin_for() == expected, (spin, ranks)

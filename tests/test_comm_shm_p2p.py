@@ -79,6 +79,7 @@ def _pipeline(info):
     from parallelisms.comm.liveness import default_store
 
     store = default_store()
+    os.environ["PARALLELISMS_SPIN"] = "1"  # a core per rank: the waits poll (the suite's default sleeps)
     layout = ParallelConfig(ParallelDims(pp=2), schedule="1f1b", microbatches=4)
     runs, rings = {}, {}
     for transport in ("shared memory", "gloo"):

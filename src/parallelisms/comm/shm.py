@@ -56,7 +56,11 @@ class Backoff:
 
     @staticmethod
     def spin_for() -> float:
-        """Seconds a wait of this process may spin: 10 ms where each local rank has a core of its own, else 0."""
+        """Seconds a wait of this process may spin: 10 ms where each local rank has a core of its own, else 0; 0 as
+        well under ``PARALLELISMS_SPIN=0``, for a machine whose cores other jobs use (a test suite's other workers):
+        there the spinning ranks' turns are cores those jobs wait for."""
+        if os.environ.get("PARALLELISMS_SPIN", "1") == "0":
+            return 0.0
         return 0.01 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1) else 0.0
 
     @property
