@@ -138,16 +138,17 @@ def test_pipeline_gradients_by_stage(flags):
 
 @pytest.mark.parametrize("vocab, flags", [
     # a block's backward, not the loss, is the peak: two gathered blocks and two fp32 main gradients (32% under)
+    (512, "--dp 4 --fsdp-style per_param --global-batch 4"),
+    # the flat engine: two gathered blocks, the block's bf16 gradient, the previous one's and its fp32 copy (37%)
     (512, "--dp 4 --global-batch 4"),
     # rows that do not divide over 6 ranks: every parameter padded to a multiple of them, gathered and reduced
-    (4100, "--dp 6 --global-batch 6"),
+    (4100, "--dp 6 --fsdp-style per_param --global-batch 6"),
 ])
-def test_per_parameter_fsdp_in_a_blocks_backward(vocab, flags):
-    """Per-parameter FSDP in bf16 with full recompute (perf/memory.py: backward_buffers; perf/model.py:
-    per_param_padding), as Llama 3 405B on FSDP 128 x tp 8 runs it (its 16,032-row vocabulary shards pad to 16,128)."""
+def test_fully_sharded_in_a_blocks_backward(vocab, flags):
+    """FULL_SHARD in bf16 with full recompute (perf/memory.py: backward_buffers; perf/model.py: per_param_padding),
+    as Llama 3 405B on FSDP 128 x tp 8 runs it (its 16,032-row vocabulary shards pad to 16,128 per parameter)."""
     shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", str(vocab), "--layers", "4", "--seq-len", "128"]
-    out = _checked(shape + f"--fsdp full_shard --fsdp-style per_param --mixed-precision bf16 --recompute full "
-                           f"{flags}".split())
+    out = _checked(shape + f"--fsdp full_shard --mixed-precision bf16 --recompute full {flags}".split())
     assert out["collectives"]["all_gather/dp"]["dry_run"] > 0
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]

@@ -294,11 +294,13 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
 
 
 def backward_buffers(parallel: ParallelConfig, block: float) -> float:
-    """What per-parameter FSDP in mixed precision (no pipeline) holds in a block's backward for ``block``
-    parameters a block (``parallel/fsdp2.py``): the block's and the prefetched block's gathered bf16 weights, and
-    two fp32 main gradients laid out for the reduce-scatter (the block's, forming, and the one after it, in flight).
-    Where activations are small (full recompute) this is the peak, not the loss."""
-    if (parallel.fsdp not in ("full_shard", "hybrid_shard") or parallel.fsdp_style != "per_param"
+    """What FULL_SHARD / HYBRID_SHARD in mixed precision (no pipeline) holds in a block's backward for ``block``
+    parameters a block: the block's and the prefetched block's gathered bf16 weights (2 x 2 bytes a parameter), and
+    per parameter-FSDP (``parallel/fsdp2.py``) two fp32 main gradients laid out for the reduce-scatter (the
+    block's, forming, and the one before it, in flight), the flat engine (``parallel/flat.py``) the block's bf16
+    gradient and the previous unit's bf16 gradient and fp32 copy in flight: 2 x 4 or 2 + 2 + 4 bytes. Where
+    activations are small (full recompute) this, not the loss, is the peak."""
+    if (parallel.fsdp not in ("full_shard", "hybrid_shard") or parallel.fsdp_style == "reuse"
             or parallel.mixed_precision != "bf16" or parallel.dims.pp > 1):
         return 0.0
     return 2 * (2 + 4) * block
