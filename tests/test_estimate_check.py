@@ -124,6 +124,8 @@ def _checked(argv: list[str]) -> dict:
     "--schedule dualpipev --mixed-precision bf16",  # the second stage's main gradient only after its backward
     "--schedule zb-h1 --mixed-precision bf16 --zero 1",  # the last rank's weight passes after all its input passes
     "--schedule 1f1b --zero 1",  # fp32: was 10.8% over, the flat gradient priced twice
+    "--schedule zb-h1 --zero 1",  # fp32: the input pass forms the merged unit's gradient beside the loss's tensors
+    "--schedule dualpipev --zero 1",  # fp32: its loss's backward is mostly a full one, which does not
 ])
 def test_pipeline_gradients_by_stage(flags):
     """A pipeline rank's gradients stage by stage, from the walk of its actions (perf/memory.py: StageGradients):

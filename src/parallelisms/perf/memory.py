@@ -125,8 +125,9 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple
     prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
     stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
     gradients (a weight pass ran since the stage's last backward), the moment: 0 a forward off the last stage, 1 a
-    forward on it, 2 a backward, 3 between actions). A forward holds its stage-microbatch until its backward frees
-    it; a split backward's input pass (Zero Bubble) leaves what the weight pass reads, which the weight pass frees."""
+    forward on it (4 where its backward is an input pass), 2 a backward, 3 between actions). A forward holds its
+    stage-microbatch until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the
+    weight pass reads, which the weight pass frees."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     schedule = schedule_of(name, pp, m, chunks)
@@ -138,10 +139,12 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple
     def note(when: int) -> None:
         seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), when))
 
-    for a in schedule.compute(rank):
+    actions = schedule.compute(rank)
+    split = {a.mb for a in actions if a.kind is Kind.BACKWARD_INPUT and a.stage == last}
+    for a in actions:
         if a.kind is Kind.FORWARD:
             flying[a.stage] += 1
-            note(int(a.stage == last))
+            note((4 if a.mb in split else 1) if a.stage == last else 0)
             continue
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             note(2)  # its microbatch still held, a unit's gradient being formed
@@ -186,8 +189,8 @@ def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tupl
                 + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1])
         if grads is not None:
             held += grads.held(made, deposited)
-        extra = (moment[1] - head_kept if when == 1 else moment[0] if when == 0 else
-                 moment[0] + (grads.transient if grads else 0.0) if when == 2 else 0.0)
+        forming = (grads.at_loss if when == 4 else grads.transient if when == 2 else 0.0) if grads else 0.0
+        extra = forming + (moment[1] - head_kept if when in (1, 4) else moment[0] if when in (0, 2) else 0.0)
         best = max(best, held + extra)
     return best
 
@@ -198,11 +201,14 @@ class StageGradients:
     stage's from the rank's first backward where ``whole``: DDP's buckets), ``deposited`` a split backward's weight
     passes' compute-dtype gradients, held from a weight pass to the stage's next backward (mixed precision: the
     flat engine's unit hook adds them into the fp32 main gradient there), and ``transient`` the unit gradient a
-    backward forms (a flat unit's gradient, the unit's size, before it is added to the held one)."""
+    backward forms (a flat unit's gradient, the unit's size, before it is added to the held one), and ``at_loss`` the
+    same beside the loss where the loss's backward is an input pass, which forms it while the loss's tensors live
+    (fp32, as the dry run shows it)."""
     made: tuple[float, ...]
     deposited: tuple[float, ...]
     transient: float = 0.0
     whole: bool = False
+    at_loss: float = 0.0
 
     def held(self, made: tuple, deposited: tuple) -> float:
         grads = sum(self.made) * any(made) if self.whole else sum(n * b for n, b in zip(made, self.made))
@@ -423,7 +429,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
-        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp)
+        # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
+        at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp, at_loss=at_loss)
 
     best = None
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
