@@ -45,7 +45,10 @@ MATRIX = [
     ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule dualpipev"),
     ("llama3-70b", 1024, "--dp 16 --tp 8 --pp 8 --sp --zero 1 --schedule interleaved --chunks 2"),
     ("deepseek-v3-moe", 512, "--dp 64 --ep 64 --tp 8 --sp --zero 1 --recompute full"),
+    ("llama3-405b", 1024, "--dp 128 --tp 8 --sp --fsdp full_shard --fsdp-style per_param --recompute full"),
+    ("llama3-405b", 2048, "--dp-replicate 2 --dp-shard 128 --tp 8 --sp --fsdp hybrid_shard --recompute full"),
     ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1"),
+    ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1 --schedule zb-v"),
     ("llama3-405b", 16384, "--dp 128 --tp 8 --pp 16 --sp --zero 1 --schedule interleaved --chunks 2"),
 ]
 

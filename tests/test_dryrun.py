@@ -240,3 +240,23 @@ def test_dry_run_peak_is_within_ten_percent_of_the_measured_heap_peak():
     dry = [dry_run_rank(model, train, parallel, r).memory["peak_bytes"] for r in range(2)]
     for d, m in zip(dry, measured):
         assert abs(d / m - 1) < 0.10, (dry, measured)
+
+
+def test_split_backward_leaves_no_stale_head_weight():
+    """A split-backward schedule swaps each stage's linear layers for ones whose weight gradient can wait; the full
+    model the caller keeps shares the swapped head, so the engines own every weight the rank holds (the full model
+    used to keep the old head's fp32 weight alive beside them: vocabulary x hidden on the head's rank, tp 1)."""
+    from parallelisms.api import configure
+    from parallelisms.comm.recording import RecordingComms, RecordingLedger
+    from parallelisms.dryrun.fake import fake_rank
+    from parallelisms.dryrun.run import build_fake_model
+    from parallelisms.train_setup import parallelize
+
+    cfg = configure("--hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 512 --layers 4 --seq-len 32 --pp 2 "
+                    "--schedule zb-v --mixed-precision bf16 --global-batch 4 --microbatches 4".split())
+    with fake_rank(0, 2):
+        comms = RecordingComms(cfg.layout.dims.build_meshes("cpu"), RecordingLedger(), Timeline(0, enabled=False))
+        model = build_fake_model(cfg.model, cfg.train)
+        trainer = parallelize(model, cfg.layout, cfg.train, comms)
+        assert model.output is trainer.forward_backward.stages[3].output  # rank 0 holds stages 0 and 3
+        assert [name for name, _ in model.named_parameters()] == []

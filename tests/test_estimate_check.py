@@ -106,6 +106,56 @@ def test_pipeline_gradients_exist_from_the_first_backward(flags):
     assert out["ok"], out
 
 
+def _checked(argv: list[str]) -> dict:
+    """``estimate --check``'s object for a layout's command-line flags."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    cfg = configure(argv)
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    return check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+
+
+@pytest.mark.parametrize("flags", [
+    "--schedule zb-v --mixed-precision bf16",  # was 10.3% under: the weight passes' deposited bf16 gradients
+    "--schedule zb-v --mixed-precision bf16 --zero 1",  # was 15.9% under (units merged: the whole stage deposits)
+    "--schedule dualpipev --mixed-precision bf16",  # the second stage's main gradient only after its backward
+    "--schedule zb-h1 --mixed-precision bf16 --zero 1",  # the last rank's weight passes after all its input passes
+    "--schedule 1f1b --zero 1",  # fp32: was 10.8% over, the flat gradient priced twice
+    "--schedule zb-h1 --zero 1",  # fp32: the input pass forms the merged unit's gradient beside the loss's tensors
+    "--schedule dualpipev --zero 1",  # fp32: its loss's backward is mostly a full one, which does not
+])
+def test_pipeline_gradients_by_stage(flags):
+    """A pipeline rank's gradients stage by stage, from the walk of its actions (perf/memory.py: StageGradients):
+    a stage's (fp32 main or flat) gradient from its own first backward; under a split backward in bf16 the
+    weight passes' deposited bf16 gradients (each unit's size) from a weight pass to the stage's next backward,
+    and a weight pass that begins while its remainder is held; a backward forms one flat unit's gradient."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--dp 2 --pp 2 --global-batch 8 --microbatches 4 {flags}".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("vocab, flags", [
+    # a block's backward, not the loss, is the peak: two gathered blocks and two fp32 main gradients (32% under)
+    (512, "--dp 4 --fsdp-style per_param --global-batch 4"),
+    # the flat engine: two gathered blocks, the block's bf16 gradient, the previous one's and its fp32 copy (37%)
+    (512, "--dp 4 --global-batch 4"),
+    # rows that do not divide over 6 ranks: every parameter padded to a multiple of them, gathered and reduced
+    (4100, "--dp 6 --fsdp-style per_param --global-batch 6"),
+])
+def test_fully_sharded_in_a_blocks_backward(vocab, flags):
+    """FULL_SHARD in bf16 with full recompute (perf/memory.py: backward_buffers; perf/model.py: per_param_padding),
+    as Llama 3 405B on FSDP 128 x tp 8 runs it (its 16,032-row vocabulary shards pad to 16,128 per parameter)."""
+    shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", str(vocab), "--layers", "4", "--seq-len", "128"]
+    out = _checked(shape + f"--fsdp full_shard --mixed-precision bf16 --recompute full {flags}".split())
+    assert out["collectives"]["all_gather/dp"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+
+
 MOE_SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
              "--seq-len", "256", "--experts", "16", "--topk", "4"]
 

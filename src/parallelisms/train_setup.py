@@ -61,6 +61,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
         for stage in stages.values():
             split_linears(stage, store)
+            if stage.output is not None and stage.output is not model.output and model.output is not None:
+                model.output = stage.output  # the full model shares the swapped head, not the old one's weight
     grad_sync = _grad_sync(model, stages, copies, parallel, train, comms, schedule)
     balance = None
     if parallel.ep_balance is Balance.MEASURED:  # copies of an expert kept one expert; the placement moved between steps

@@ -34,6 +34,7 @@ first backward on (with as many microbatches as stages, the first stage peaks at
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -120,30 +121,44 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
 
 @lru_cache(maxsize=4096)
 def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple[tuple, ...]:
-    """The distinct moments at which a rank's activations may peak, from one walk of its actions in order (``plan``
+    """The distinct moments at which a rank's memory may peak, from one walk of its actions in order (``plan``
     prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
-    stage, whether the stage's gradients exist yet, the moment: 0 a forward off the last stage, 1 a forward on it,
-    2 the end of the rank's first backward). A forward holds its stage-microbatch until its backward frees it; a
-    split backward's input pass (Zero Bubble) leaves what the weight pass reads, which the weight pass frees."""
+    stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
+    gradients (a weight pass ran since the stage's last backward), the moment: 0 a forward off the last stage, 1 a
+    forward on it (4 where its backward is an input pass), 2 a backward, 3 between actions). A forward holds its
+    stage-microbatch until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the
+    weight pass reads, which the weight pass frees."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     schedule = schedule_of(name, pp, m, chunks)
     last = schedule.num_stages - 1
     flying, weighing = [0] * schedule.num_stages, [0] * schedule.num_stages
-    grads, seen = 0, set()
-    for a in schedule.compute(rank):
+    made, deposited = [0] * schedule.num_stages, [0] * schedule.num_stages
+    seen = set()
+
+    def note(when: int) -> None:
+        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), when))
+
+    actions = schedule.compute(rank)
+    split = {a.mb for a in actions if a.kind is Kind.BACKWARD_INPUT and a.stage == last}
+    for a in actions:
         if a.kind is Kind.FORWARD:
             flying[a.stage] += 1
-            seen.add((tuple(flying), tuple(weighing), grads, int(a.stage == last)))
+            note((4 if a.mb in split else 1) if a.stage == last else 0)
             continue
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            note(2)  # its microbatch still held, a unit's gradient being formed
             flying[a.stage] -= 1
             weighing[a.stage] += a.kind is Kind.BACKWARD_INPUT
+            deposited[a.stage] = 0  # the unit hooks take the deposits into the stage's gradients
         elif a.kind is Kind.BACKWARD_WEIGHT:
+            deposited[a.stage] = 1
+            note(3)  # a weight pass begins: its remainder still held, the stage's gradients deposited
             weighing[a.stage] -= 1
-        if not grads and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
-            grads = 1
-            seen.add((tuple(flying), tuple(weighing), grads, 2))
+        else:
+            continue
+        made[a.stage] = 1
+        note(3)
     return tuple(_undominated(seen))
 
 
@@ -151,32 +166,53 @@ def _undominated(states: set[tuple]) -> list[tuple]:
     """The states no other state of the same moment holds at least as much of, in every count: every byte figure
     is non-negative, so only these can be the peak."""
     def covers(a: tuple, b: tuple) -> bool:
-        return a[2] >= b[2] and all(x >= y for x, y in zip(a[0] + a[1], b[0] + b[1]))
+        return all(x >= y for x, y in zip(a[0] + a[1] + a[2] + a[3], b[0] + b[1] + b[2] + b[3]))
 
-    ordered = sorted(states, key=lambda st: -(sum(st[0]) + sum(st[1]) + st[2]))
+    ordered = sorted(states, key=lambda st: -(sum(st[0]) + sum(st[1]) + sum(st[2]) + sum(st[3])))
     kept: list[tuple] = []
     for state in ordered:
-        if not any(k[3] == state[3] and covers(k, state) for k in kept):
+        if not any(k[4] == state[4] and covers(k, state) for k in kept):
             kept.append(state)
     return kept
 
 
 def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tuple[list[float], float],
-                 moment: tuple[float, float], head_kept: float, grads: float = 0.0) -> float:
-    """The most activation bytes a rank holds over its :func:`peak_candidates`: a stage-microbatch in flight holds
-    ``full[stage]`` bytes (on the last stage also the head's ``head_kept``), a split backward's remainder
-    ``partial`` ((per stage, the last stage's head)); a forward peaks at ``moment`` beyond what is held (the loss's
-    on the last stage, a block's backward elsewhere: (other, last)). The stage's gradients (``grads``) exist from
-    the rank's first backward on: with as many microbatches as stages the first stage peaks before it, at the end
-    of warm-up."""
+                 moment: tuple[float, float], head_kept: float, grads: "StageGradients | None" = None) -> float:
+    """The most bytes a rank holds over its :func:`peak_candidates` beyond its model states: a stage-microbatch in
+    flight holds ``full[stage]`` bytes (on the last stage also the head's ``head_kept``), a split backward's
+    remainder ``partial`` ((per stage, the last stage's head)); a forward peaks at ``moment`` beyond what is held
+    (the loss's on the last stage, a block's backward elsewhere: (other, last)), a backward at a block's backward
+    and the unit gradient it forms; and the stages' gradients (:class:`StageGradients`) from their first backward."""
     best = 0.0
-    for flying, weighing, made, when in candidates:
-        if when == 2 and not grads:
-            continue
+    for flying, weighing, made, deposited, when in candidates:
         held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1]
-                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1] + made * grads)
-        best = max(best, held + (moment[1] - head_kept if when == 1 else moment[0]))
+                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1])
+        if grads is not None:
+            held += grads.held(made, deposited)
+        forming = (grads.at_loss if when == 4 else grads.transient if when == 2 else 0.0) if grads else 0.0
+        extra = forming + (moment[1] - head_kept if when in (1, 4) else moment[0] if when in (0, 2) else 0.0)
+        best = max(best, held + extra)
     return best
+
+
+@dataclass(frozen=True)
+class StageGradients:
+    """A pipeline rank's gradients by stage (bytes): ``made`` those a stage holds from its first backward on (every
+    stage's from the rank's first backward where ``whole``: DDP's buckets), ``deposited`` a split backward's weight
+    passes' compute-dtype gradients, held from a weight pass to the stage's next backward (mixed precision: the
+    flat engine's unit hook adds them into the fp32 main gradient there), and ``transient`` the unit gradient a
+    backward forms (a flat unit's gradient, the unit's size, before it is added to the held one), and ``at_loss`` the
+    same beside the loss where the loss's backward is an input pass, which forms it while the loss's tensors live
+    (fp32, as the dry run shows it)."""
+    made: tuple[float, ...]
+    deposited: tuple[float, ...]
+    transient: float = 0.0
+    whole: bool = False
+    at_loss: float = 0.0
+
+    def held(self, made: tuple, deposited: tuple) -> float:
+        grads = sum(self.made) * any(made) if self.whole else sum(n * b for n, b in zip(made, self.made))
+        return grads + sum(n * b for n, b in zip(deposited, self.deposited))
 
 
 def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int) -> float:
@@ -191,7 +227,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
            moment: tuple[float, float], head_kept: float, grads_of=None) -> list[dict]:
     """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
     microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
-    stage's gradients from its first backward on (``grads_of(layers, embedding, head, stages)``: bytes)."""
+    stages' gradients (``grads_of(stages, layers per stage)``: :class:`StageGradients`)."""
     from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
@@ -209,7 +245,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
         stages = [s for _, s in schedule.modules_on(r)]
         held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
                 "head": schedule.num_stages - 1 in stages}
-        grads = grads_of(**held) if grads_of else 0.0
+        grads = grads_of(stages, sizes) if grads_of else None
         candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r)
         out.append({**held, "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept,
                                                  grads)})
@@ -263,6 +299,19 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     return compute * largest_unit
 
 
+def backward_buffers(parallel: ParallelConfig, block: float) -> float:
+    """What FULL_SHARD / HYBRID_SHARD in mixed precision (no pipeline) holds in a block's backward for ``block``
+    parameters a block: the block's and the prefetched block's gathered bf16 weights (2 x 2 bytes a parameter), and
+    per parameter-FSDP (``parallel/fsdp2.py``) two fp32 main gradients laid out for the reduce-scatter (the
+    block's, forming, and the one before it, in flight), the flat engine (``parallel/flat.py``) the block's bf16
+    gradient and the previous unit's bf16 gradient and fp32 copy in flight: 2 x 4 or 2 + 2 + 4 bytes. Where
+    activations are small (full recompute) this, not the loss, is the peak."""
+    if (parallel.fsdp not in ("full_shard", "hybrid_shard") or parallel.fsdp_style == "reuse"
+            or parallel.mixed_precision != "bf16" or parallel.dims.pp > 1):
+        return 0.0
+    return 2 * (2 + 4) * block
+
+
 def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
                     experts: float = 0.0) -> dict | None:
     """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
@@ -286,7 +335,7 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     if n == 1 and not bf16:
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
     compute = 2 if bf16 else 4
-    first = _first_unit(cfg, parallel, train)
+    first = _stage_units(cfg, parallel, train, cfg.n_layers, True, True)[0]
     largest = max(first, math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim + cfg.dim,
                   block_params(cfg, parallel.dims.tp))
     in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
@@ -296,22 +345,28 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
             "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
 
 
-def _first_unit(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
-    """Parameters of the engine's first unit on a rank (``parallel/wrap.py: module_units``): the embedding, with
-    ZeRO-1 the blocks (and the head) after it merged in while the unit's parameters fit the gradient bucket
-    (``--bucket-mb``)."""
-    from parallelisms.perf.model import block_params
+def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
+                 head: bool) -> list[float]:
+    """Parameters of each of the engine's units on a rank holding ``layers`` blocks and the ends it holds, in order
+    (``parallel/wrap.py: module_units``): the embedding, each block, the head (its table and the final norm); with
+    ZeRO-1/2 consecutive units merged while their parameters fit the gradient bucket (``--bucket-mb``; a tied
+    table stays alone)."""
+    from parallelisms.perf.model import block_params, expert_block_change
 
     t, pbytes = parallel.dims.tp, 8 if train.dtype == "float64" else 4
-    unit = math.ceil(cfg.vocab_size / t) * cfg.dim
-    if parallel.zero != 1 or cfg.tie_embeddings:
-        return unit
-    cap, head = train.bucket_mb * 2**20, math.ceil(cfg.vocab_size / t) * cfg.dim + cfg.dim
-    for size in [block_params(cfg, t)] * cfg.n_layers + [head]:
-        if (unit + size) * pbytes > cap:
-            break
-        unit += size
-    return unit
+    table = math.ceil(cfg.vocab_size / t) * cfg.dim
+    units = [table] * embedding + [block_params(cfg, t) + expert_block_change(cfg, parallel)] * layers
+    units += [table + cfg.dim] * head
+    if parallel.zero not in (1, 2):
+        return units
+    cap, merged = train.bucket_mb * 2**20, []
+    for i, size in enumerate(units):
+        alone = cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1))
+        if merged and not alone and not merged[-1][1] and (merged[-1][0] + size) * pbytes <= cap:
+            merged[-1] = (merged[-1][0] + size, False)
+        else:
+            merged.append((size, alone))
+    return [size for size, _ in merged]
 
 
 def _per_shard(params: float, experts: float, shard: int, ep: int) -> float:
@@ -346,6 +401,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
         other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision == "bf16" else e) * block_params(
             cfg, dims.tp)  # beside a block's backward than the default's one ahead
+    held = engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))  # at the loss, and beside a
+    other += max(0.0, backward_buffers(parallel, block_params(cfg, dims.tp)) - held)  # block's backward
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
@@ -353,21 +410,28 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         experts = layers * expert_slot_params(cfg, parallel)
         return params, experts, model_states(cfg, parallel, params, m, experts)
 
-    def stage_gradients(layers: float, embedding: bool, head: bool, stages: int) -> float:
-        """A pipeline stage's gradients once its first backward ran: the held ones (fp32 stage buffers) and the
-        fp32 ones the stage's engine accumulates (bf16's main gradient, into which each microbatch's bf16 gradient
-        is added unit by unit; two under full sharding, and with a split backward's weight passes). V-shaped and
-        DualPipe: one of the rank's two stages at a time; DualPipeV peaks before the second chunk's buffers exist.
-        DDP in fp32 holds only the parameters' gradients."""
-        params, _, states = states_of(layers, embedding, head, stages)
+    def stage_gradients(stages: list[int], sizes: list[int]) -> StageGradients:
+        """A pipeline rank's gradients by stage (:class:`StageGradients`), held through the step: DDP in fp32 the
+        parameters' own gradients (its buckets), every stage's from the rank's first backward; a flat engine in
+        fp32 each unit's accumulated gradient, in bf16 the fp32 main gradient each microbatch's gradient is added
+        into unit by unit (two under full sharding), a stage's from its first backward; with a split backward's
+        weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
+        linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time."""
+        last, bf16 = len(sizes) - 1, parallel.mixed_precision == "bf16"
         full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-        if not (parallel.zero or parallel.fsdp or parallel.mixed_precision == "bf16"):
-            return 4 * params  # DDP in fp32: the parameters' own gradients are the buffers, every stage's, once
-        # a split backward's weight passes (Zero Bubble, DualPipe) add the deferred bf16 gradients on top: twice
-        split = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
-        fresh = 4 * params * (2 if full_shard or (split and parallel.mixed_precision == "bf16") else 1) / (
-            1 if parallel.schedule == "interleaved" else stages)
-        return states["grads"] / (stages if parallel.schedule == "dualpipev" else 1) + fresh
+        flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style == "flat"
+        split = bf16 and not full_shard and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
+        made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
+        for s in stages:
+            units = _stage_units(cfg, parallel, train, sizes[s], s == 0, s == last)
+            made[s] = (8 if full_shard else 4) * sum(units)
+            deposited[s] = 2 * (sum(units) - (units[0] if s == 0 and units[0] == table - cfg.dim else 0)) * split
+            largest = max(largest, *units)
+        ddp = not (parallel.zero or parallel.fsdp or bf16)
+        transient = largest * (2 if bf16 else e) * (flat and not full_shard)
+        # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
+        at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp, at_loss=at_loss)
 
     best = None
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
@@ -377,8 +441,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             states["grads"] = 0.0
         rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"]  # a table per stage module
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"]
-               + engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))}
+               "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + held}
         out["total"] = sum(out[k] for k in KINDS)
         ending = end_of_backward(cfg, parallel, train, params, experts)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:

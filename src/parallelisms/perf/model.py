@@ -10,6 +10,7 @@ block each way; ZeRO-3 1.5x DP) and ring attention / Ulysses volumes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -126,7 +127,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if dp > 1:
         hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
         shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
-        dense = local_params - expert_params
+        dense = local_params - expert_params + sum(per_param_padding(cfg, parallel, shards))
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
             replicas = dims.dp_replicate
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
@@ -250,7 +251,30 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
         return 2 * params
     block = block_params(cfg, parallel.dims.tp) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
-    return params + blocks - (block if parallel.fsdp_style == "reuse" else 0)
+    padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
+    return params + blocks - (block if parallel.fsdp_style == "reuse" else 0) + (sum(padding) + padding[1]) * dtype_bytes
+
+
+def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
+    """Per-parameter FSDP (FSDP2) shards each parameter's rows, padded to a multiple of the ``shards`` ranks
+    (``parallel/fsdp2.py``), and gathers and reduce-scatters the padded rows: the padding elements of rank 0's
+    tables and final norm, and of its blocks (dense blocks: their q, k, v, output and MLP matrices and norms).
+    Nothing for the other engines."""
+    if parallel.fsdp_style != "per_param" or not parallel.fsdp or shards <= 1:
+        return 0.0, 0.0
+    t, d = parallel.dims.tp, cfg.dim
+
+    def pad(rows: int, width: int) -> int:
+        return (-(-rows // shards) * shards - rows) * width
+    head = rank0_holds_head(parallel)
+    tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
+    ends = tables * pad(math.ceil(cfg.vocab_size / t), d) + head * pad(d, 1)
+    if cfg.n_experts or t > cfg.n_kv_heads:
+        return float(ends), 0.0
+    kv = cfg.n_kv_heads * cfg.head_dim // t
+    block = (pad(cfg.q_dim // t, d) + 2 * pad(kv, d) + pad(d, cfg.q_dim // t) + 2 * pad(d, 1)
+             + (cfg.mlp_matrices - 1) * pad(cfg.ffn_dim // t, d) + pad(d, cfg.ffn_dim // t))
+    return float(ends), float(rank0_layers(cfg, parallel) * block)
 
 
 def _context_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
