@@ -47,12 +47,11 @@ from parallelisms.perf import cpu
 from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
-from parallelisms.perf.model import (block_params, comm_per_step, grad_norm_volumes,
-                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
-                                     rank0_params)
+from parallelisms.perf.model import (block_params, comm_per_step, microbatches_per_step, model_flops_per_token,
+                                     model_state_bytes, rank0_holds_head)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
-from parallelisms.perf.context import context_calls, context_times
+from parallelisms.perf.context import context_times
 from parallelisms.perf.prefetch import shared_link
 from parallelisms.perf.stages import busiest_rank, pipeline_ranks
 
