@@ -1,11 +1,10 @@
 """The suite runs on every core (pytest-xdist, one file per worker, so a file's launches and fixtures happen once)
 and launches its ranks from a forkserver that has imported torch once (``PARALLELISMS_START_METHOD``): an
 8-rank launch takes half a second instead of eight. The fault tests pin the default, ``spawn``, where they need
-it; ``test_launch`` checks both. Its ranks wait on shared memory sleeping in the kernel (``PARALLELISMS_SPIN=0``)
+it; ``test_launch`` checks both. The ranks wait on shared memory sleeping in the kernel (``PARALLELISMS_SPIN=0``)
 rather than polling where a launch has a core per rank: the two workers' launches share the cores, and a polling
-rank's turns were cores the other worker's ranks waited for (test_ddp and test_zero beside other jobs: 7-14% less
-CPU); test_comm_shm_p2p's two-rank pipeline polls, and ``test_spinning_is_for_ranks_with_a_core_each`` checks the
-switch.
+rank's turns are cores the other worker's ranks wait for. test_comm_shm_p2p's two-rank pipeline polls, and
+``test_spinning_is_for_ranks_with_a_core_each`` checks the switch.
 
 Tiers: ``-m fast`` runs the tests marked ``fast`` (a file's ``pytestmark`` or a test's decorator): pure
 functions that start no process (schedules, the performance model, configuration and its rules, the modes'

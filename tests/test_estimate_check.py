@@ -119,11 +119,11 @@ def _checked(argv: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("flags", [
-    "--schedule zb-v --mixed-precision bf16",  # was 10.3% under: the weight passes' deposited bf16 gradients
-    "--schedule zb-v --mixed-precision bf16 --zero 1",  # was 15.9% under (units merged: the whole stage deposits)
+    "--schedule zb-v --mixed-precision bf16",  # the weight passes' deposited bf16 gradients
+    "--schedule zb-v --mixed-precision bf16 --zero 1",  # units merged: the whole stage deposits
     "--schedule dualpipev --mixed-precision bf16",  # the second stage's main gradient only after its backward
     "--schedule zb-h1 --mixed-precision bf16 --zero 1",  # the last rank's weight passes after all its input passes
-    "--schedule 1f1b --zero 1",  # fp32: was 10.8% over, the flat gradient priced twice
+    "--schedule 1f1b --zero 1",  # fp32: the flat gradient held once
     "--schedule zb-h1 --zero 1",  # fp32: the input pass forms the merged unit's gradient beside the loss's tensors
     "--schedule dualpipev --zero 1",  # fp32: its loss's backward is mostly a full one, which does not
 ])
@@ -139,9 +139,9 @@ def test_pipeline_gradients_by_stage(flags):
 
 
 @pytest.mark.parametrize("vocab, flags", [
-    # a block's backward, not the loss, is the peak: two gathered blocks and two fp32 main gradients (32% under)
+    # a block's backward, not the loss, is the peak: two gathered blocks and two fp32 main gradients
     (512, "--dp 4 --fsdp-style per_param --global-batch 4"),
-    # the flat engine: two gathered blocks, the block's bf16 gradient, the previous one's and its fp32 copy (37%)
+    # the flat engine: two gathered blocks, the block's bf16 gradient, the previous one's and its fp32 copy
     (512, "--dp 4 --global-batch 4"),
     # rows that do not divide over 6 ranks: every parameter padded to a multiple of them, gathered and reduced
     (4100, "--dp 6 --fsdp-style per_param --global-batch 6"),
