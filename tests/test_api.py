@@ -61,7 +61,7 @@ def test_estimate_plan_and_simulate_as_their_cli_twins(capsys, verb, options):
 def test_bad_options_raise_the_cli_line():
     with pytest.raises(ConfigError, match="argument --dp: must be an integer from 1"):
         parallelisms.train(dp=0)
-    with pytest.raises(ConfigError, match="unrecognized arguments: --frobnicate"):
+    with pytest.raises(ConfigError, match="unknown keyword .frobnicate. for parallelisms.verify"):
         parallelisms.verify(frobnicate=1)
 
 

@@ -2,9 +2,10 @@
 for a ``torchrun`` script of your own.
 
 ``train``, ``verify``, ``estimate``, ``plan`` and ``simulate`` take the command line's options as keyword arguments
-(``--dp-shard 2`` is ``dp_shard=2``, a switch such as ``--sp`` is ``sp=True``), check them with the same
-parser, run the same code and return the dict that ``--json`` prints; bad input raises
-:class:`parallelisms.errors.ConfigError` with the command line's one-line message, before any process starts.
+(``--dp-shard 2`` is ``dp_shard=2``, a switch such as ``--sp`` is ``sp=True``), check each value with its option's
+parser, build the configs by the command line's path, run the same code and return the dict that ``--json``
+prints; bad input raises :class:`parallelisms.errors.ConfigError` with the command line's one-line message (an
+unknown keyword: one line naming it and the options closest to it), before any process starts.
 
 For a loop of your own: ``configure(**options)`` gives the validated configs, ``build_model`` the full seeded
 model, ``parallelize(model, layout, train)`` applies the layout (process group and meshes included) and returns
@@ -24,13 +25,12 @@ from parallelisms.model import build_model
 __all__ = ["train", "verify", "estimate", "plan", "simulate", "configure", "build_model", "parallelize", "batches"]
 
 
-def _args(command: str, options: dict, argv: list[str] = ()):
-    """``options`` (then the flags in ``argv``) parsed as the command line's ``command`` would parse them: the
-    same checks, the same defaults."""
-    from parallelisms.cli import build_parser
-    from parallelisms.config_file import option_flags
+def _args(verb: str, options: dict):
+    """The settings of ``verb`` with these keyword options, each checked by its option's parser, the rest the
+    verb's defaults (:mod:`parallelisms.api_options`): no command line is written or parsed."""
+    from parallelisms.api_options import namespace
 
-    return build_parser().parse_args([command, *option_flags(options), *argv])
+    return namespace(verb, options)
 
 
 def train(**options) -> dict:
@@ -81,12 +81,17 @@ class Configs(NamedTuple):
 
 
 def configure(argv: list[str] = (), **options) -> Configs:
-    """The model, training and layout configs of ``parallelisms train`` with these options and then the flags in
-    ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
+    """The model, training and layout configs of ``parallelisms train`` with these keyword options and then the
+    flags in ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
     ``torchrun``: against the world size too)."""
+    from parallelisms.api_options import namespace, verb_parser
     from parallelisms.cli_configs import build_configs
 
-    return Configs(*build_configs(_args("train", options, argv)))
+    parser = verb_parser("train")
+    args = namespace("train", options, parser)
+    if argv:  # a command line of the script's: its flags override the keywords
+        args = parser.parse_args(list(argv), namespace=args)
+    return Configs(*build_configs(args))
 
 
 def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str = "auto"):

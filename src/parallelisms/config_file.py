@@ -75,9 +75,9 @@ def _read(path: str) -> dict:
         raise ConfigError(f"{CONFIG_FLAG} {path!r} is not valid TOML: {exc}") from None
 
 
-def file_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """The flags the TOML file at ``path`` holds for this verb's ``parser``; ConfigError (one line) on a key or
-    section the verb lacks, or a value a switch cannot take."""
+def file_options(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The options the TOML file at ``path`` holds for this verb's ``parser``, by Python name; ConfigError (one
+    line) on a key or section the verb lacks, or a value a switch cannot take."""
     valid, verb = sections(parser), parser.prog
     options = {}
     for name, table in _read(path).items():
@@ -96,7 +96,12 @@ def file_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
                     lambda: f"{CONFIG_FLAG} {path!r}: [{name}] {key} takes a value like its flag "
                             f"--{key.replace('_', '-')}, got {value!r}")
             options[key] = value
-    return option_flags(options)
+    return options
+
+
+def file_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of the TOML file at ``path`` for this verb's ``parser`` (:func:`file_options` as flags)."""
+    return option_flags(file_options(path, parser))
 
 
 def expand(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str], str | None]:
