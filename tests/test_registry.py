@@ -13,7 +13,7 @@ from parallelisms.errors import ConfigError
 from parallelisms.mesh import ParallelDims
 from parallelisms.options import FsdpStyle, Recompute, Schedule
 from parallelisms.parallel.pipeline.schedules import SCHEDULES
-from parallelisms.parallel.registry import OPTIONS, PARALLELISMS, parallel_config
+from parallelisms.parallel.registry import OPTIONS, PARALLELISMS, module_swaps, parallel_config
 from parallelisms.support import FLAGS, features
 
 from _layouts import layout_with
@@ -33,6 +33,15 @@ def test_every_descriptor_dimension_is_a_mesh_dimension_and_every_transform_exis
         assert p.dim is None or p.dim in mesh, p.name
         module, function = p.transform.split(":")
         assert callable(getattr(importlib.import_module(module), function)), p.transform
+
+
+def test_parallelize_applies_the_module_swaps_in_the_registrys_order():
+    from parallelisms.parallel import context, ep_balance, recompute, tensor_plan
+
+    assert module_swaps() == [tensor_plan.tensor_parallel_swap, context.context_parallel_swap,
+                              ep_balance.expert_parallel_swap, recompute.recompute_swap]
+    swapping = [p.name for p in PARALLELISMS.values() if p.module_swap]
+    assert swapping == ["tensor", "context", "expert", "recompute"]
 
 
 def test_the_layout_flags_are_the_descriptors_options():

@@ -7,7 +7,9 @@ import pathlib
 import pytest
 
 from parallelisms.errors import ConfigError
-from parallelisms.support import UNSUPPORTED, check_pairs, features, not_supported_markdown, validate_layout
+from parallelisms.parallel.registry import PARALLELISMS, ROWS
+from parallelisms.support import (UNSUPPORTED, check_pairs, feature_rows_markdown, features, not_supported_markdown,
+                                  validate_layout)
 
 from _layouts import layout_with
 
@@ -37,3 +39,16 @@ def test_readme_lists_exactly_the_table():
     start = readme.index("<!-- support table: generated")
     block = readme[readme.index("\n", start) + 1:readme.index("<!-- end of support table -->")].strip()
     assert block == not_supported_markdown(), "regenerate README's list from parallelisms.support.not_supported_markdown()"
+
+
+def test_readme_feature_table_opens_with_the_parallelisms_rows():
+    """Every descriptor has one row (its page exists), and README's feature table lists them first, in the
+    registry's order, as :func:`feature_rows_markdown` writes them; the rows after them are not parallelisms."""
+    root = pathlib.Path(__file__).parents[1]
+    assert list(ROWS) == list(PARALLELISMS)
+    assert all((root / row.page).is_file() for row in ROWS.values())
+    readme = (root / "README.md").read_text()
+    start = readme.index("| feature | state | what it covers | page |\n|---|---|---|---|\n")
+    table = readme[start:].split("\n")[2:2 + len(ROWS)]
+    assert "\n".join(table) == feature_rows_markdown(), \
+        "regenerate README's first feature rows from parallelisms.support.feature_rows_markdown()"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import require
-from parallelisms.parallel.registry import PARALLELISMS, check_values
+from parallelisms.parallel.registry import PARALLELISMS, ROWS, check_values
 
 # -- the support table ---------------------------------------------------------------------------------------
 # Features a layout can switch on, as `features()` names them, with the flag a user writes for each: every
@@ -43,6 +43,13 @@ def not_supported_markdown() -> str:
         a, b = sorted(pair, key=list(FLAGS).index)
         by_reason.setdefault(reason, []).append(f"`{FLAGS[a]}` with `{FLAGS[b]}`")
     return "\n".join(f"- {', '.join(pairs)}: {reason}." for reason, pairs in by_reason.items())
+
+
+def feature_rows_markdown() -> str:
+    """The README feature table's rows of the parallelisms, one per descriptor in the registry's order (its
+    :data:`~parallelisms.parallel.registry.ROWS` entry); a test keeps README's first rows equal to them."""
+    rows = (ROWS[name] for name in PARALLELISMS)
+    return "\n".join(f"| {r.title} | {r.state} | {r.covers} | [{r.link}]({r.page}) |" for r in rows)
 
 
 def validate_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,

@@ -1,6 +1,7 @@
 """How a layout is applied: :func:`parallelize` turns the full seeded model into this rank's part in one
-straight line (tensor/sequence parallelism, context parallelism, expert parallelism, recomputation, then the
-pipeline cut, then the gradient sync) and returns the :class:`parallelisms.trainer.Trainer` that steps it.
+straight line (the parallelisms' module swaps in the registry's order: tensor/sequence parallelism, context
+parallelism, expert parallelism, recomputation; then the pipeline cut, then the gradient sync) and returns the
+:class:`parallelisms.trainer.Trainer` that steps it.
 """
 
 from __future__ import annotations
@@ -11,46 +12,37 @@ from torch import nn
 from parallelisms.comm import Comms
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.optim import sharded_optimizer
-from parallelisms.parallel.context import apply_context_parallel
 from parallelisms.parallel.data import DataParallel
-from parallelisms.parallel.ep_balance import ExpertBalance, apply_balanced_experts
-from parallelisms.parallel.expert import apply_expert_parallel
+from parallelisms.parallel.ep_balance import ExpertBalance
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.grad_sync import GradSync, LocalGradients
 from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
 from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages, schedule_for
 from parallelisms.parallel.pipeline.stage_sync import StageSyncs
-from parallelisms.parallel.recompute import apply_recompute
-from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+from parallelisms.parallel.registry import module_swaps
 from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
 from parallelisms.trainer import MicrobatchLoop, Trainer
-from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
+from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
                 bounds: list[int] | None = None) -> Trainer:
-    """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
-    parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
-    cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
-    step's forward/backward strategy (a microbatch loop, or the pipeline schedule, whose hooks carry the
+    """Apply the layout to the full seeded model, always in this order: the descriptors' module swaps in the
+    registry's order (:func:`~parallelisms.parallel.registry.module_swaps`: tensor/sequence parallelism, context
+    parallelism, expert parallelism, recomputation; each a swap every stage shares), then the pipeline cut (this
+    rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the step's
+    forward/backward strategy (a microbatch loop, or the pipeline schedule, whose hooks carry the
     stages' gradient sync and PipeDream's per-microbatch updates).
     Each parallelism's transform lives in its own module. ``bounds``
     fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
     dims = parallel.dims
-    if dims.tp > 1:
-        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
-                              overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
-    positions = None
-    if dims.cp > 1:
-        positions = apply_context_parallel(model, comms, parallel, train.seq_len)
-    if dims.ep > 1 and parallel.ep_balance is Balance.MEASURED:
-        apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
-    elif dims.ep > 1:
-        apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
-    if parallel.recompute is not Recompute.NONE:
-        apply_recompute(model, parallel.recompute)
+    positions = None  # this rank's token positions, where a swap reorders the sequence (context parallelism)
+    for swap in module_swaps():
+        placed = swap(model, comms, parallel, train)
+        if placed is not None:
+            positions = placed
     schedule, stages, copies = None, {0: model}, set()
     if not parallel.one_tied_parameter():  # the last stage holds a copy of the tied weight
         untie(model)

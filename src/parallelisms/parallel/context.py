@@ -271,6 +271,12 @@ def ulysses_core(comms: Comms, held: list[torch.Tensor], inner: nn.Module, paral
     return UlyssesAttentionCore(comms["cp"], inner)
 
 
+def context_parallel_swap(model: nn.Module, comms: Comms, parallel, train) -> torch.Tensor | None:
+    """The registry's transform (:func:`parallelisms.train_setup.parallelize`): when ``--cp`` is above 1,
+    :func:`apply_context_parallel` and the positions of this rank's tokens; else None."""
+    return apply_context_parallel(model, comms, parallel, train.seq_len) if parallel.dims.cp > 1 else None
+
+
 def apply_context_parallel(model: nn.Module, comms: Comms, parallel, seq_len: int) -> torch.Tensor:
     """Swap every attention core for the one of the layout's context-parallel mode
     (:mod:`parallelisms.parallel.cp_modes`) and give MoE layers the sequence layout; returns the positions of

@@ -34,6 +34,7 @@ import torch
 
 from parallelisms.comm import Comms
 from parallelisms.model.moe import GroupedExperts
+from parallelisms.options import Balance
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.ep_placement import canonical, place, rank_loads, valid
 from parallelisms.parallel.ep_slots import WEIGHTS, Holder, engines_of, holders
@@ -83,6 +84,16 @@ class BalancedExperts(ExpertParallelExperts):
         order = torch.argsort(slot_of, stable=True)
         out = super().forward(x[order], torch.tensor(rows, dtype=counts.dtype, device=counts.device))
         return torch.empty_like(out).index_copy(0, order, out)
+
+
+def expert_parallel_swap(model, comms: Comms, parallel, train) -> None:
+    """The registry's transform (:func:`parallelisms.train_setup.parallelize`): when ``--ep`` is above 1, the
+    experts go to their owners, evenly (:func:`~parallelisms.parallel.expert.apply_expert_parallel`) or, with
+    ``--ep-balance measured``, placed by measured load (:func:`apply_balanced_experts`)."""
+    if parallel.dims.ep > 1 and parallel.ep_balance is Balance.MEASURED:
+        apply_balanced_experts(model, comms["ep"], comms["ep_bwd"], parallel.ep_redundant)
+    elif parallel.dims.ep > 1:
+        apply_expert_parallel(model, comms["ep"], comms["ep_bwd"])
 
 
 def apply_balanced_experts(model, comm, backward=None, redundant: int = 0) -> list[BalancedExperts]:

@@ -57,6 +57,12 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = types.MethodType(_checkpointed_forward, module)
 
 
+def recompute_swap(model: nn.Module, comms, parallel, train) -> None:
+    """The registry's transform (:func:`parallelisms.train_setup.parallelize`): ``--recompute``'s mode, if any."""
+    if parallel.recompute != Recompute.NONE:
+        apply_recompute(model, parallel.recompute)
+
+
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Recompute every block (``full``) or every attention core (``selective``) in backward."""
     if mode not in MODES:

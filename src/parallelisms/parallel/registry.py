@@ -7,7 +7,8 @@ A descriptor holds a parallelism's name, its mesh dimension and degree flag, its
 defaults are the config's, an enum's values its choices), its rules (a function of
 :mod:`parallelisms.parallel.checks`), the features it switches on (the support table's names, each with the flag
 a user writes and the smallest layout that switches it on, the test layouts' row), the pairs it cannot run with
-and where its transform lives (``module:function``, applied by :func:`parallelisms.train_setup.parallelize`).
+and where its transform lives (``module:function``; a module swap, ``module_swap``, is applied by
+:func:`parallelisms.train_setup.parallelize` in the registry's order, see :func:`module_swaps`).
 Recomputation and mixed precision, options of the layout that are not parallelisms, are described the same way.
 A new parallelism is its modules and one entry in :data:`PARALLELISMS`.
 """
@@ -105,6 +106,7 @@ class Parallelism:
     transform: str             # "module:function"
     excludes: dict[frozenset, str] = field(default_factory=dict)  # pairs of features that cannot run, why
     degree: str = ""           # "tensor": the --tp flag's "tensor-parallel degree" (the dp flags are the CLI's)
+    module_swap: bool = False  # ``transform`` swaps modules of the full model: f(model, comms, parallel, train)
 
 
 def pairs(left, right, reason: str) -> dict[frozenset, str]:
@@ -170,7 +172,7 @@ TENSOR = Parallelism(
     checks.check_tensor_parallel,
     lambda m, t, p: _on(("tp", p.dims.tp > 1), ("tp-overlap", p.tp_overlap)),
     {"tp": Feature("--tp", {"tp": 2}), "tp-overlap": Feature("--tp-overlap", {"tp": 2}, {"tp_overlap": True})},
-    "parallelisms.parallel.tensor_plan:apply_tensor_parallel", degree="tensor")
+    "parallelisms.parallel.tensor_plan:tensor_parallel_swap", degree="tensor", module_swap=True)
 
 SEQUENCE = Parallelism(  # Megatron's: the tensor-parallel group shards the sequence between its regions
     "sequence", "tp", "tensor parallelism",
@@ -178,7 +180,7 @@ SEQUENCE = Parallelism(  # Megatron's: the tensor-parallel group shards the sequ
     None,  # its rules are tensor parallelism's
     lambda m, t, p: _on(("sp", p.sequence_parallel)),
     {"sp": Feature("--sp", {"tp": 2}, {"sequence_parallel": True})},
-    "parallelisms.parallel.tensor_plan:apply_tensor_parallel")
+    "parallelisms.parallel.tensor_plan:tensor_parallel_swap")  # tensor parallelism's swap applies it
 
 CONTEXT = Parallelism(
     "context", "cp", "context parallelism", (
@@ -192,7 +194,7 @@ CONTEXT = Parallelism(
                       {"cp_attention": name, "cp_ulysses_size": 2 if name == "hierarchical" else 0})
         for name in MODES},
      "ring": Feature("--cp (ring)", {"cp": 2}, {"cp_attention": "ring"})},
-    "parallelisms.parallel.context:apply_context_parallel", degree="context")
+    "parallelisms.parallel.context:context_parallel_swap", degree="context", module_swap=True)
 
 EXPERT = Parallelism(
     "expert", "ep", "expert-parallel balance", (
@@ -205,7 +207,7 @@ EXPERT = Parallelism(
     checks.check_expert_parallel,
     lambda m, t, p: _on(("moe", m.n_experts > 0), ("ep", p.dims.ep > 1)),
     {"moe": Feature("a mixture-of-experts model", moe=True), "ep": Feature("--ep", {"ep": 2}, moe=True)},
-    "parallelisms.parallel.expert:apply_expert_parallel", degree="expert")
+    "parallelisms.parallel.ep_balance:expert_parallel_swap", degree="expert", module_swap=True)
 
 PIPELINE = Parallelism(
     "pipeline", "pp", "pipeline parallelism", (
@@ -231,7 +233,7 @@ RECOMPUTE = Parallelism(
     lambda m, t, p: [f"recompute-{p.recompute}"] if p.recompute is not Recompute.NONE else [],
     {f"recompute-{r}": Feature(f"--recompute {r}", options={"recompute": r}) for r in Recompute
      if r is not Recompute.NONE},
-    "parallelisms.parallel.recompute:apply_recompute")
+    "parallelisms.parallel.recompute:recompute_swap", module_swap=True)
 
 PRECISION = Parallelism(
     "precision", None, SHARDED,
@@ -264,3 +266,51 @@ def parallel_config(dims, **options) -> ParallelConfig:
     require(not unknown, f"unknown layout option(s) {', '.join(unknown)}; choose from {', '.join(OPTIONS)}")
     given = {k: v for k, v in options.items() if not (v is None and OPTIONS[k].needs)}
     return dataclasses.replace(ParallelConfig(dims=dims), **given)
+
+
+def module_swaps() -> list[Callable]:
+    """The transforms that swap modules of the full seeded model before the pipeline cut, in the registry's order
+    (tensor and sequence, context, expert, recomputation): each ``f(model, comms, parallel, train)`` changes the
+    model in place when the layout asks for it and returns None, or the positions of this rank's tokens where it
+    reorders the sequence (context parallelism). A new parallelism's swap applies by its descriptor alone."""
+    import importlib
+
+    def load(path: str) -> Callable:
+        module, function = path.split(":")
+        return getattr(importlib.import_module(module), function)
+    return [load(p.transform) for p in PARALLELISMS.values() if p.module_swap]
+
+
+@dataclass(frozen=True)
+class Row:
+    """A parallelism's row of README's feature table (:func:`parallelisms.support.feature_rows_markdown`): its name
+    there, what it covers (the mechanisms and options built), its docs page and the page's short name."""
+    title: str
+    covers: str
+    page: str
+    link: str
+    state: str = "works"  # implemented, verified against single-process training, reachable from the CLI
+
+
+ROWS: dict[str, Row] = {  # by descriptor name; every descriptor has one (tests/test_support.py)
+    "data": Row("Data parallel", "buckets in gradient-ready order, async all-reduce from hooks, `no_sync` "
+                                 "accumulation", "docs/parallelisms/dp.md", "dp"),
+    "zero": Row("ZeRO-1/2/3", "one flat engine: sharded AdamW, bucketed reduce-scatter, per-block gather with "
+                              "prefetch", "docs/parallelisms/zero-fsdp.md", "zero"),
+    "fsdp": Row("FSDP", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD(_ZERO2); per-parameter; reuse; "
+                        "`--fsdp-prefetch N`", "docs/parallelisms/zero-fsdp.md", "fsdp"),
+    "tensor": Row("Tensor parallel", "column/row linear, attention by heads, vocab-parallel loss; "
+                                     "`--tp-overlap(-chunks)`", "docs/parallelisms/tp-sp.md", "tp"),
+    "sequence": Row("Sequence parallel", "all-gather / reduce-scatter around TP regions, chunked behind the GEMMs; "
+                                         "with cp, pp", "docs/parallelisms/tp-sp.md", "sp"),
+    "context": Row("Context parallel", "ring (zigzag, exact merge), Ulysses, all-gather (Llama 3), hierarchical "
+                                       "Ulysses x ring (USP)", "docs/parallelisms/cp.md", "cp"),
+    "expert": Row("Expert parallel", "top-k router, capacity, aux loss, grouped GEMM, all-to-all; EPLB placement "
+                                     "(bf16; pp but PipeDream)", "docs/parallelisms/ep.md", "ep"),
+    "pipeline": Row("Pipeline parallel", "GPipe to DualPipe(V) and PipeDream; each stage under the whole-model dp "
+                                         "engines; measured balance", "docs/parallelisms/pp.md", "pp"),
+    "recompute": Row("Activation recomputation", "`--recompute selective\\|full`, under every sharding style and "
+                                                 "synchronous schedule", "docs/parallelisms/recompute.md", "recompute"),
+    "precision": Row("Mixed precision", "`--mixed-precision bf16`: bf16 compute, fp32 master weights and reductions",
+                     "docs/verify.md", "verify"),
+}

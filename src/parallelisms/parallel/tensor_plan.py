@@ -16,6 +16,14 @@ from parallelisms.parallel.tied import tie
 from parallelisms.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 
+def tensor_parallel_swap(model: nn.Module, comms, parallel, train) -> None:
+    """The registry's transform (:func:`parallelisms.train_setup.parallelize`): tensor parallelism, and sequence
+    parallelism with it, over the ``tp`` group when ``--tp`` is above 1."""
+    if parallel.dims.tp > 1:
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
+                              overlap=parallel.tp_overlap, chunks=max(1, parallel.tp_overlap_chunks))
+
+
 def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
                           overlap: bool = False, chunks: int = 1) -> nn.Module:
     """Shard ``model`` (the full seeded plain Transformer, or a pipeline stage of it) over ``comm`` in place.
