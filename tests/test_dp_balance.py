@@ -2,9 +2,12 @@
 single-process training in float64 (DDP, ZeRO, a pipeline per replica, experts over the data-parallel ranks),
 the split resumes from a checkpoint's data state."""
 
+import contextlib
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from parallelisms.config import PRESETS, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError
@@ -56,6 +59,40 @@ def test_proportional_split():
     assert proportional_split([1.0, 1 / 1.5, 1.0, 1.0], 16, 2) == [4, 4, 4, 4]  # 4.36/2.9: whole units of 2
     assert proportional_split([100.0, 1.0], 8, 2) == [6, 2]  # at least one unit each
     assert sum(proportional_split([1.0, 2.0, 3.0], 60, 1)) == 60
+
+
+class _World:
+    """Two data-parallel ranks' all-gather of (dp rank, ns per sequence): rank 0 at 1.0, rank 1 at ``slow()``."""
+    size = 2
+
+    def __init__(self, slow):
+        self.slow = slow
+
+    def all_gather(self, mine):
+        return torch.tensor([[0.0, 1.0], [1.0, self.slow()]], dtype=torch.float64)
+
+
+class _Comms(dict):
+    ledger = SimpleNamespace(in_phase=lambda phase: contextlib.nullcontext())
+
+
+@pytest.mark.fast
+def test_the_first_split_settles_when_the_speed_depends_on_the_split():
+    """Without --rebalance-every: measured again under each new split until a re-split moves no rank by more than a
+    unit. The slowed rank looks 1.2x slow under the even split (its core-mate finished early) and 1.5x under its
+    share: [9, 7] after step 4, [10, 6] after step 7 (moved one sequence: settled), then no more re-splits."""
+    measured = iter([1.2, 1.5, 1.5, 1.5])
+    balance = DataBalance(_Comms(world=_World(lambda: next(measured))), 2, 0, 16, 1, 0)
+    for step in range(20):
+        balance.after_step(step, 1000)
+    assert balance.history == [[9, 7], [10, 6]] and balance.settling == 0
+    periodic = DataBalance(_Comms(world=_World(lambda: 1.2)), 2, 0, 16, 1, 5)  # --rebalance-every 5: no settling
+    for step in range(8):
+        periodic.after_step(step, 1000)
+    assert periodic.history == [[9, 7]]
+    resumed = DataBalance(None, 2, 0, 16, 1, 0)  # the checkpoint carries the re-splits left
+    resumed.load_state_dict(balance.state_dict())
+    assert resumed.split == [10, 6] and resumed.settling == 0
 
 
 @pytest.mark.fast

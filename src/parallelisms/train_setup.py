@@ -59,7 +59,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     balance = None
     if parallel.ep_balance is Balance.MEASURED:  # copies of an expert kept one expert; the placement moved between steps
         grad_sync = balance = ExpertBalance(grad_sync, stages, copies, comms, parallel.ep_redundant,
-                                            parallel.ep_rebalance_every)
+                                            parallel.ep_rebalance_every,
+                                            per_update=schedule is not None and schedule.updates_per_microbatch)
     if model.cfg.tie_embeddings:
         grad_sync = TiedEmbeddings(grad_sync, comms)
     compute_dtype = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None  # None: the parameters' dtype
@@ -71,8 +72,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     pipeline = PipelineSchedule(schedule, stages, comms, model.cfg.dim, bounds, store, grad_sync, train,
                                 positions=positions, dtype=compute_dtype)
     if pipeline.updates is not None:  # the schedule's update hooks step each stage (PipeDream): no step of its own
-        return Trainer(grad_sync, pipeline, comms, train, None, pipeline.updates.optimizers.values())
-    trainer = Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
+        trainer = Trainer(grad_sync, pipeline, comms, train, None, pipeline.updates.optimizers.values())
+    else:
+        trainer = Trainer(grad_sync, pipeline, comms, train, _optimizer(grad_sync, model.cfg, train))
     trainer.ep_balance = balance
     return trainer
 

@@ -5,8 +5,11 @@ Each case is a training run (real processes on the CPU, the straggler report on)
 (:func:`_pinned`: at dp 4 on two cores, two ranks a core); the three cases of a degree (unslowed, slowed with the
 even split, slowed and balanced) alternate over ``--rounds`` rounds, so drift on a shared machine hits all three
 alike, and each figure is the median over rounds of the run's median step.
-The balanced run's first split is measured over steps 2-4 (:mod:`parallelisms.parallel.dp_balance`), so at least
-16 steps leave its median on the split. The ideal: with rank speeds 1 and 1/F, a proportional split takes
+The balanced run's first split is measured over steps 2-4 and settles over the next few
+(:mod:`parallelisms.parallel.dp_balance`), so at least 24 steps leave its median on the settled split. The global
+batch is at least 8 x dp sequences: a split is in whole sequences (each is one causal context, so tokens cannot
+move between ranks), and at 4 x dp the best whole split at dp 4 ([4, 3, 4, 5] or [5, 3, 4, 4] for 4.36 / 2.91
+each) leaves a fast rank 15% over the proportional share, at 8 x dp ([9, 6, 9, 8] for 8.73 / 5.82) 3%. The ideal: with rank speeds 1 and 1/F, a proportional split takes
 dp / (dp - 1 + 1/F) of the unslowed run's step (the whole step scaled as if it were compute, which overstates it
 a little: the optimizer is not split). ``ours`` is the balanced run, ``peer`` the even split; ``ratio`` below 1
 is the time balance saves.
@@ -49,7 +52,7 @@ def bench_straggler(args) -> dict:
     model = preset(args.preset).validate()
     rows = {}
     for dp in (2, 4):
-        train = TrainConfig(steps=max(args.steps, 16), global_batch=max(args.global_batch, 4 * dp),
+        train = TrainConfig(steps=max(args.steps, 24), global_batch=max(args.global_batch, 8 * dp),
                             seq_len=args.seq_len, bucket_mb=args.bucket_mb)
         times, last = {name: [] for name in CASES}, {}
         for _ in range(args.rounds):

@@ -10,6 +10,12 @@ slowed by another job on a shared machine does not set the split; a data-paralle
 member: tensor- or context-parallel peers compute together), and every rank derives the same split: sequences in proportion to
 speed, in whole units of ``grad_accum`` sequences, at least one unit each, largest remainders first.
 
+Without ``--rebalance-every`` the first split settles: a rank's speed measured under one split need not be its
+speed under another where ranks share a resource (two ranks a core: under the even split the slowed rank's
+core-mate finishes early and the slowed rank runs alone, fast, for the rest of the step, so the first measurement
+understates the slowdown), so the split is measured again under itself, ``MEASURE_STEPS - 1`` steps at a time, and
+re-split until a re-split moves no rank by more than one unit (rounding), at most ``SETTLE`` times.
+
 Training stays equal to single-process training: rank r's loss (the mean over its n_r sequences) is scaled by
 n_r x dp / B before the backward, so the engines' gradient average over dp (DDP, ZeRO, FSDP: a sum divided by
 dp) becomes sum_r n_r / B x g_r, the gradient of the mean over all B sequences; the reported loss is weighted
@@ -24,6 +30,7 @@ import statistics
 import torch
 
 MEASURE_STEPS = 4  # steps on the even split before the first measured one (the first warms up: three measured)
+SETTLE = 3  # re-splits after the first, each measured under the split before it, while the split still moves
 
 
 def proportional_split(speeds: list[float], total: int, unit: int) -> list[int]:
@@ -49,6 +56,7 @@ class DataBalance:
         self.split = [global_batch // dp] * dp  # sequences per data-parallel rank
         self.per_row: list[float] = []  # each step's compute ns per sequence since the last split
         self.history: list[list[int]] = []  # each split in use, in order (the summary shows the last)
+        self.settling = SETTLE if not rebalance_every else 0  # re-splits left until the split stops moving
 
     def rows_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch (``inputs``, ``targets``) under the split in use."""
@@ -68,8 +76,13 @@ class DataBalance:
             self.per_row.append(compute_ns / self.split[self.dp_rank])
         done = step + 1
         due = done == MEASURE_STEPS or (self.every and done > MEASURE_STEPS and (done - MEASURE_STEPS) % self.every == 0)
-        if due and self.per_row:
+        settle = bool(self.history) and self.settling > 0 and len(self.per_row) >= MEASURE_STEPS - 1
+        if (due or settle) and self.per_row:
+            before = list(self.split)
             self._resplit()
+            if settle:
+                moved = max(abs(a - b) for a, b in zip(before, self.split))
+                self.settling = 0 if moved <= self.unit else self.settling - 1
 
     def _resplit(self) -> None:
         mine = torch.tensor([float(self.dp_rank), statistics.median(self.per_row)], dtype=torch.float64)
@@ -83,7 +96,7 @@ class DataBalance:
         self.per_row = []
 
     def state_dict(self) -> dict:
-        return {"dp_split": list(self.split)}
+        return {"dp_split": list(self.split), "dp_settling": self.settling}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue with a saved split when it fits this run (same dp degree, global batch and unit); a run
@@ -93,6 +106,8 @@ class DataBalance:
                 n > 0 and n % self.unit == 0 for n in split):
             self.split = list(split)
             self.history.append(list(self.split))
+            self.settling = int(state.get("dp_settling", self.settling))
 
     def report(self) -> dict:
-        return {"split": list(self.split), "splits": self.history, "every": self.every}
+        return {"split": list(self.split), "splits": self.history, "every": self.every,
+                "settling": self.settling}

@@ -19,7 +19,10 @@ phase ``setup`` (one-off, like DDP's bucket rebuild), so the per-step figures le
 Training stays equal to single-process training (:class:`ExpertBalance`, a ``GradSync`` around the layout's):
 copies of one expert are one logical expert, so after the layout's reductions their gradients are summed over
 ``ep`` (one all-reduce of the replicated experts' gradients) and every copy steps with the same gradient and the
-same AdamW state; the gradient norm counts each expert once (its first copy), checkpoints present each expert as
+same AdamW state; the gradient norm counts each expert once (its first copy). PipeDream (Narayanan et al., 2019),
+which updates each stage after every microbatch from its schedule's hooks, does both per update for the stage's
+layers (:meth:`ExpertBalance.finish_stage`, :meth:`ExpertBalance.stage_grad_norm`); its placement moves between
+steps too, when the window has drained and no weight version is stashed. Checkpoints present each expert as
 its box of the plain model's tensor (a box two ranks hold is written once) and, in the data state, every layer's
 placement with the tokens counted since it (a resumed run continues as the uninterrupted one), and the full state
 dict gathers each expert's first copy.
@@ -27,6 +30,7 @@ dict gathers each expert's first copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -106,11 +110,14 @@ class ExpertBalance:
     """``inner`` (the layout's ``GradSync``) with the copies of each expert kept one expert, and the placement
     measured and moved between steps (see the module docstring); every other call goes to ``inner``."""
 
-    def __init__(self, inner, stages: dict, copies: set, comms: Comms, redundant: int, every: int):
+    def __init__(self, inner, stages: dict, copies: set, comms: Comms, redundant: int, every: int,
+                 per_update: bool = False):
         """``stages``: this rank's modules (the model, or its pipeline stages), DualPipe's second ``copies``
-        among them."""
-        self.inner, self.comms, self.ep = inner, comms, comms["ep"]
+        among them; ``per_update``: PipeDream's schedule updates each stage after every microbatch
+        (:meth:`finish_stage`), so the step's end has no gradient left to sum."""
+        self.inner, self.comms, self.ep, self.per_update = inner, comms, comms["ep"], per_update
         self.layers, self.index, self.first = [], [], []  # each layer's index in the model; not a second copy
+        self.stage = []  # each layer's stage
         self.prefix = {}  # the engines name the parameters as the stage (the plain model's names)
         for s in sorted(stages):
             self.prefix.update({id(m): name for name, m in stages[s].named_modules()})
@@ -119,6 +126,7 @@ class ExpertBalance:
                     if isinstance(m, BalancedExperts):
                         self.layers.append(m)
                         self.index.append(int(key))
+                        self.stage.append(s)
                         self.first.append(s not in copies)
         cfg = next(iter(stages.values())).cfg
         self.shape = (cfg.n_layers, cfg.n_experts)
@@ -141,14 +149,35 @@ class ExpertBalance:
             self._held = [holders(m, engines_of(self.inner)) for m in self.layers]
         return self._held
 
-    @torch.no_grad()
     def finish(self) -> None:
-        """The layout's reductions, then every copy's gradient becomes the sum over the expert's copies: each rank
-        adds the part of its copies it holds (a flat shard holds a range of the slots) into one row per replicated
-        expert, summed over ep and, where a flat engine shards the slots over ``ep_replicate``, over those ranks."""
+        """The layout's reductions, then every copy's gradient the sum over its expert's copies (:meth:`_sum_copies`;
+        under PipeDream each update did so for its stage)."""
         self.inner.finish()
+        if not self.per_update:
+            self._sum_copies(range(len(self.layers)))
+
+    def finish_stage(self, stage: int) -> None:
+        """PipeDream's update of ``stage`` (:class:`~parallelisms.parallel.pipeline.pipedream.WeightStashing`): the
+        stage's reduction, then its layers' copies summed, as :meth:`finish` does for the whole step."""
+        self.inner.finish_stage(stage)
+        self._sum_copies(self._of_stage(stage))
+
+    def stage_grad_norm(self, stage: int, params) -> torch.Tensor:
+        """PipeDream's norm of ``stage`` (the inner per-stage norm), each of its experts counted once."""
+        with self._first_copies_only(self._of_stage(stage)):
+            return self.inner.stage_grad_norm(stage, params)
+
+    def _of_stage(self, stage: int) -> list[int]:
+        return [i for i, s in enumerate(self.stage) if s == stage]
+
+    @torch.no_grad()
+    def _sum_copies(self, which) -> None:
+        """Every copy's gradient in layers ``which`` (indices) becomes the sum over the expert's copies: each rank
+        adds the part of its copies it holds (a flat shard holds a range of the slots) into one row per replicated
+        expert, summed over ep and, where a flat engine shards the slots over ``ep_replicate``, over those ranks.
+        The ranks of an ep group hold the same layers, so they make the same calls."""
         parts = []  # (layer's holders, replicated expert -> row, their summed gradients [row, weights' elements])
-        for m, held in zip(self.layers, self._holders()):
+        for m, held in ((self.layers[i], self._holders()[i]) for i in which):
             shared = {e: i for i, e in enumerate(e for e in range(m.n_experts) if len(m.copies[e]) > 1)}
             if not shared:
                 continue
@@ -168,11 +197,17 @@ class ExpertBalance:
             for grad, row in _copies(m, held, shared, total):
                 grad.copy_(row)
 
-    @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """The inner norm with every copy but an expert's first zeroed: each expert counts once."""
+        """The inner norm, each expert counted once."""
+        with self._first_copies_only(range(len(self.layers))):
+            return self.inner.grad_norm()
+
+    @contextlib.contextmanager
+    def _first_copies_only(self, which):
+        """Every copy but an expert's first zeroed in layers ``which`` while entered (a norm then counts each
+        expert once), the gradients restored after."""
         saved = []
-        for m, held in zip(self.layers, self._holders()):
+        for m, held in ((self.layers[i], self._holders()[i]) for i in which):
             first = m.comm.rank * m.local
             for slot in [slot for slot, e in enumerate(m.mine()) if m.copies[e][0] != first + slot]:
                 for h in held:
@@ -181,10 +216,11 @@ class ExpertBalance:
                         piece = h.param.grad.reshape(-1)[at:at + count]
                         saved.append((piece, piece.clone()))
                         piece.zero_()
-        norm = self.inner.grad_norm()
-        for piece, copy in saved:
-            piece.copy_(copy)
-        return norm
+        try:
+            yield
+        finally:
+            for piece, copy in saved:
+                piece.copy_(copy)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The layout's full parameters (each rank's slots, as the layout gathers them), each layer's experts

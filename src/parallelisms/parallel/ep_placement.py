@@ -94,10 +94,8 @@ def valid(placement, n_experts: int, ranks: int, length: int) -> bool:
 def check_ep_balance(parallel, model) -> None:
     """--ep-balance measured: expert parallelism over DDP or any sharding engine (its slots' elements in the
     engine's shards, :mod:`parallelisms.parallel.ep_slots`), fp32 or bf16, with or without a pipeline (DualPipe's
-    two copies of a stage placed alike), and a redundant count the experts can fill. PipeDream is refused: its
-    updates after every microbatch (:class:`parallelisms.parallel.pipeline.pipedream.WeightStashing`) reduce, clip
-    by the stage's own norm and step each stage from the schedule's hooks, so an expert's copies would neither have
-    their gradients summed nor count once in that norm."""
+    two copies of a stage placed alike; PipeDream's per-microbatch updates sum an expert's copies and count it once
+    in the stage's norm), and a redundant count the experts can fill."""
     from parallelisms.errors import require
 
     dims = parallel.dims
@@ -111,10 +109,6 @@ def check_ep_balance(parallel, model) -> None:
     require(model.n_experts > 0, "--ep-balance measured needs a mixture-of-experts model, but this one is dense; "
                                  "use --preset tiny-moe or a config with num_local_experts")
     require(dims.ep > 1, f"--ep-balance measured needs expert parallelism, got ep {dims.ep}; add --ep 2 or more")
-    require(dims.pp == 1 or parallel.schedule != "pipedream",
-            "--ep-balance measured with --schedule pipedream: its per-microbatch updates reduce, clip and step each "
-            "stage from the schedule's hooks, where an expert's copies neither sum their gradients nor count once in "
-            "the stage's norm; use another schedule, or --ep-balance even")
     most = max_redundant(model.n_experts, dims.ep)
     require(0 <= parallel.ep_redundant <= most,
             f"--ep-redundant {parallel.ep_redundant} is beyond the experts: {model.n_experts} experts over ep "

@@ -129,7 +129,8 @@ DATA = Parallelism(
         Option("find_unused_parameters", "treat parameters with no gradient as zero instead of raising", group=LAYOUT),
         Option("dp_balance", "how each global batch splits over the data-parallel ranks: {choices} (measured: in "
                              "proportion to each rank's measured speed)"),
-        Option("rebalance_every", "with --dp-balance measured: re-measure and re-split every N steps (0: once)",
+        Option("rebalance_every", "with --dp-balance measured: re-measure and re-split every N steps (0: once, "
+                                  "then until it settles)",
                parse=integer(0, 10**9))),
     checks.check_data_parallel,
     lambda m, t, p: _on(("ddp", p.dims.dp > 1 and not (p.zero or p.fsdp))),

@@ -194,7 +194,7 @@ def expert_block_change(cfg: ModelConfig, parallel: ParallelConfig) -> float:
 def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Gradient elements a rank all-reduces over ep per step so that the copies of each replicated expert step as
     one expert (``ExpertBalance.finish``: every replicated expert's gradient, once a step, after the layout's
-    reduction): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
+    reduction; PipeDream at each of its M per-microbatch updates): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
     routing (the extra slots go to the experts in turn) and before any measurement (each rank's extra slots copy
     the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
     shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
@@ -202,7 +202,9 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     if parallel.ep_balance != "measured" or not parallel.ep_redundant or parallel.dims.ep == 1:
         return 0.0
     replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
-    return cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    pipedream = parallel.dims.pp > 1 and parallel.schedule == "pipedream"
+    updates = (parallel.microbatches or 2 * parallel.dims.pp) if pipedream else 1
+    return updates * cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
 def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shards: int, params: float,

@@ -56,14 +56,15 @@ from parallelisms.parallel.common import clip_grad_norm_
 class WeightStashing:
     """PipeDream's per-stage updates inside the schedule, with weight stashing: the executor's forward
     (:meth:`forward`) runs a stage on the stashed version its microbatch must see (whose gradients go to the
-    stage's parameters), and its OPTIMIZER action (:meth:`update`) waits for the stage's engine (``engines``:
-    stage -> its gradient sync, held through the step) to average the gradient, clips by the stage's own norm
-    (summed over tp) and steps the stage's own optimizer. Call :meth:`start_window` before each step's schedule
-    (the window ends in a drain)."""
+    stage's parameters), and its OPTIMIZER action (:meth:`update`) has the pipeline's gradient sync (``sync``: a
+    ``StageSyncs``, one engine per stage held through the step, possibly wrapped) finish the stage's gradient
+    (average it; under ``--ep-balance measured`` also sum each expert's copies), clips by the stage's own norm
+    (summed over tp and ep, each expert once) and steps the stage's own optimizer. Call :meth:`start_window`
+    before each step's schedule (the window ends in a drain, so nothing stashed outlives a step)."""
 
-    def __init__(self, stages: dict[int, torch.nn.Module], engines: dict, cfg: TrainConfig, comms: Comms,
+    def __init__(self, stages: dict[int, torch.nn.Module], sync, cfg: TrainConfig, comms: Comms,
                  compute_dtype: torch.dtype | None = None):
-        self.cfg, self.comms, self.compute_dtype, self.engines = cfg, comms, compute_dtype, engines
+        self.cfg, self.comms, self.compute_dtype, self.sync = cfg, comms, compute_dtype, sync
         self.named = {s: dict(st.named_parameters()) for s, st in stages.items()}
         self.optimizers = {s: make_optimizer(named.items(), cfg) for s, named in self.named.items()}
         for stage in stages.values():
@@ -89,12 +90,12 @@ class WeightStashing:
         return functional_call(module, leaves, (x, targets), kwargs)
 
     def update(self, a: Action) -> None:
-        engine, params = self.engines[a.stage], list(self.named[a.stage].values())
-        engine.finish()  # the average the executor launched after this microbatch's backward
+        params = list(self.named[a.stage].values())
+        self.sync.finish_stage(a.stage)  # the average the executor launched after this microbatch's backward
         if self.cfg.grad_clip > 0:  # the stage's own norm: its replicas agree, so over tp (and ep) only
-            clip_grad_norm_(params, self.cfg.grad_clip, self.comms, within=("tp", "ep"))
+            clip_grad_norm_(params, self.cfg.grad_clip, self.comms, norm=self.sync.stage_grad_norm(a.stage, params))
         self.optimizers[a.stage].step()
-        engine.zero_grad()
+        self.sync.engines[a.stage].zero_grad()
         self.updates[a.stage] += 1
 
 

@@ -79,7 +79,7 @@ class PipelineSchedule:
         hooks = {"on_stage_done": grad_sync.stage_done, "dtype": dtype}
         self.updates = None  # the schedule's own updates (PipeDream)
         if schedule.updates_per_microbatch:
-            self.updates = WeightStashing(stages, grad_sync.engines, train, comms, compute_dtype=dtype)
+            self.updates = WeightStashing(stages, grad_sync, train, comms, compute_dtype=dtype)
             hooks.update(forward_fn=self.updates.forward, on_optimizer=self.updates.update)
             self.loss_scale = 1.0  # each update takes one microbatch's mean-loss gradient
         if positions is not None:

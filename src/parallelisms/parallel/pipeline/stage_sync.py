@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from parallelisms.comm import Comms
-from parallelisms.parallel.common import norm_of_groups
+from parallelisms.parallel.common import global_grad_norm, norm_of_groups
 from parallelisms.parallel.grad_sync import GradSync
 from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.pipeline.stage import add_mirror_copies
@@ -68,6 +68,15 @@ class StageSyncs:
         if self.copies:
             add_mirror_copies(self.comms["pp"], [_grad_of(p) for s in sorted(self.engines)
                                                  for p in self.engines[s].parameters()])
+
+    def finish_stage(self, stage: int) -> None:
+        """PipeDream's update of ``stage``: wait for the reduction launched after its microbatch's backward."""
+        self.engines[stage].finish()
+
+    def stage_grad_norm(self, stage: int, params: list[nn.Parameter]) -> torch.Tensor:
+        """PipeDream's per-stage norm of ``params`` (the stage's): its replicas agree, so summed over tp and ep
+        only, not over the other stages (which update at other times)."""
+        return global_grad_norm(params, self.comms, within=("tp", "ep"))
 
     def grad_norm(self) -> torch.Tensor:
         """The global norm: the stages' squared norms by mesh-dimension group (stages are marked sharded over
