@@ -307,7 +307,7 @@ ROWS: dict[str, Row] = {  # by descriptor name; every descriptor has one (tests/
     "context": Row("Context parallel", "ring (zigzag, exact merge), Ulysses, all-gather (Llama 3), hierarchical "
                                        "Ulysses x ring (USP)", "docs/parallelisms/cp.md", "cp"),
     "expert": Row("Expert parallel", "top-k router, capacity, aux loss, grouped GEMM, all-to-all; EPLB placement "
-                                     "(bf16; pp but PipeDream)", "docs/parallelisms/ep.md", "ep"),
+                                     "(bf16; every schedule)", "docs/parallelisms/ep.md", "ep"),
     "pipeline": Row("Pipeline parallel", "GPipe to DualPipe(V) and PipeDream; each stage under the whole-model dp "
                                          "engines; measured balance", "docs/parallelisms/pp.md", "pp"),
     "recompute": Row("Activation recomputation", "`--recompute selective\\|full`, under every sharding style and "
