@@ -99,11 +99,12 @@ def check_ep_balance(parallel, model) -> None:
     by the stage's own norm and step each stage from the schedule's hooks, so an expert's copies would neither have
     their gradients summed nor count once in that norm."""
     from parallelisms.errors import require
+    from parallelisms.options import Balance, Schedule, choices
 
     dims = parallel.dims
-    require(parallel.ep_balance in ("even", "measured"),
-            f"unknown --ep-balance {parallel.ep_balance!r}; choose even or measured")
-    if parallel.ep_balance != "measured":
+    require(isinstance(parallel.ep_balance, Balance),  # the config made a valid string its member
+            f"unknown --ep-balance {parallel.ep_balance!r}; choose {choices(Balance)}")
+    if parallel.ep_balance is not Balance.MEASURED:
         require(parallel.ep_redundant == 0 and parallel.ep_rebalance_every == 0,
                 f"--ep-redundant {parallel.ep_redundant} / --ep-rebalance-every {parallel.ep_rebalance_every} apply "
                 f"only with --ep-balance measured; add it or drop them")
@@ -111,7 +112,7 @@ def check_ep_balance(parallel, model) -> None:
     require(model.n_experts > 0, "--ep-balance measured needs a mixture-of-experts model, but this one is dense; "
                                  "use --preset tiny-moe or a config with num_local_experts")
     require(dims.ep > 1, f"--ep-balance measured needs expert parallelism, got ep {dims.ep}; add --ep 2 or more")
-    require(dims.pp == 1 or parallel.schedule != "pipedream",
+    require(dims.pp == 1 or parallel.schedule is not Schedule.PIPEDREAM,
             "--ep-balance measured with --schedule pipedream: its per-microbatch updates reduce, clip and step each "
             "stage from the schedule's hooks, where an expert's copies neither sum their gradients nor count once in "
             "the stage's norm; use another schedule, or --ep-balance even")

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.options import Balance, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.perf.context import context_volumes
 from parallelisms.perf.stages import rank0_layers
@@ -51,7 +52,7 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 # -- memory --------------------------------------------------------------------------------------------
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none", kv_heads: int | None = None,
+                               sequence_parallel: bool = False, recompute: str = Recompute.NONE, kv_heads: int | None = None,
                                ffn: int | None = None, mlp_matrices: int = 2) -> float:
     """Korthikanti Table 2, 16-bit activations: bytes one transformer layer keeps for backward.
 
@@ -65,11 +66,11 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     sbh = seq * batch * hidden
     sharded = 4 + 4 * (kv_heads or heads) / heads + 2 * mlp_matrices * (ffn or 4 * hidden) / hidden
     attention = 5 * heads * seq / (hidden * tp)
-    if recompute == "full":  # the layer's input, sequence-sharded under sequence parallelism
+    if recompute == Recompute.FULL:  # the layer's input, sequence-sharded under sequence parallelism
         return 2 * sbh / (tp if sequence_parallel else 1)
     if sequence_parallel:
-        return sbh * ((10 + sharded) / tp + (attention if recompute == "none" else 0))
-    return sbh * (10 + sharded / tp + (attention if recompute == "none" else 0))
+        return sbh * ((10 + sharded) / tp + (attention if recompute == Recompute.NONE else 0))
+    return sbh * (10 + sharded / tp + (attention if recompute == Recompute.NONE else 0))
 
 
 def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
@@ -79,16 +80,20 @@ def pipeline_activation_factor(pp: int, chunks: int = 1) -> float:
     return 1.0 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
 
 
+def sharding_stage(parallel: ParallelConfig) -> int:
+    """The ZeRO stage of the layout's sharding engine: ``--zero``, or the one its FSDP strategy matches (0: none)."""
+    return parallel.zero or (parallel.fsdp.stage if parallel.fsdp else 0)
+
+
 def model_state_bytes(num_params: int, parallel: ParallelConfig, expert_params: int = 0) -> dict:
     """Parameters, gradients and optimizer state per rank (ZeRO's accounting); parameters are first divided
     by tp x pp (each rank holds 1/(tp pp) of the model), then by the sharding data-parallel degree. Of them,
     ``expert_params`` are divided by pp x ep instead (experts replicate over tp) and shard over the ranks holding
     the same experts."""
     dims = parallel.dims
-    stage = parallel.zero or {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "hybrid_shard_zero2": 2,
-                              "no_shard": 0, None: 0}[parallel.fsdp]
+    stage = sharding_stage(parallel)
     shard = dims.dp_shard if parallel.fsdp else dims.dp
-    bf16 = parallel.mixed_precision == "bf16"
+    bf16 = parallel.mixed_precision is Precision.BF16
     sizes = dict(param_bytes=2 if bf16 else 4, grad_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0, optim_bytes=8)
     dense = zero_formula(int((num_params - expert_params) / (dims.tp * dims.pp)), shard if stage else 1, stage, **sizes)
     if not expert_params:
@@ -125,7 +130,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     local_params += layers * expert_block_change(cfg, parallel)
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
     if dp > 1:
-        hybrid = parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2")
+        hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
         shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
         dense = local_params - expert_params + sum(per_param_padding(cfg, parallel, shards))
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
@@ -141,7 +146,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         copies = redundant_expert_grads(cfg, parallel)
         if copies:  # EPLB's copies of a hot expert sum their gradients over ep
             out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
-            if replicas > 1 and (parallel.zero or parallel.fsdp not in (None, "no_shard")):  # slots sharded over
+            if replicas > 1 and sharding_stage(parallel):  # slots sharded over
                 out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * copies * 4))
         out.append(CommVolume("all_to_all", "ep", _expert_all_to_alls(cfg, parallel, train, dtype_bytes)))
     if dims.tp > 1:
@@ -152,25 +157,25 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
 
         m = microbatches_per_step(parallel, train)
-        schedule = build_schedule(parallel.schedule, dims.pp, m, parallel.chunks if parallel.schedule == "interleaved"
+        schedule = build_schedule(parallel.schedule, dims.pp, m, parallel.chunks if parallel.schedule is Schedule.INTERLEAVED
                                   else None)
         sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
         activation = train.global_batch // dims.dp // m * train.seq_len // dims.cp * cfg.dim * dtype_bytes
         if parallel.sequence_parallel:  # stages exchange the sequence-sharded residual stream
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
-        if parallel.schedule == "dualpipe":  # the two copies of each stage exchange their fp32 gradient buffers
+        if parallel.schedule is Schedule.DUALPIPE:  # the two copies of each stage exchange their fp32 gradient buffers
             held = 2 * (cfg.n_layers // dims.pp) * block_params(cfg, dims.tp) + 2 * cfg.vocab_size * cfg.dim / dims.tp
             out.append(CommVolume("send", "pp", 4 * (held + cfg.dim)))
-    if dims.pp > 1 and parallel.schedule == "pipedream":  # it updates per microbatch, without a global norm
+    if dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM:  # it updates per microbatch, without a global norm
         return out
-    return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
+    return out + grad_norm_volumes(parallel, train.dtype.bytes)
 
 
 def expert_slots(cfg: ModelConfig, parallel: ParallelConfig) -> int:
     """Experts an expert-parallel rank holds per MoE layer: its n_experts / ep, plus ``--ep-redundant`` slots for
     copies of hot experts under ``--ep-balance measured`` (EPLB; :mod:`parallelisms.parallel.ep_balance`)."""
-    extra = parallel.ep_redundant if parallel.ep_balance == "measured" else 0
+    extra = parallel.ep_redundant if parallel.ep_balance is Balance.MEASURED else 0
     return cfg.n_experts // parallel.dims.ep + extra
 
 
@@ -199,7 +204,7 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
     shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
     each rank's share of its copies being a range of them."""
-    if parallel.ep_balance != "measured" or not parallel.ep_redundant or parallel.dims.ep == 1:
+    if parallel.ep_balance is not Balance.MEASURED or not parallel.ep_redundant or parallel.dims.ep == 1:
         return 0.0
     replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
     return cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
@@ -216,10 +221,11 @@ def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shar
         return []
     ring, grads = (shards - 1) / shards, params * 4
     m = microbatches_per_step(parallel, train) if parallel.dims.pp == 1 else 1
-    if parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard"):
+    stage = sharding_stage(parallel)
+    if stage == 3:
         return [CommVolume("all_gather", dim, m * ring * gathered), CommVolume("reduce_scatter", dim, m * ring * grads)]
-    if parallel.zero or parallel.fsdp not in (None, "no_shard"):
-        gathers = m if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2") else 1
+    if stage:
+        gathers = m if parallel.fsdp and parallel.fsdp.stage == 2 else 1
         return [CommVolume("reduce_scatter", dim, (m if parallel.zero != 1 else 1) * ring * grads),
                 CommVolume("all_gather", dim, gathers * ring * params * dtype_bytes)]
     return [CommVolume("all_reduce", dim, 2 * ring * grads)]
@@ -233,7 +239,7 @@ def _expert_all_to_alls(cfg: ModelConfig, parallel: ParallelConfig, train: Train
     dims = parallel.dims
     leaving = (dims.ep - 1) / dims.ep
     rows = train.global_batch // dims.dp * train.seq_len // dims.cp * cfg.top_k * leaving
-    forwards = 2 if parallel.recompute == "full" else 1
+    forwards = 2 if parallel.recompute is Recompute.FULL else 1
     counts = microbatches_per_step(parallel, train) * leaving * cfg.n_experts * 8
     return rank0_layers(cfg, parallel) * (forwards * counts + (2 * forwards + 2) * rows * cfg.dim * dtype_bytes)
 
@@ -247,12 +253,12 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     params = rank0_params(cfg, parallel) * dtype_bytes
     if parallel.dims.pp > 1:
         return params
-    if parallel.fsdp_style == "flat" or parallel.zero:
+    if parallel.fsdp_style is FsdpStyle.FLAT or parallel.zero:
         return 2 * params
     block = block_params(cfg, parallel.dims.tp) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
     padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
-    return params + blocks - (block if parallel.fsdp_style == "reuse" else 0) + (sum(padding) + padding[1]) * dtype_bytes
+    return params + blocks - (block if parallel.fsdp_style is FsdpStyle.REUSE else 0) + (sum(padding) + padding[1]) * dtype_bytes
 
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
@@ -260,7 +266,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
     (``parallel/fsdp2.py``), and gathers and reduce-scatters the padded rows: the padding elements of rank 0's
     tables and final norm, and of its blocks (dense blocks: their q, k, v, output and MLP matrices and norms).
     Nothing for the other engines."""
-    if parallel.fsdp_style != "per_param" or not parallel.fsdp or shards <= 1:
+    if parallel.fsdp_style is not FsdpStyle.PER_PARAM or not parallel.fsdp or shards <= 1:
         return 0.0, 0.0
     t, d = parallel.dims.tp, cfg.dim
 
@@ -333,10 +339,10 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
     reduce-scattered, and the final norm weight's gradient all-reduced)."""
     dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
-    elem = 8 if train.dtype == "float64" else 4
+    elem = train.dtype.bytes
     layers, head = rank0_layers(cfg, parallel), rank0_holds_head(parallel)
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
-    forward = layers * (2 if parallel.recompute == "full" else 1)  # blocks' forwards run
+    forward = layers * (2 if parallel.recompute is Recompute.FULL else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
     # fewer key/value heads than ranks: each rank keeps 1/t of the K and V weights and all-gathers them (compute
     # dtype) in every forward, reduce-scattering their gradients in backward
@@ -351,7 +357,7 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
                        CommVolume("reduce_scatter", "tp", m * layers * kv_weights)] if kv_weights else [])
     gathers = (forward * 2 + layers * (3 + mlp) + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
     scatters = ((forward + layers) * (1 + mlp) + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's
-    norm_bytes = 2 if parallel.mixed_precision == "bf16" else elem  # the compute dtype's gradients
+    norm_bytes = 2 if parallel.mixed_precision is Precision.BF16 else elem  # the compute dtype's gradients
     norms = m * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
     return [CommVolume("all_gather", "tp", gathers), CommVolume("reduce_scatter", "tp", scatters),
             CommVolume("all_reduce", "tp", 2 * (t - 1) / t * (small + norms))]
@@ -360,9 +366,9 @@ def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:
     """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over."""
     dims = parallel.dims
-    if parallel.fsdp == "no_shard" or not (parallel.zero or parallel.fsdp):
+    if not sharding_stage(parallel):
         return None
-    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2") or parallel.fsdp_style != "flat":
+    if (parallel.fsdp and parallel.fsdp.hybrid) or parallel.fsdp_style is not FsdpStyle.FLAT:
         return "dp_shard", dims.dp_shard
     if dims.cp > 1 and dims.pp == 1:
         return "dp_cp", dims.dp * dims.cp
