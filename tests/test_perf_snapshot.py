@@ -44,6 +44,9 @@ def _layouts(moe: bool) -> list[tuple[dict, dict, dict]]:
                     ({"dp_shard": 4, "ep": ep}, {"zero": 2, "ep_balance": "measured", "ep_redundant": 2}, {}),
                     ({"dp_replicate": 2, "tp": 2, "ep": 2}, {"sequence_parallel": True}, {}),
                     ({"dp_replicate": 2, "pp": 2, "ep": 2}, {"schedule": "1f1b", "recompute": "full"}, {})]
+        for mode in MODES:  # the experts' all-to-alls beside context parallelism's
+            out += [({"dp_replicate": 2, "cp": 2, "ep": 2}, {"cp_attention": mode, "zero": 1}, {}),
+                    ({"cp": 2, "tp": 2, "ep": 2}, {"cp_attention": mode, "sequence_parallel": True}, {})]
         return out
     out += [({"dp_replicate": 8}, {}, {}), ({"dp_replicate": 4}, {}, {"grad_accum": 2}),
             ({"dp_replicate": 4}, {"mixed_precision": "bf16"}, {}), ({"dp_replicate": 2}, {}, {"dtype": "float64"})]
