@@ -6,8 +6,10 @@ A descriptor holds a parallelism's name, its mesh dimension and degree flag, its
 :class:`~parallelisms.config.ParallelConfig` fields it owns: their flags, help and parsers; their types and
 defaults are the config's, an enum's values its choices), its rules (a function of
 :mod:`parallelisms.parallel.checks`), the features it switches on (the support table's names, each with the flag
-a user writes and the smallest layout that switches it on, the test layouts' row), the pairs it cannot run with
-and where its transform lives (``module:function``, applied by :func:`parallelisms.train_setup.parallelize`).
+a user writes and the smallest layout that switches it on, the test layouts' row), the pairs it cannot run with,
+where its transform lives (``module:function``, applied by :func:`parallelisms.train_setup.parallelize`) and
+where the performance model finds the collectives it makes per step (``volumes``, in
+:mod:`parallelisms.perf.volumes`; :func:`parallelisms.perf.model.comm_per_step` adds them up).
 Recomputation and mixed precision, options of the layout that are not parallelisms, are described the same way.
 A new parallelism is its modules and one entry in :data:`PARALLELISMS`.
 """
@@ -105,6 +107,7 @@ class Parallelism:
     transform: str             # "module:function"
     excludes: dict[frozenset, str] = field(default_factory=dict)  # pairs of features that cannot run, why
     degree: str = ""           # "tensor": the --tp flag's "tensor-parallel degree" (the dp flags are the CLI's)
+    volumes: str = ""          # "module:function": its collectives per step for perf/ (none: it makes none of its own)
 
 
 def pairs(left, right, reason: str) -> dict[frozenset, str]:
@@ -132,7 +135,7 @@ DATA = Parallelism(
     checks.check_data_parallel,
     lambda m, t, p: _on(("ddp", p.dims.dp > 1 and not (p.zero or p.fsdp))),
     {"ddp": Feature("--dp (DDP)", {"dp_replicate": 2})},
-    "parallelisms.parallel.data:DataParallel")
+    "parallelisms.parallel.data:DataParallel", volumes="parallelisms.perf.volumes:ddp")
 
 ZERO = Parallelism(
     "zero", "dp_shard", SHARDED, (
@@ -144,7 +147,8 @@ ZERO = Parallelism(
     {f"zero{s}": Feature(f"--zero {s}", {"dp_shard": 2}, {"zero": s}) for s in (1, 2, 3)},
     "parallelisms.parallel.zero:sharded_grad_sync",
     pairs(_ZERO, _FSDP + _STYLES, "two ways to shard the same data-parallel state: pick one (--zero 3 is --fsdp "
-                                  "full_shard, --zero 2 is close to shard_grad_op)"))
+                                  "full_shard, --zero 2 is close to shard_grad_op)"),
+    volumes="parallelisms.perf.volumes:zero")
 
 FSDP = Parallelism(
     "fsdp", "dp_shard", SHARDED, (
@@ -160,7 +164,7 @@ FSDP = Parallelism(
                              {"fsdp": s}) for s in FsdpStrategy},
      **{s: Feature(f"--fsdp-style {s}", {"dp_shard": 2}, {"fsdp": FsdpStrategy.FULL_SHARD, "fsdp_style": s})
         for s in _STYLES}},
-    "parallelisms.parallel.fsdp:fsdp_plan")
+    "parallelisms.parallel.fsdp:fsdp_plan", volumes="parallelisms.perf.volumes:fsdp")
 
 TENSOR = Parallelism(
     "tensor", "tp", "tensor parallelism", (
@@ -170,7 +174,8 @@ TENSOR = Parallelism(
     checks.check_tensor_parallel,
     lambda m, t, p: _on(("tp", p.dims.tp > 1), ("tp-overlap", p.tp_overlap)),
     {"tp": Feature("--tp", {"tp": 2}), "tp-overlap": Feature("--tp-overlap", {"tp": 2}, {"tp_overlap": True})},
-    "parallelisms.parallel.tensor_plan:apply_tensor_parallel", degree="tensor")
+    "parallelisms.parallel.tensor_plan:apply_tensor_parallel", degree="tensor",
+    volumes="parallelisms.perf.volumes:tensor_parallel")
 
 SEQUENCE = Parallelism(  # Megatron's: the tensor-parallel group shards the sequence between its regions
     "sequence", "tp", "tensor parallelism",
@@ -192,7 +197,8 @@ CONTEXT = Parallelism(
                       {"cp_attention": name, "cp_ulysses_size": 2 if name == "hierarchical" else 0})
         for name in MODES},
      "ring": Feature("--cp (ring)", {"cp": 2}, {"cp_attention": "ring"})},
-    "parallelisms.parallel.context:apply_context_parallel", degree="context")
+    "parallelisms.parallel.context:apply_context_parallel", degree="context",
+    volumes="parallelisms.perf.volumes:context_parallel")
 
 EXPERT = Parallelism(
     "expert", "ep", "expert-parallel balance", (
@@ -205,7 +211,8 @@ EXPERT = Parallelism(
     checks.check_expert_parallel,
     lambda m, t, p: _on(("moe", m.n_experts > 0), ("ep", p.dims.ep > 1)),
     {"moe": Feature("a mixture-of-experts model", moe=True), "ep": Feature("--ep", {"ep": 2}, moe=True)},
-    "parallelisms.parallel.expert:apply_expert_parallel", degree="expert")
+    "parallelisms.parallel.expert:apply_expert_parallel", degree="expert",
+    volumes="parallelisms.perf.volumes:expert_parallel")
 
 PIPELINE = Parallelism(
     "pipeline", "pp", "pipeline parallelism", (
@@ -223,7 +230,7 @@ PIPELINE = Parallelism(
     pairs(str(Schedule.PIPEDREAM), _ZERO + _STYLES + _FSDP, "PipeDream updates a stage after every microbatch and "
           "stashes a full copy of each weight version in flight, so sharded weights would be gathered, kept whole "
           "and re-sharded per microbatch: no memory saved, every update a full collective"),
-    degree="pipeline")
+    degree="pipeline", volumes="parallelisms.perf.volumes:pipeline_parallel")
 
 RECOMPUTE = Parallelism(
     "recompute", None, "activation memory", (Option("recompute", "activation recomputation: {choices}"),),
