@@ -79,8 +79,10 @@ def test_lower_layers_do_not_import_higher_ones():
 STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
-              "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu")
+              "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu",
+              "parallelisms.perf.volumes")
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
+                "parallelisms.options", "parallelisms.parallel.registry",  # registry: each one's volumes function
                 "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
                 "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",
                 "parallelisms.parallel.pipeline.partition", "parallelisms.perf")  # partition: the runtime's stage cut
@@ -134,3 +136,24 @@ def test_the_cpu_mechanisms_sit_behind_their_adapter():
             assert "hw.cores" not in source, name  # the kind selects; only the adapter and the hardware read cores
     for name in CPU_ADAPTER:
         assert not graph[name] & set(COMMAND_LINE), (name, graph[name] & set(COMMAND_LINE))
+
+
+# Each parallelism's collectives per step are the function its descriptor names (``volumes``): comm_per_step reads
+# them through the registry, so no module imports perf/volumes.py, every descriptor's names one of its functions,
+# and every public function there is some descriptor's.
+def test_perf_reads_each_parallelisms_volumes_through_the_registry():
+    import importlib
+    import inspect
+
+    from parallelisms.parallel.registry import PARALLELISMS
+    from parallelisms.perf import volumes
+
+    graph = _imports()
+    assert not {name for name, targets in graph.items() if "parallelisms.perf.volumes" in targets}
+    named = {p.volumes for p in PARALLELISMS.values() if p.volumes}
+    for spec in named:
+        module, function = spec.split(":")
+        assert module == "parallelisms.perf.volumes" and callable(getattr(importlib.import_module(module), function))
+    public = {f"parallelisms.perf.volumes:{n}" for n, f in inspect.getmembers(volumes, inspect.isfunction)
+              if f.__module__ == volumes.__name__ and not n.startswith("_")}
+    assert public == named

@@ -28,6 +28,13 @@ class FsdpStrategy(StrEnum):
         """Whether it needs a 2-D ``dp_replicate x dp_shard`` mesh."""
         return self in (FsdpStrategy.HYBRID_SHARD, FsdpStrategy.HYBRID_SHARD_ZERO2)
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage whose states it shards (Rajbhandari et al. SC'20): 3 the parameters too, 2 the gradients
+        and optimizer state, 0 nothing."""
+        full = (FsdpStrategy.FULL_SHARD, FsdpStrategy.HYBRID_SHARD)
+        return 3 if self in full else 0 if self is FsdpStrategy.NO_SHARD else 2
+
 
 class FsdpStyle(StrEnum):
     """The FSDP engine: flat parameters (FSDP1), per-parameter shards (FSDP2) or reused buffers (YaFSDP)."""
@@ -41,6 +48,11 @@ class Precision(StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
 
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of a compute-dtype element over fp32 parameters (activations, gathered weights)."""
+        return 2 if self is Precision.BF16 else 4
+
 
 class Schedule(StrEnum):
     """The pipeline schedules (:data:`parallelisms.parallel.pipeline.schedules.GENERATORS`)."""
@@ -53,6 +65,12 @@ class Schedule(StrEnum):
     DUALPIPE = "dualpipe"
     DUALPIPEV = "dualpipev"
     PIPEDREAM = "pipedream"
+
+    @property
+    def dual(self) -> bool:
+        """DualPipe's two-direction schedules, whose F&B chunks run one microbatch's forward beside another's
+        backward (DeepSeek-V3 report, Sec. 3.2.1)."""
+        return self in (Schedule.DUALPIPE, Schedule.DUALPIPEV)
 
 
 class PpBalance(StrEnum):
@@ -78,6 +96,10 @@ class Dtype(StrEnum):
     """The parameters' dtype (float64: verify's tight contract)."""
     FLOAT32 = "float32"
     FLOAT64 = "float64"
+
+    @property
+    def bytes(self) -> int:
+        return 8 if self is Dtype.FLOAT64 else 4
 
 
 class NonFinite(StrEnum):

@@ -97,11 +97,12 @@ def check_ep_balance(parallel, model) -> None:
     two copies of a stage placed alike; PipeDream's per-microbatch updates sum an expert's copies and count it once
     in the stage's norm), and a redundant count the experts can fill."""
     from parallelisms.errors import require
+    from parallelisms.options import Balance, choices
 
     dims = parallel.dims
-    require(parallel.ep_balance in ("even", "measured"),
-            f"unknown --ep-balance {parallel.ep_balance!r}; choose even or measured")
-    if parallel.ep_balance != "measured":
+    require(isinstance(parallel.ep_balance, Balance),  # the config made a valid string its member
+            f"unknown --ep-balance {parallel.ep_balance!r}; choose {choices(Balance)}")
+    if parallel.ep_balance is not Balance.MEASURED:
         require(parallel.ep_redundant == 0 and parallel.ep_rebalance_every == 0,
                 f"--ep-redundant {parallel.ep_redundant} / --ep-rebalance-every {parallel.ep_rebalance_every} apply "
                 f"only with --ep-balance measured; add it or drop them")

@@ -6,9 +6,11 @@ A descriptor holds a parallelism's name, its mesh dimension and degree flag, its
 :class:`~parallelisms.config.ParallelConfig` fields it owns: their flags, help and parsers; their types and
 defaults are the config's, an enum's values its choices), its rules (a function of
 :mod:`parallelisms.parallel.checks`), the features it switches on (the support table's names, each with the flag
-a user writes and the smallest layout that switches it on, the test layouts' row), the pairs it cannot run with
-and where its transform lives (``module:function``; a module swap, ``module_swap``, is applied by
-:func:`parallelisms.train_setup.parallelize` in the registry's order, see :func:`module_swaps`).
+a user writes and the smallest layout that switches it on, the test layouts' row), the pairs it cannot run with,
+where its transform lives (``module:function``; a module swap, ``module_swap``, is applied by
+:func:`parallelisms.train_setup.parallelize` in the registry's order, see :func:`module_swaps`) and
+where the performance model finds the collectives it makes per step (``volumes``, in
+:mod:`parallelisms.perf.volumes`; :func:`parallelisms.perf.model.comm_per_step` adds them up).
 Recomputation and mixed precision, options of the layout that are not parallelisms, are described the same way.
 A new parallelism is its modules and one entry in :data:`PARALLELISMS`.
 """
@@ -107,6 +109,7 @@ class Parallelism:
     excludes: dict[frozenset, str] = field(default_factory=dict)  # pairs of features that cannot run, why
     degree: str = ""           # "tensor": the --tp flag's "tensor-parallel degree" (the dp flags are the CLI's)
     module_swap: bool = False  # ``transform`` swaps modules of the full model: f(model, comms, parallel, train)
+    volumes: str = ""          # "module:function": its collectives per step for perf/ (none: it makes none of its own)
 
 
 def pairs(left, right, reason: str) -> dict[frozenset, str]:
@@ -135,7 +138,7 @@ DATA = Parallelism(
     checks.check_data_parallel,
     lambda m, t, p: _on(("ddp", p.dims.dp > 1 and not (p.zero or p.fsdp))),
     {"ddp": Feature("--dp (DDP)", {"dp_replicate": 2})},
-    "parallelisms.parallel.data:DataParallel")
+    "parallelisms.parallel.data:DataParallel", volumes="parallelisms.perf.volumes:ddp")
 
 ZERO = Parallelism(
     "zero", "dp_shard", SHARDED, (
@@ -147,7 +150,8 @@ ZERO = Parallelism(
     {f"zero{s}": Feature(f"--zero {s}", {"dp_shard": 2}, {"zero": s}) for s in (1, 2, 3)},
     "parallelisms.parallel.zero:sharded_grad_sync",
     pairs(_ZERO, _FSDP + _STYLES, "two ways to shard the same data-parallel state: pick one (--zero 3 is --fsdp "
-                                  "full_shard, --zero 2 is close to shard_grad_op)"))
+                                  "full_shard, --zero 2 is close to shard_grad_op)"),
+    volumes="parallelisms.perf.volumes:zero")
 
 FSDP = Parallelism(
     "fsdp", "dp_shard", SHARDED, (
@@ -163,7 +167,7 @@ FSDP = Parallelism(
                              {"fsdp": s}) for s in FsdpStrategy},
      **{s: Feature(f"--fsdp-style {s}", {"dp_shard": 2}, {"fsdp": FsdpStrategy.FULL_SHARD, "fsdp_style": s})
         for s in _STYLES}},
-    "parallelisms.parallel.fsdp:fsdp_plan")
+    "parallelisms.parallel.fsdp:fsdp_plan", volumes="parallelisms.perf.volumes:fsdp")
 
 TENSOR = Parallelism(
     "tensor", "tp", "tensor parallelism", (
@@ -173,7 +177,8 @@ TENSOR = Parallelism(
     checks.check_tensor_parallel,
     lambda m, t, p: _on(("tp", p.dims.tp > 1), ("tp-overlap", p.tp_overlap)),
     {"tp": Feature("--tp", {"tp": 2}), "tp-overlap": Feature("--tp-overlap", {"tp": 2}, {"tp_overlap": True})},
-    "parallelisms.parallel.tensor_plan:tensor_parallel_swap", degree="tensor", module_swap=True)
+    "parallelisms.parallel.tensor_plan:tensor_parallel_swap", degree="tensor", module_swap=True,
+    volumes="parallelisms.perf.volumes:tensor_parallel")
 
 SEQUENCE = Parallelism(  # Megatron's: the tensor-parallel group shards the sequence between its regions
     "sequence", "tp", "tensor parallelism",
@@ -195,7 +200,8 @@ CONTEXT = Parallelism(
                       {"cp_attention": name, "cp_ulysses_size": 2 if name == "hierarchical" else 0})
         for name in MODES},
      "ring": Feature("--cp (ring)", {"cp": 2}, {"cp_attention": "ring"})},
-    "parallelisms.parallel.context:context_parallel_swap", degree="context", module_swap=True)
+    "parallelisms.parallel.context:context_parallel_swap", degree="context", module_swap=True,
+    volumes="parallelisms.perf.volumes:context_parallel")
 
 EXPERT = Parallelism(
     "expert", "ep", "expert-parallel balance", (
@@ -208,7 +214,8 @@ EXPERT = Parallelism(
     checks.check_expert_parallel,
     lambda m, t, p: _on(("moe", m.n_experts > 0), ("ep", p.dims.ep > 1)),
     {"moe": Feature("a mixture-of-experts model", moe=True), "ep": Feature("--ep", {"ep": 2}, moe=True)},
-    "parallelisms.parallel.ep_balance:expert_parallel_swap", degree="expert", module_swap=True)
+    "parallelisms.parallel.ep_balance:expert_parallel_swap", degree="expert", module_swap=True,
+    volumes="parallelisms.perf.volumes:expert_parallel")
 
 PIPELINE = Parallelism(
     "pipeline", "pp", "pipeline parallelism", (
@@ -226,7 +233,7 @@ PIPELINE = Parallelism(
     pairs(str(Schedule.PIPEDREAM), _ZERO + _STYLES + _FSDP, "PipeDream updates a stage after every microbatch and "
           "stashes a full copy of each weight version in flight, so sharded weights would be gathered, kept whole "
           "and re-sharded per microbatch: no memory saved, every update a full collective"),
-    degree="pipeline")
+    degree="pipeline", volumes="parallelisms.perf.volumes:pipeline_parallel")
 
 RECOMPUTE = Parallelism(
     "recompute", None, "activation memory", (Option("recompute", "activation recomputation: {choices}"),),

@@ -20,6 +20,7 @@ them where the hardware kind is ``cpu``; a GPU's step reads without them.
 from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig
+from parallelisms.options import FsdpStyle, Recompute
 from parallelisms.perf.context import context_calls
 from parallelisms.perf.hardware import Hardware
 from parallelisms.perf.model import grad_norm_volumes, rank0_params
@@ -78,7 +79,7 @@ def gradient_copies_time(cfg: ModelConfig, parallel: ParallelConfig, m: int, hw:
     reductions = m if shards > 1 else 1
     if not (parallel.zero or parallel.fsdp):
         passes = 3.0 if dims.pp > 1 else 1 + (m > 1)
-    elif parallel.zero or parallel.fsdp_style == "flat":
+    elif parallel.zero or parallel.fsdp_style is FsdpStyle.FLAT:
         passes = m + reductions + (reductions / (dims.dp * dims.cp) if parallel.zero == 1 else 0)
     else:
         passes = 2 * reductions
@@ -150,7 +151,7 @@ def meetings(cfg: ModelConfig, parallel: ParallelConfig, lay, traffic: list) -> 
         forward, backward = (a + b for a, b in zip((forward, backward), context_calls(cfg, parallel)))
     if dims.ep > 1 and cfg.n_experts:  # forward: the counts per expert, then the tokens out and back
         forward, backward = forward + 3, backward + 2
-    per_layer = forward * (2 if parallel.recompute == "full" else 1) + backward
+    per_layer = forward * (2 if parallel.recompute is Recompute.FULL else 1) + backward
     per_microbatch = lay.layers * per_layer + ends + (2 if dims.pp > 1 else 0)
     norms = sum(1 for v in grad_norm_volumes(parallel) if v.dim in ("tp", "pp", "ep"))
     return lay.m * per_microbatch + sum(calls for _, _, _, calls in traffic) + norms

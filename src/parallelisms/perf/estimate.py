@@ -22,7 +22,7 @@ def estimate(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw:
     non-GEMM work as this runtime runs it (eager) or fused as Megatron-LM's."""
     result = predict_step(cfg, parallel, train, hw, attention, simulate_schedule, fp8=fp8, kernels=kernels)
     comm: dict[str, float] = {}  # summed: a dimension's gradient norm shares its key with its other traffic
-    for v in comm_per_step(cfg, parallel, train, dtype_bytes=2 if parallel.mixed_precision == "bf16" else 4):
+    for v in comm_per_step(cfg, parallel, train, dtype_bytes=parallel.mixed_precision.compute_bytes):
         comm[f"{v.kind}/{v.dim}"] = comm.get(f"{v.kind}/{v.dim}", 0.0) + v.bytes_per_rank
     return {**{k: result[k] for k in FIELDS}, "hardware": hw.name, "layout": parallel.label() + (" fp8" if fp8 else ""),
             "runnable": not fp8,

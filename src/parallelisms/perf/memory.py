@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.options import FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
+from parallelisms.perf.model import sharding_stage
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
@@ -45,7 +47,7 @@ KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 
 def element_bytes(parallel: ParallelConfig, train: TrainConfig) -> int:
     """Bytes of an activation: bf16 under mixed precision, else the parameters' dtype."""
-    return 2 if parallel.mixed_precision == "bf16" else 8 if train.dtype == "float64" else 4
+    return 2 if parallel.mixed_precision is Precision.BF16 else train.dtype.bytes
 
 
 def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int,
@@ -57,11 +59,11 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
     recompute = parallel.recompute if recompute is None else recompute
     t, h = dims.tp, cfg.dim
     seq_shards = t if sp else 1
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return e * tokens * h / seq_shards
     norms = 2 * (max(4, e) + 2 * e) * h / seq_shards
     q, kv, heads = cfg.q_dim / t, cfg.n_kv_heads * cfg.head_dim / t, cfg.n_heads / t
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         core = e * (2 * q + 2 * kv)
     elif dims.cp > 1 and parallel.cp_attention == "ring":
         core = e * (2 * q + 2 * kv) + 4 * heads
@@ -260,21 +262,20 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
     gradients accumulated so far: whole (local, DDP, ZeRO-1; bf16's own gradients under mixed precision without
     sharded gradients) or the reduced shards (ZeRO-2/3, FSDP). Of ``params``, the ``experts`` (expert-parallel
     weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``)."""
-    dims, bf16 = parallel.dims, parallel.mixed_precision == "bf16"
-    full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-    sharded = bool(parallel.zero) or parallel.fsdp not in (None, "no_shard")
+    dims, bf16 = parallel.dims, parallel.mixed_precision is Precision.BF16
+    full_shard, sharded = sharding_stage(parallel) == 3, bool(sharding_stage(parallel))
     shard = _shard_degree(parallel) if sharded else 1
     per_shard = _per_shard(params, experts, shard, dims.ep)
-    master = 4 * (per_shard if parallel.fsdp not in (None, "no_shard") or full_shard or (bf16 and sharded) else params)
+    master = 4 * (per_shard if (parallel.fsdp and parallel.fsdp.stage) or full_shard or (bf16 and sharded) else params)
     held_grads = 0.0
-    if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule != "gpipe":  # (GPipe peaks before the first
+    if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule is not Schedule.GPIPE:  # (GPipe peaks before the first
         held_grads = 4 * params  # backward makes the stage's gradient buffers)
     elif not (sharded or bf16) and dims.dp * dims.cp > 1:
         held_grads = 4 * params  # DDP's buckets
     compute_copy = 0.0
     if (bf16 and not full_shard) or (dims.pp > 1 and sharded):  # a stage holds its units through the step
         compute_copy = (2 if bf16 else 4) * params if dims.pp > 1 and full_shard else 2 * params * bf16
-    if parallel.fsdp in ("shard_grad_op", "hybrid_shard_zero2"):  # gathered after forward, kept for backward
+    if parallel.fsdp and parallel.fsdp.stage == 2:  # gathered after forward, kept for backward
         compute_copy = (2 if bf16 else 4) * params
     if microbatches > 1 and dims.pp == 1:
         if parallel.zero == 1 or not sharded:
@@ -291,10 +292,11 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     """Full weights the sharding engine holds at the loss beyond its compute copy: per-parameter FSDP the head's
     (gathered for its forward, kept for its backward); buffer reuse (YaFSDP) its two weight buffers (compute
     dtype) and two fp32 gradient buffers, each the size of the largest unit."""
-    if not parallel.fsdp or parallel.fsdp_style == "flat" or parallel.fsdp == "no_shard" or parallel.dims.pp > 1:
+    if (not parallel.fsdp or parallel.fsdp_style is FsdpStyle.FLAT or parallel.fsdp is FsdpStrategy.NO_SHARD
+            or parallel.dims.pp > 1):
         return 0.0
-    compute = 2 if parallel.mixed_precision == "bf16" else 4
-    if parallel.fsdp_style == "reuse":
+    compute = parallel.mixed_precision.compute_bytes
+    if parallel.fsdp_style is FsdpStyle.REUSE:
         return 2 * (compute + 4) * largest_unit
     return compute * largest_unit
 
@@ -306,8 +308,8 @@ def backward_buffers(parallel: ParallelConfig, block: float) -> float:
     block's, forming, and the one before it, in flight), the flat engine (``parallel/flat.py``) the block's bf16
     gradient and the previous unit's bf16 gradient and fp32 copy in flight: 2 x 4 or 2 + 2 + 4 bytes. Where
     activations are small (full recompute) this, not the loss, is the peak."""
-    if (parallel.fsdp not in ("full_shard", "hybrid_shard") or parallel.fsdp_style == "reuse"
-            or parallel.mixed_precision != "bf16" or parallel.dims.pp > 1):
+    if (not (parallel.fsdp and parallel.fsdp.stage == 3) or parallel.fsdp_style is FsdpStyle.REUSE
+            or parallel.mixed_precision is not Precision.BF16 or parallel.dims.pp > 1):
         return 0.0
     return 2 * (2 + 4) * block
 
@@ -327,8 +329,8 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     ``None`` where the engine frees gradients as it reduces them (ZeRO-2/3, FSDP) or a pipeline holds them."""
     from parallelisms.perf.model import block_params
 
-    bf16, n = parallel.mixed_precision == "bf16", (_shard_degree(parallel) if parallel.zero == 1 else 1)
-    plain = not parallel.zero and (parallel.fsdp == "no_shard" or (not parallel.fsdp and bf16))
+    bf16, n = parallel.mixed_precision is Precision.BF16, (_shard_degree(parallel) if parallel.zero == 1 else 1)
+    plain = not parallel.zero and (parallel.fsdp is FsdpStrategy.NO_SHARD or (not parallel.fsdp and bf16))
     keeps_full = parallel.zero == 1 or plain
     if parallel.dims.pp > 1 or not keeps_full:
         return None
@@ -353,7 +355,7 @@ def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     table stays alone)."""
     from parallelisms.perf.model import block_params, expert_block_change
 
-    t, pbytes = parallel.dims.tp, 8 if train.dtype == "float64" else 4
+    t, pbytes = parallel.dims.tp, train.dtype.bytes
     table = math.ceil(cfg.vocab_size / t) * cfg.dim
     units = [table] * embedding + [block_params(cfg, t) + expert_block_change(cfg, parallel)] * layers
     units += [table + cfg.dim] * head
@@ -377,7 +379,7 @@ def _per_shard(params: float, experts: float, shard: int, ep: int) -> float:
 
 def _shard_degree(parallel: ParallelConfig) -> int:
     dims = parallel.dims
-    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2") or (parallel.fsdp and parallel.fsdp_style != "flat"):
+    if parallel.fsdp and (parallel.fsdp.hybrid or parallel.fsdp_style is not FsdpStyle.FLAT):
         return dims.dp_shard * dims.cp
     return dims.dp * dims.cp
 
@@ -396,10 +398,10 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     table = math.ceil(cfg.vocab_size / dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
     block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
     other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
-    if parallel.recompute == "full":  # the block being recomputed, its activations all kept
-        other += block_activation_bytes(cfg, tokens, parallel, e, recompute="none", attention=attention, seq=seq)
+    if parallel.recompute is Recompute.FULL:  # the block being recomputed, its activations all kept
+        other += block_activation_bytes(cfg, tokens, parallel, e, recompute=Recompute.NONE, attention=attention, seq=seq)
     if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
-        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision == "bf16" else e) * block_params(
+        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * block_params(
             cfg, dims.tp)  # beside a block's backward than the default's one ahead
     held = engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))  # at the loss, and beside a
     other += max(0.0, backward_buffers(parallel, block_params(cfg, dims.tp)) - held)  # block's backward
@@ -417,9 +419,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         into unit by unit (two under full sharding), a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
         linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time."""
-        last, bf16 = len(sizes) - 1, parallel.mixed_precision == "bf16"
-        full_shard = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
-        flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style == "flat"
+        last, bf16 = len(sizes) - 1, parallel.mixed_precision is Precision.BF16
+        full_shard = sharding_stage(parallel) == 3
+        flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
         split = bf16 and not full_shard and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
         for s in stages:

@@ -21,6 +21,7 @@ import math
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
 from parallelisms.mesh import ParallelDims
+from parallelisms.options import FsdpStyle, Precision
 from parallelisms.perf.estimate import bottleneck, estimate
 from parallelisms.perf.hardware import Hardware
 from parallelisms.perf.step import predict_step
@@ -213,8 +214,8 @@ def _flags(dims, v: dict, base: ParallelConfig) -> str:
     out += ["--tp-overlap"] if priced.tp_overlap else []
     out += [f"--tp-overlap-chunks {priced.tp_overlap_chunks}"] if priced.tp_overlap_chunks else []
     out += [f"--cp-attention {priced.cp_attention}"] if cp > 1 else []
-    out += [f"--fsdp-style {priced.fsdp_style}"] if hsdp and priced.fsdp_style != "flat" else []
-    out += [f"--mixed-precision {priced.mixed_precision}"] if priced.mixed_precision != "fp32" else []
+    out += [f"--fsdp-style {priced.fsdp_style}"] if hsdp and priced.fsdp_style is not FsdpStyle.FLAT else []
+    out += [f"--mixed-precision {priced.mixed_precision}"] if priced.mixed_precision is not Precision.FP32 else []
     return " ".join(out)
 
 

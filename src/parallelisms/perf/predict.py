@@ -44,7 +44,7 @@ def compare(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, repo
     phases = {"forward": m * stage["forward"], "backward": m * (stage["input_grad"] + stage["weight_grad"]),
               "optimizer": predicted["time_breakdown"]["optimizer"]}
     measured_phases = _measured_phases(report, spans)
-    comm = predicted_comm_by_kind(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4)
+    comm = predicted_comm_by_kind(cfg, parallel, train, parallel.mixed_precision.compute_bytes)
     ranks = report.get("memory_per_rank") or [report.get("memory") or {}]
     mem = predicted["memory_per_rank"]
     return {

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig
+from parallelisms.options import Schedule
 
 
 @lru_cache(maxsize=256)
@@ -18,7 +19,7 @@ def schedule_of(name: str, pp: int, m: int, chunks: int):
     """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
     from parallelisms.parallel.pipeline.schedules import build_schedule
 
-    return build_schedule(name, pp, m, chunks if name == "interleaved" else None)
+    return build_schedule(name, pp, m, chunks if name == Schedule.INTERLEAVED else None)
 
 
 @dataclass(frozen=True)

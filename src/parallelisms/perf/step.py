@@ -43,11 +43,12 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.options import FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf import cpu
 from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
-from parallelisms.perf.model import (block_params, comm_per_step, microbatches_per_step, model_flops_per_token,
+from parallelisms.perf.model import (block_params, comm_per_step, sharding_stage, microbatches_per_step, model_flops_per_token,
                                      model_state_bytes, rank0_holds_head)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
@@ -55,7 +56,8 @@ from parallelisms.perf.context import context_times
 from parallelisms.perf.prefetch import shared_link
 from parallelisms.perf.stages import busiest_rank, pipeline_ranks
 
-CLOSED_FORM_PEAK = {"gpipe": None, "1f1b": 1.0, "zb-h1": 1.0, "zb-h2": 2.0, "interleaved": 1.0}
+CLOSED_FORM_PEAK = {Schedule.GPIPE: None, Schedule.ONE_F_ONE_B: 1.0, Schedule.ZB_H1: 1.0, Schedule.ZB_H2: 2.0,
+                    Schedule.INTERLEAVED: 1.0}
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _layer_comm(cfg, parallel, hw, shape: LayerShape, times: PassTimes) -> dict:
     if dims.ep > 1 and cfg.n_experts:
         routed = shape.tokens * cfg.top_k * cfg.dim * e
         a2a = comm_time(hw, parallel, "all_to_all", "ep", 2 * routed, calls=2)
-        if dims.pp > 1 and parallel.schedule in ("dualpipe", "dualpipev"):
+        if dims.pp > 1 and parallel.schedule.dual:
             # F&B chunks: one microbatch's dispatch and combine run under another's backward, and back
             # (DeepSeek-V3 report, Sec. 3.2.1); the warm-up and cool-down chunks, not paired, are ignored here
             out["all_to_all/ep"] = (behind(hw, a2a, times.input_grad + times.weight_grad),
@@ -102,17 +104,17 @@ def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float
     busy = m * (t_f + t_b + t_w)
     if pp == 1:
         return busy, 0.0, 1.0
-    chunks = parallel.chunks if name == "interleaved" else (2 if name in V_SHAPED else 1)
+    chunks = parallel.chunks if name is Schedule.INTERLEAVED else (2 if name in V_SHAPED else 1)
     if not simulate_schedule and name in CLOSED_FORM_PEAK:  # the closed forms (plan's first pass)
-        bubble = (pp - 1) * ({"zb-h1": t_f + t_b - t_w, "zb-h2": t_f + t_b - 2 * t_w}.get(name, t_f + t_b + t_w)
+        bubble = (pp - 1) * ({Schedule.ZB_H1: t_f + t_b - t_w, Schedule.ZB_H2: t_f + t_b - 2 * t_w}.get(name, t_f + t_b + t_w)
                              / chunks + 2 * t_comm)
         bubble = max(bubble, 0.0)
-        peak = m if name == "gpipe" else CLOSED_FORM_PEAK[name] * pp * (1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1)
+        peak = m if name is Schedule.GPIPE else CLOSED_FORM_PEAK[name] * pp * (1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1)
         return busy + bubble, bubble / (busy + bubble), min(peak, m)
     from parallelisms.parallel.pipeline.schedules import build_schedule
     from parallelisms.parallel.pipeline.simulate import Times, simulate
 
-    result = simulate(build_schedule(name, pp, m, parallel.chunks if name == "interleaved" else None),
+    result = simulate(build_schedule(name, pp, m, parallel.chunks if name is Schedule.INTERLEAVED else None),
                       Times(t_f, t_b, t_w, t_comm))
     span = max(result.spans)
     return span, result.bubble_rate, max(result.peak_activations)
@@ -145,10 +147,10 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         return layer, head, _layer_comm(cfg, parallel, hw, shape, layer)
     layer, head, comm = _cached(cache, ("layer", shape, dims, parallel.tp_overlap, parallel.tp_overlap_chunks,
                                         parallel.cp_attention), per_layer)
-    recompute = {"full": layer.forward, "selective": layer.attention_core}.get(parallel.recompute, 0.0)
+    recompute = {Recompute.FULL: layer.forward, Recompute.SELECTIVE: layer.attention_core}.get(parallel.recompute, 0.0)
     comm_f, comm_b = sum(f for f, _ in comm.values()), sum(b for _, b in comm.values())
     head_f, head_b = head_comm(cfg, parallel, hw, shape)
-    layer_b = layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute == "full" else 0)
+    layer_b = layer.input_grad + recompute + comm_b + (comm_f if parallel.recompute is Recompute.FULL else 0)
     busiest = busiest_rank(pipeline_ranks(cfg, parallel, lay.m), layer.forward + comm_f + layer_b + layer.weight_grad,
                            head.forward + head_f + head.input_grad + head_b + head.weight_grad)
     n, ends = busiest.layers, busiest.head  # the busiest stage: its layers, and the head where it holds it
@@ -162,7 +164,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     t_comm = comm_time(hw, parallel, "send", "pp", p2p_bytes) if dims.pp > 1 else 0.0
     pipeline_s, bubble, in_flight = _bubble(parallel, lay.m, t_f, t_b, t_w, t_comm, simulate_schedule)
 
-    exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute == "full" else 0)) for k, (f, b) in comm.items()}
+    exposed = {f"{k}": lay.m * n * (f + b + (f if parallel.recompute is Recompute.FULL else 0)) for k, (f, b) in comm.items()}
     if ends and head_f + head_b:
         exposed["all_reduce/tp"] = exposed.get("all_reduce/tp", 0.0) + lay.m * (head_f + head_b)
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
@@ -186,7 +188,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     tokens = train.global_batch * train.seq_len
     world = dims.world_size
     model_flops = model_flops_per_token(cfg, train.seq_len) * tokens
-    extra = {"full": layer.forward_flops, "selective": 4 * cfg.n_heads / dims.tp * shape.tokens *
+    extra = {Recompute.FULL: layer.forward_flops, Recompute.SELECTIVE: 4 * cfg.n_heads / dims.tp * shape.tokens *
              train.seq_len * cfg.head_dim}.get(parallel.recompute, 0.0)
     hardware_flops = model_flops + extra * dims.tp * dims.cp * cfg.n_layers * lay.m * lay.dp
     memory = memory_per_rank(cfg, parallel, train, hw, lay, in_flight, attention)
@@ -223,12 +225,12 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     (EPLB's redundant experts summing their gradients over ep, one blocking call after the reduction)."""
     out = []
     bucket = train.bucket_mb * 2**20
-    sharded_params = parallel.zero == 3 or parallel.fsdp in ("full_shard", "hybrid_shard")
+    sharded_params = sharding_stage(parallel) == 3
     pp = parallel.dims.pp  # wrapped units on a stage: its blocks, the embedding and the head (one each at the ends)
     units = math.ceil(cfg.n_layers / pp) + (2 if pp == 1 else 1)
     # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
-    m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style == "flat" else 1
-    for v in comm_per_step(cfg, parallel, train, 2 if parallel.mixed_precision == "bf16" else 4, pipeline=False):
+    m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style is FsdpStyle.FLAT else 1
+    for v in comm_per_step(cfg, parallel, train, parallel.mixed_precision.compute_bytes, pipeline=False):
         # EPLB's copies' gradients: one call after the layout's reduction, exposed whole (the norm's scalar is not)
         copies = v.dim == "ep" and v.kind == "all_reduce" and v.bytes_per_rank >= 64
         per_layer = v.dim in ("tp", "pp", "ep") or v.dim.startswith("cp")  # priced per layer: cp_inner too
@@ -251,7 +253,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
 def _link_dim(parallel: ParallelConfig, v) -> str:
     """The group a data-parallel collective runs over: HSDP gathers and reduce-scatters within its shard group
     (a node's NVLink where it fits one) and all-reduces across the replicas; the others over ``v.dim``."""
-    if parallel.fsdp not in ("hybrid_shard", "hybrid_shard_zero2") or parallel.dims.dp_replicate == 1 or v.dim != "dp":
+    if not (parallel.fsdp and parallel.fsdp.hybrid) or parallel.dims.dp_replicate == 1 or v.dim != "dp":
         return v.dim
     return "dp_replicate" if v.kind == "all_reduce" else "dp_shard_cp"
 
@@ -261,11 +263,11 @@ def _gradient_shards(parallel: ParallelConfig) -> int:
     dims = parallel.dims
     if (parallel.zero or 0) >= 2:
         return dims.dp * dims.cp
-    if parallel.fsdp in ("full_shard", "shard_grad_op"):  # flat: over every data-parallel rank; else dp_shard
-        return (dims.dp if parallel.fsdp_style == "flat" else dims.dp_shard) * dims.cp
-    if parallel.fsdp in ("hybrid_shard", "hybrid_shard_zero2"):
+    if parallel.fsdp is None or parallel.fsdp is FsdpStrategy.NO_SHARD:
+        return 1
+    if parallel.fsdp.hybrid:
         return dims.dp_shard * dims.cp
-    return 1
+    return (dims.dp if parallel.fsdp_style is FsdpStyle.FLAT else dims.dp_shard) * dims.cp  # flat: every dp rank
 
 
 def _data_parallel_exposed(traffic, cfg, lay, t_f, t_bw, hw: Hardware, pp: int = 1, units: list | None = None,
@@ -307,8 +309,8 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
     merged while they fit under ``--bucket-mb``, a unit's expert weights a shard of their own."""
     dims = parallel.dims
     layers = math.ceil(cfg.n_layers / dims.pp)
-    flat = parallel.zero or (parallel.fsdp and parallel.fsdp_style == "flat") or (
-        not parallel.fsdp and parallel.mixed_precision == "bf16")
+    flat = parallel.zero or (parallel.fsdp and parallel.fsdp_style is FsdpStyle.FLAT) or (
+        not parallel.fsdp and parallel.mixed_precision is Precision.BF16)
     if not flat:
         per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
         head = rank0_holds_head(parallel)  # a tied head on the embedding's rank is stepped as the embedding
