@@ -30,14 +30,15 @@ from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Re
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                bounds: list[int] | None = None) -> Trainer:
+                bounds: list[int] | None = None, layer_costs: tuple | None = None) -> Trainer:
     """Apply the layout to the full seeded model, always in this order: tensor/sequence parallelism, context
     parallelism, expert parallelism, recomputation (each a module swap every stage shares), then the pipeline
     cut (this rank's stages), then the gradient sync over data parallelism; return the ``Trainer`` with the
     step's forward/backward strategy (a microbatch loop, or the pipeline schedule, whose hooks carry the
     stages' gradient sync and PipeDream's per-microbatch updates).
     Each parallelism's transform lives in its own module. ``bounds``
-    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
+    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts); ``layer_costs``: the costs
+    ``--pp-balance measured`` cuts by in place of rank 0's profile (the dry run's: ``measured_bounds``)."""
     dims = parallel.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, comms["tp"], sequence_parallel=parallel.sequence_parallel,
@@ -56,7 +57,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)
-        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
+        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds, layer_costs)
     store = WeightGradStore()
     if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
         for stage in stages.values():
