@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.perf.context import context_volumes
-from parallelisms.perf.stages import rank0_layers
+from parallelisms.perf.stages import rank0_held, rank0_layers
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 
 
@@ -119,8 +119,8 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     out = []
     local_params = rank0_params(cfg, parallel)
     # rank 0's expert weights: sharded over ep, reduced and gathered over ep_replicate only; rank0_params splits
-    # the experts and the router over tp instead
-    layers = cfg.n_layers // dims.pp
+    # the experts and the router over tp instead (every block it holds: DualPipe's two copies)
+    layers = rank0_held(cfg, parallel)[0]
     expert_params = layers * expert_slot_params(cfg, parallel)
     local_params += layers * expert_block_change(cfg, parallel)
     dp = dims.dp * dims.cp  # gradients are averaged over every rank that saw different tokens
@@ -138,7 +138,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         replicas = dp // dims.ep
         out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
                                expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
-        copies = redundant_expert_grads(cfg, parallel)
+        copies = redundant_expert_grads(cfg, parallel, layers)
         if copies:  # EPLB's copies of a hot expert sum their gradients over ep
             out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
             if replicas > 1 and (parallel.zero or parallel.fsdp not in (None, "no_shard")):  # slots sharded over
@@ -160,8 +160,7 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             activation //= dims.tp
         out.append(CommVolume("send", "pp", sends * activation))
         if parallel.schedule == "dualpipe":  # the two copies of each stage exchange their fp32 gradient buffers
-            held = 2 * (cfg.n_layers // dims.pp) * block_params(cfg, dims.tp) + 2 * cfg.vocab_size * cfg.dim / dims.tp
-            out.append(CommVolume("send", "pp", 4 * (held + cfg.dim)))
+            out.append(CommVolume("send", "pp", 4 * local_params))
     if dims.pp > 1 and parallel.schedule == "pipedream":  # it updates per microbatch, without a global norm
         return out
     return out + grad_norm_volumes(parallel, 8 if train.dtype == "float64" else 4)
@@ -191,10 +190,10 @@ def expert_block_change(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     return expert_slot_params(cfg, parallel) - experts / tp + cfg.dim * cfg.n_experts * (1 - 1 / tp)
 
 
-def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: int) -> float:
     """Gradient elements a rank all-reduces over ep per step so that the copies of each replicated expert step as
     one expert (``ExpertBalance.finish``: every replicated expert's gradient, once a step, after the layout's
-    reduction): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
+    reduction), over the ``layers`` it holds (DualPipe's two copies of a stage each): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
     routing (the extra slots go to the experts in turn) and before any measurement (each rank's extra slots copy
     the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
     shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
@@ -202,7 +201,7 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     if parallel.ep_balance != "measured" or not parallel.ep_redundant or parallel.dims.ep == 1:
         return 0.0
     replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
-    return cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    return layers * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
 def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shards: int, params: float,
@@ -229,12 +228,13 @@ def _expert_all_to_alls(cfg: ModelConfig, parallel: ParallelConfig, train: Train
     """Rank 0's expert all-to-all bytes per step over its stage's layers (``parallel/expert.py``): per MoE layer,
     microbatch and forward run (a full recompute runs it again in backward), the tokens per expert (int64) and
     the dispatch and combine of the routed rows; backward the two reverse all-to-alls of their gradients, rows in
-    the compute dtype. Uniform routing: (ep - 1)/ep of a rank's rows (its tokens x top-k) leave it."""
+    the compute dtype. Uniform routing: (ep - 1)/ep of a rank's rows (its tokens x top-k) leave it. The counts are
+    per slot: the experts, and ``--ep-redundant`` more per rank under ``--ep-balance measured``."""
     dims = parallel.dims
     leaving = (dims.ep - 1) / dims.ep
     rows = train.global_batch // dims.dp * train.seq_len // dims.cp * cfg.top_k * leaving
     forwards = 2 if parallel.recompute == "full" else 1
-    counts = microbatches_per_step(parallel, train) * leaving * cfg.n_experts * 8
+    counts = microbatches_per_step(parallel, train) * leaving * expert_slots(cfg, parallel) * dims.ep * 8
     return rank0_layers(cfg, parallel) * (forwards * counts + (2 * forwards + 2) * rows * cfg.dim * dtype_bytes)
 
 
@@ -266,7 +266,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
 
     def pad(rows: int, width: int) -> int:
         return (-(-rows // shards) * shards - rows) * width
-    head = rank0_holds_head(parallel)
+    layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
     ends = tables * pad(math.ceil(cfg.vocab_size / t), d) + head * pad(d, 1)
     if cfg.n_experts or t > cfg.n_kv_heads:
@@ -274,7 +274,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
     kv = cfg.n_kv_heads * cfg.head_dim // t
     block = (pad(cfg.q_dim // t, d) + 2 * pad(kv, d) + pad(d, cfg.q_dim // t) + 2 * pad(d, 1)
              + (cfg.mlp_matrices - 1) * pad(cfg.ffn_dim // t, d) + pad(d, cfg.ffn_dim // t))
-    return float(ends), float(rank0_layers(cfg, parallel) * block)
+    return float(ends), float(layers * block)
 
 
 def _context_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -309,14 +309,14 @@ def block_params(cfg: ModelConfig, tp: int) -> float:
 
 
 def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks (:func:`block_params`), the
-    vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers too (one
-    stage, or a V-shaped schedule; a tied head is no table of its own where it is the embedding's parameter:
-    :meth:`ParallelConfig.one_tied_parameter`)."""
+    """Parameters rank 0 holds (its data-parallel traffic): its stages' blocks (:func:`block_params`; DualPipe's two
+    copies), the vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers
+    too (one stage, a V-shaped schedule, DualPipe's second copy; a tied head is no table of its own where it is the
+    embedding's parameter: :meth:`ParallelConfig.one_tied_parameter`)."""
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
-    head = rank0_holds_head(parallel)
+    layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    return rank0_layers(cfg, parallel) * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
+    return layers * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
 
 
 def _tensor_parallel_volumes(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
