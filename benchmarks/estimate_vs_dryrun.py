@@ -5,9 +5,9 @@ as ``parallelisms estimate --check`` prints them for one layout (docs/performanc
 Each row prints one JSON line; the end prints the table of memory differences (max and mean absolute) and the
 rows whose collectives differ. Rows run cheapest first; ``--only SUBSTRING`` keeps matching rows, ``--limit-s``
 stops starting rows after that many seconds (a dry run of a large pipeline layout takes minutes here),
-``--start N`` skips the first N rows.
+``--start N`` skips the first N rows, ``--quick`` leaves out the rows marked :data:`SLOW`.
 
-    PYTHONPATH=src python3 benchmarks/estimate_vs_dryrun.py [--only llama3-8b] [--limit-s 1800]
+    PYTHONPATH=src python3 benchmarks/estimate_vs_dryrun.py [--quick] [--only llama3-8b] [--limit-s 1800]
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import json
 import statistics
 import time
 
-# (preset, GPUs, layout flags): dp, ZeRO-1/2/3, every FSDP strategy and style, tp, sp, every cp mode, ep,
+# the rows whose dry run takes longest (split backward's weight passes are not replayed; all-gather attention's
+# masks are built for real), and rows whose mechanisms a quicker row covers: what ``--quick`` leaves out (the
+# other 22 rows take about 9 minutes)
+SLOW = "slow"
+
+# (preset, GPUs, layout flags[, SLOW]): dp, ZeRO-1/2/3, every FSDP strategy and style, tp, sp, every cp mode, ep,
 # pipeline schedules, recompute modes; one sequence per microbatch, bf16 mixed precision
 MATRIX = [
     ("llama3-8b", 64, "--dp 64 --zero 1"),
@@ -34,22 +39,22 @@ MATRIX = [
     ("llama3-8b", 64, "--dp 8 --tp 8 --sp --zero 1 --recompute full"),
     ("llama3-8b", 64, "--dp 8 --cp 8 --zero 1"),
     ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention ulysses --zero 1"),
-    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention allgather --zero 1"),
-    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention hierarchical --cp-ulysses-size 4 --zero 1"),
+    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention allgather --zero 1", SLOW),
+    ("llama3-8b", 64, "--dp 8 --cp 8 --cp-attention hierarchical --cp-ulysses-size 4 --zero 1", SLOW),
     ("llama3-8b", 64, "--dp 8 --tp 8 --sp"),
     ("llama3-70b", 256, "--dp 32 --tp 8 --sp --fsdp full_shard --fsdp-style per_param --recompute full"),
     ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1"),
-    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule gpipe"),
+    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule gpipe", SLOW),
     ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule zb-h1"),
-    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule zb-v"),
-    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule dualpipev"),
+    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule zb-v", SLOW),
+    ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule dualpipev", SLOW),
     ("llama3-70b", 1024, "--dp 16 --tp 8 --pp 8 --sp --zero 1 --schedule interleaved --chunks 2"),
     ("deepseek-v3-moe", 512, "--dp 64 --ep 64 --tp 8 --sp --zero 1 --recompute full"),
     ("llama3-405b", 1024, "--dp 128 --tp 8 --sp --fsdp full_shard --fsdp-style per_param --recompute full"),
     ("llama3-405b", 2048, "--dp-replicate 2 --dp-shard 128 --tp 8 --sp --fsdp hybrid_shard --recompute full"),
-    ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1"),
-    ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1 --schedule zb-v"),
-    ("llama3-405b", 16384, "--dp 128 --tp 8 --pp 16 --sp --zero 1 --schedule interleaved --chunks 2"),
+    ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1", SLOW),
+    ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1 --schedule zb-v", SLOW),
+    ("llama3-405b", 16384, "--dp 128 --tp 8 --pp 16 --sp --zero 1 --schedule interleaved --chunks 2", SLOW),
 ]
 
 
@@ -98,10 +103,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run the rows whose preset or layout contains this")
     parser.add_argument("--limit-s", type=float, default=float("inf"), help="start no row after this many seconds")
     parser.add_argument("--start", type=int, default=0, help="skip the matrix's first rows")
+    parser.add_argument("--quick", action="store_true", help="leave out the slowest rows (SLOW)")
     args = parser.parse_args()
     began, rows = time.perf_counter(), []
-    for preset, gpus, flags in MATRIX[args.start:]:
-        if args.only not in f"{preset} {flags}":
+    for preset, gpus, flags, *slow in MATRIX[args.start:]:
+        if args.only not in f"{preset} {flags}" or (args.quick and slow):
             continue
         if time.perf_counter() - began > args.limit_s:
             print(json.dumps({"skipped": f"{preset} {gpus} {flags}"}), flush=True)

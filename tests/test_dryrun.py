@@ -260,3 +260,42 @@ def test_split_backward_leaves_no_stale_head_weight():
         trainer = parallelize(model, cfg.layout, cfg.train, comms)
         assert model.output is trainer.forward_backward.stages[3].output  # rank 0 holds stages 0 and 3
         assert [name for name, _ in model.named_parameters()] == []
+
+
+def _multi_rank_features() -> list[str]:
+    from _layouts import FEATURES
+
+    return sorted(name for name in FEATURES if layout_with([name])[2].dims.world_size > 1)
+
+
+@pytest.mark.parametrize("name", _multi_rank_features())
+def test_every_feature_row_passes_the_precheck_before_launch(name, capsys):
+    """``train``/``verify``'s precheck follows the layout of every support-table feature row: the proof holds and
+    the dry run does not fail into the warning that skips it."""
+    from parallelisms.dryrun.cli import precheck_before_launch
+
+    precheck_before_launch(*_small([name]))
+    assert "precheck skipped" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_measured_pipeline_balance_is_followed(schedule, capsys):
+    """``--pp-balance measured``: every rank takes rank 0's cut over the setup's all-gather (recorded on every
+    rank); the dry run cuts by the parts' modelled FLOPs (a large head: the last stage holds fewer layers), builds
+    only the rank's blocks of that cut, and the precheck runs without the warning."""
+    from parallelisms.dryrun.cli import precheck_before_launch
+    from parallelisms.dryrun.run import layers_on, modelled_costs
+
+    model, train, parallel = layout_with([schedule])
+    model = dataclasses.replace(model, vocab_size=4096)
+    parallel = parallel.replace(pp_balance="measured")
+    result = dry_run(model, train, parallel, memory=False)
+    assert result["precheck"]["ok"], result["precheck"]
+    for run in result["runs"].values():
+        assert [(e.kind, e.dim, e.phase) for e in run.events if e.kind == "all_gather_object"] == [
+            ("all_gather_object", "world", "setup")]
+    held = {r: layers_on(parallel, model, r, modelled_costs(model, train, parallel)) for r in (0, 1)}
+    if schedule == "1f1b":
+        assert len(held[0]) > len(held[1]) and sorted(held[0] + held[1]) == list(range(model.n_layers)), held
+    precheck_before_launch(model, train, parallel)
+    assert "precheck skipped" not in capsys.readouterr().err

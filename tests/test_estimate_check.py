@@ -184,6 +184,26 @@ def test_expert_layouts_agree_with_the_dry_run(flags):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_dualpipe_redundant_experts_bytes_agree(schedule):
+    """EPLB's copies under DualPipe: a rank holds two stages (both copies of one), so its gradient syncs, the copies'
+    exchange and the replicated experts' all-reduce over ep move both stages' weights (``perf/stages.py:
+    rank0_held``); the experts' counts are per slot, redundant ones included. DualPipeV's two chunks hold as many
+    layers as one path's."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import check
+    from parallelisms.perf.estimate import estimate
+    from parallelisms.perf.hardware import load_hardware
+
+    shape = MOE_SHAPE[:MOE_SHAPE.index("--layers")] + ["--layers", "4"] + MOE_SHAPE[MOE_SHAPE.index("--seq-len"):]
+    cfg = configure(shape + f"--dp 4 --ep 4 --pp 2 --schedule {schedule} --ep-balance measured --ep-redundant 1 "
+                            "--global-batch 16 --microbatches 4".split())
+    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
+    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    assert out["collectives"]["all_reduce/ep"]["dry_run"] > 0 and out["collectives"]["send/pp"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
 def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
     """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's

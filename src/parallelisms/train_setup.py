@@ -28,7 +28,7 @@ from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms,
-                bounds: list[int] | None = None) -> Trainer:
+                bounds: list[int] | None = None, layer_costs: tuple | None = None) -> Trainer:
     """Apply the layout to the full seeded model, always in this order: the descriptors' module swaps in the
     registry's order (:func:`~parallelisms.parallel.registry.module_swaps`: tensor/sequence parallelism, context
     parallelism, expert parallelism, recomputation; each a swap every stage shares), then the pipeline cut (this
@@ -36,7 +36,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
     forward/backward strategy (a microbatch loop, or the pipeline schedule, whose hooks carry the
     stages' gradient sync and PipeDream's per-microbatch updates).
     Each parallelism's transform lives in its own module. ``bounds``
-    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts)."""
+    fixes the pipeline stages' layer bounds (the balance benchmark compares cuts); ``layer_costs``: the costs
+    ``--pp-balance measured`` cuts by in place of rank 0's profile (the dry run's: ``measured_bounds``)."""
     dims = parallel.dims
     positions = None  # this rank's token positions, where a swap reorders the sequence (context parallelism)
     for swap in module_swaps():
@@ -48,7 +49,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, train: TrainConfig, 
         untie(model)
     if dims.pp > 1:
         schedule = schedule_for(parallel)
-        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds)
+        stages, copies, bounds = cut_stages(model, parallel, train, comms, schedule, bounds, layer_costs)
     store = WeightGradStore()
     if schedule is not None and schedule.split_backward:  # before the sync: sharding engines own the weights
         for stage in stages.values():

@@ -61,19 +61,39 @@ def build_fake_model(model_cfg: ModelConfig, train: TrainConfig, layers: list[in
     return model
 
 
-def layers_on(parallel: ParallelConfig, model_cfg: ModelConfig, rank: int) -> list[int] | None:
+def modelled_costs(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> tuple | None:
+    """What ``--pp-balance measured`` cuts by in the dry run, in place of rank 0's profile on real tensors
+    (``parallel/pipeline/runner.py: measured_bounds``): each part's training FLOPs for one microbatch (a block's,
+    the embedding's none, the head's; ``perf/model.py: model_flops_per_token``), as ``profile_costs`` returns its
+    times. ``None`` for the other cuts. Every rank takes rank 0's cut, so the collective order holds for any cut."""
+    import dataclasses
+
+    from parallelisms.parallel.pipeline.runner import schedule_for
+    from parallelisms.perf.model import model_flops_per_token
+
+    if parallel.dims.pp == 1 or parallel.pp_balance is not PpBalance.MEASURED:
+        return None
+    tokens = train.global_batch // parallel.dims.dp // schedule_for(parallel).microbatches * train.seq_len
+    head = model_flops_per_token(dataclasses.replace(model_cfg, n_layers=0), train.seq_len)
+    block = (model_flops_per_token(model_cfg, train.seq_len) - head) / model_cfg.n_layers
+    return [block * tokens] * model_cfg.n_layers, 0.0, head * tokens
+
+
+def layers_on(parallel: ParallelConfig, model_cfg: ModelConfig, rank: int, costs: tuple | None = None
+              ) -> list[int] | None:
     """The blocks rank ``rank`` holds under the pipeline cut ``parallelize`` makes (equal layer counts per stage,
-    ``parallel/pipeline/runner.py: cut_stages``), or ``None`` where it holds them all (no pipeline) or the cut
-    is measured at run time (``--pp-balance measured``). The layers of other stages are never used by the rank:
-    building them costs time (80 blocks of a 70B model, tensor-parallel swaps included) and, kept by the full
-    model, memory the rank does not hold."""
-    from parallelisms.parallel.pipeline.partition import equal_bounds
+    or under ``--pp-balance measured`` the cut of ``costs``, :func:`modelled_costs`; ``parallel/pipeline/runner.py:
+    cut_stages``), or ``None`` where it holds them all (no pipeline). The layers of other stages are never used by
+    the rank: building them costs time (80 blocks of a 70B model, tensor-parallel swaps included) and, kept by the
+    full model, memory the rank does not hold."""
+    from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds
     from parallelisms.parallel.pipeline.runner import schedule_for
 
-    if parallel.dims.pp == 1 or parallel.pp_balance is PpBalance.MEASURED:
+    if parallel.dims.pp == 1:
         return None
     schedule = schedule_for(parallel)
-    bounds = equal_bounds(model_cfg.n_layers, schedule.num_stages)
+    bounds = (balanced_bounds(*costs, schedule.num_stages) if costs is not None
+              else equal_bounds(model_cfg.n_layers, schedule.num_stages))
     stages = sorted({s for _, s in schedule.modules_on(parallel.dims.coordinates(rank)["pp"])})
     return [i for s in stages for i in range(bounds[s], bounds[s + 1])]
 
@@ -109,9 +129,11 @@ def dry_run_rank(model_cfg: ModelConfig, train: TrainConfig, parallel: ParallelC
         meshes = dims.build_meshes("cpu") if dims.world_size > 1 else {}
         account = MemoryAccount(enabled=memory)
         with account:
-            model = build_fake_model(model_cfg, train, layers_on(parallel, model_cfg, rank) if own_layers else None)
+            costs = modelled_costs(model_cfg, train, parallel)
+            model = build_fake_model(model_cfg, train, layers_on(parallel, model_cfg, rank, costs) if own_layers
+                                     else None)
             comms = RecordingComms(meshes, ledger, Timeline(rank, enabled=False))
-            trainer = parallelize(model, parallel, train, comms)
+            trainer = parallelize(model, parallel, train, comms, layer_costs=costs)
             inputs, targets = local_batch(train, parallel)
             replaying = (MicrobatchReplay(trainer.forward_backward.executor, ledger, account)
                          if replay and _replayable(trainer, model_cfg, parallel) else None)

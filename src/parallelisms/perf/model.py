@@ -19,7 +19,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import Balance, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.parallel.registry import PARALLELISMS
 from parallelisms.parallel.memory import zero_formula
-from parallelisms.perf.stages import rank0_layers
+from parallelisms.perf.stages import rank0_held, rank0_layers
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 
 
@@ -166,10 +166,11 @@ def expert_block_change(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     return expert_slot_params(cfg, parallel) - experts / tp + cfg.dim * cfg.n_experts * (1 - 1 / tp)
 
 
-def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: int) -> float:
     """Gradient elements a rank all-reduces over ep per step so that the copies of each replicated expert step as
     one expert (``ExpertBalance.finish``: every replicated expert's gradient, once a step, after the layout's
-    reduction; PipeDream at each of its M per-microbatch updates): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
+    reduction; PipeDream at each of its M per-microbatch updates), over the ``layers`` it holds (DualPipe's two
+    copies of a stage each): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
     routing (the extra slots go to the experts in turn) and before any measurement (each rank's extra slots copy
     the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
     shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
@@ -179,7 +180,7 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
     pipedream = parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
     updates = (parallel.microbatches or 2 * parallel.dims.pp) if pipedream else 1
-    return updates * cfg.n_layers // parallel.dims.pp * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    return updates * layers * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
@@ -193,7 +194,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
 
     def pad(rows: int, width: int) -> int:
         return (-(-rows // shards) * shards - rows) * width
-    head = rank0_holds_head(parallel)
+    layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
     ends = tables * pad(math.ceil(cfg.vocab_size / t), d) + head * pad(d, 1)
     if cfg.n_experts or t > cfg.n_kv_heads:
@@ -201,7 +202,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
     kv = cfg.n_kv_heads * cfg.head_dim // t
     block = (pad(cfg.q_dim // t, d) + 2 * pad(kv, d) + pad(d, cfg.q_dim // t) + 2 * pad(d, 1)
              + (cfg.mlp_matrices - 1) * pad(cfg.ffn_dim // t, d) + pad(d, cfg.ffn_dim // t))
-    return float(ends), float(rank0_layers(cfg, parallel) * block)
+    return float(ends), float(layers * block)
 
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
@@ -222,14 +223,14 @@ def block_params(cfg: ModelConfig, tp: int) -> float:
 
 
 def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Parameters rank 0 holds (its data-parallel traffic): its stage's blocks (:func:`block_params`), the
-    vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers too (one
-    stage, or a V-shaped schedule; a tied head is no table of its own where it is the embedding's parameter:
-    :meth:`ParallelConfig.one_tied_parameter`)."""
+    """Parameters rank 0 holds (its data-parallel traffic): its stages' blocks (:func:`block_params`; DualPipe's two
+    copies), the vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers
+    too (one stage, a V-shaped schedule, DualPipe's second copy; a tied head is no table of its own where it is the
+    embedding's parameter: :meth:`ParallelConfig.one_tied_parameter`)."""
     dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
-    head = rank0_holds_head(parallel)
+    layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    return rank0_layers(cfg, parallel) * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
+    return layers * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

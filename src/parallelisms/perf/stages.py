@@ -67,3 +67,14 @@ def rank0_layers(cfg: ModelConfig, parallel: ParallelConfig) -> int:
     if parallel.dims.pp == 1:
         return cfg.n_layers
     return pipeline_ranks(cfg, parallel, parallel.microbatches or 2 * parallel.dims.pp)[0].layers
+
+
+def rank0_held(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, bool]:
+    """Layers rank 0 holds (every stage on it: DualPipe's two copies, a V's two chunks) and whether one of its stages
+    holds the head: the parameters its gradient sync moves, where :func:`rank0_layers` counts the compute."""
+    if parallel.dims.pp == 1:
+        return cfg.n_layers, True
+    schedule = schedule_of(parallel.schedule, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp,
+                           parallel.chunks)
+    held = [s for _, s in schedule.modules_on(0)]
+    return sum(stage_sizes(cfg, schedule.num_stages)[s] for s in held), schedule.num_stages - 1 in held

@@ -14,10 +14,10 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
-from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params,
+from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
                                      microbatches_per_step, per_param_padding, rank0_holds_head, rank0_params,
                                      redundant_expert_grads, sharding_stage)
-from parallelisms.perf.stages import rank0_layers
+from parallelisms.perf.stages import rank0_held, rank0_layers
 
 
 # -- data parallelism: one gradient sync engine, DDP's, ZeRO's or FSDP's ---------------------------------------
@@ -45,9 +45,8 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     over ep (and over the replicas where the engine shards the slots)."""
     dims = parallel.dims
     out = []
-    layers = cfg.n_layers // dims.pp
+    layers, local_params = _held(cfg, parallel)
     expert_params = layers * expert_slot_params(cfg, parallel)
-    local_params = rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel)
     dp = dims.dp * dims.cp
     if dp > 1:
         hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
@@ -63,12 +62,19 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         replicas = dp // dims.ep
         out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
                                expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
-        copies = redundant_expert_grads(cfg, parallel)
+        copies = redundant_expert_grads(cfg, parallel, layers)
         if copies:
             out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
             if replicas > 1 and sharding_stage(parallel):
                 out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * copies * 4))
     return out
+
+
+def _held(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, float]:
+    """The layers rank 0 holds (every stage on it: DualPipe's two copies) and their parameters with its ends, the
+    experts' and the router's split over ep (rank0_params splits them over tp instead)."""
+    layers = rank0_held(cfg, parallel)[0]
+    return layers, rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel)
 
 
 def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shards: int, params: float,
@@ -181,12 +187,13 @@ def _expert_all_to_alls(cfg: ModelConfig, parallel: ParallelConfig, train: Train
     """Rank 0's expert all-to-all bytes per step over its stage's layers (``parallel/expert.py``): per MoE layer,
     microbatch and forward run (a full recompute runs it again in backward), the tokens per expert (int64) and
     the dispatch and combine of the routed rows; backward the two reverse all-to-alls of their gradients, rows in
-    the compute dtype. Uniform routing: (ep - 1)/ep of a rank's rows (its tokens x top-k) leave it."""
+    the compute dtype. Uniform routing: (ep - 1)/ep of a rank's rows (its tokens x top-k) leave it. The counts are
+    per slot: the experts, and ``--ep-redundant`` more per rank under ``--ep-balance measured``."""
     dims = parallel.dims
     leaving = (dims.ep - 1) / dims.ep
     rows = train.global_batch // dims.dp * train.seq_len // dims.cp * cfg.top_k * leaving
     forwards = 2 if parallel.recompute is Recompute.FULL else 1
-    counts = microbatches_per_step(parallel, train) * leaving * cfg.n_experts * 8
+    counts = microbatches_per_step(parallel, train) * leaving * expert_slots(cfg, parallel) * dims.ep * 8
     return rank0_layers(cfg, parallel) * (forwards * counts + (2 * forwards + 2) * rows * cfg.dim * dtype_bytes)
 
 
@@ -208,6 +215,5 @@ def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
         activation //= dims.tp
     out = [CommVolume("send", "pp", sends * activation)]
     if parallel.schedule is Schedule.DUALPIPE:
-        held = 2 * (cfg.n_layers // dims.pp) * block_params(cfg, dims.tp) + 2 * cfg.vocab_size * cfg.dim / dims.tp
-        out.append(CommVolume("send", "pp", 4 * (held + cfg.dim)))
+        out.append(CommVolume("send", "pp", 4 * _held(cfg, parallel)[1]))
     return out

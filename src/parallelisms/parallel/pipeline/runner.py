@@ -48,12 +48,16 @@ def schedule_for(parallel: ParallelConfig) -> Schedule:
     return build_schedule(parallel.schedule, pp, parallel.microbatches or 2 * pp, chunks)
 
 
-def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms) -> list[int]:
+def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms,
+                    costs: tuple | None = None) -> list[int]:
     """Stage bounds minimising the slowest stage's measured forward + backward time. Rank 0 profiles one
-    microbatch per part and every rank takes its figures, so all ranks cut the model the same way."""
+    microbatch per part and every rank takes its figures, so all ranks cut the model the same way. ``costs``:
+    the parts' costs to cut by in place of the profile (the dry run's, which need no tensors), gathered from
+    rank 0 all the same."""
     schedule = schedule_for(parallel)
     rows = cfg.global_batch // parallel.dims.dp // schedule.microbatches
-    costs = profile_costs(model_cfg, rows, cfg.seq_len) if comms["world"].rank == 0 else None
+    if costs is None and comms["world"].rank == 0:
+        costs = profile_costs(model_cfg, rows, cfg.seq_len)
     with comms.ledger.in_phase("setup"):
         costs = comms["world"].all_gather_object(costs)[0]
     return balanced_bounds(*costs, schedule.num_stages)
@@ -164,12 +168,13 @@ class PipelineSchedule:
 
 
 def cut_stages(model: nn.Module, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms, schedule: Schedule,
-               bounds: list[int] | None = None) -> tuple[dict[int, nn.Module], set[int], list[int]]:
+               bounds: list[int] | None = None, costs: tuple | None = None
+               ) -> tuple[dict[int, nn.Module], set[int], list[int]]:
     """This rank's stages of ``model`` (stage index -> module), DualPipe's second copies among them, and the
     layer bounds: ``bounds`` if given, else equal layer counts, or for ``pp_balance="measured"`` the
-    per-layer times rank 0 measures."""
+    per-layer times rank 0 measures (or ``costs``: :func:`measured_bounds`)."""
     if bounds is None:
-        bounds = (measured_bounds(model.cfg, parallel, cfg, comms) if parallel.pp_balance is PpBalance.MEASURED
+        bounds = (measured_bounds(model.cfg, parallel, cfg, comms, costs) if parallel.pp_balance is PpBalance.MEASURED
                   else equal_bounds(model.cfg.n_layers, schedule.num_stages))
     wanted = schedule.modules_on(comms["pp"].rank)
     stages = build_stages(model, bounds, wanted)
