@@ -98,7 +98,12 @@ def test_unmatched_collective_without_counts_times_out_with_the_waiting_rank_and
 
 def _environment_and_pid(info):
     import os
-    return os.environ.get("PARALLELISMS_TEST_VALUE"), os.getpid(), info.rank
+    return os.environ.get("PARALLELISMS_TEST_VALUE"), os.getpid(), info.rank, os.environ.get("PYTEST_CURRENT_TEST")
+
+
+def _forkserver_pid(info):
+    import os
+    return os.getppid(), os.environ.get("PYTEST_CURRENT_TEST")
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -111,6 +116,23 @@ def test_every_start_method_gives_the_ranks_the_launchers_environment(method, mo
         results = launch(_environment_and_pid, 2, threads=1)
         assert [r[0] for r in results] == [value] * 2 and [r[2] for r in results] == [0, 1]
         assert len({r[1] for r in results}) == 2
+        assert [r[3] for r in results] == [os.environ["PYTEST_CURRENT_TEST"]] * 2
+
+
+def test_a_forkserver_outlives_what_pytest_writes_at_each_test(monkeypatch):
+    """pytest rewrites ``PYTEST_CURRENT_TEST`` at every stage of every test: the forkserver stays (a restart took
+    3-5 s a test), and each rank sees the launcher's value, set or unset."""
+    monkeypatch.setenv("PARALLELISMS_START_METHOD", "forkserver")
+    servers = set()
+    for value in ("tests/a.py::one (call)", "tests/b.py::two (call)", None):
+        if value is None:
+            monkeypatch.delenv("PYTEST_CURRENT_TEST")
+        else:
+            monkeypatch.setenv("PYTEST_CURRENT_TEST", value)
+        results = launch(_forkserver_pid, 2, threads=1)
+        assert [r[1] for r in results] == [value] * 2
+        servers |= {r[0] for r in results}
+    assert len(servers) == 1 and os.getpid() not in servers, servers
 
 
 def test_an_unknown_start_method_is_refused(monkeypatch):

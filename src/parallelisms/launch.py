@@ -127,10 +127,17 @@ def _worker(entry, args, backend: str, timeout_s: float, threads: int | None):
     return result
 
 
-def _rank_process(entry, args, backend: str, timeout_s: float, threads: int | None):
+def _rank_process(entry, args, backend: str, timeout_s: float, threads: int | None, handed: dict):
     """A launched rank's process: :func:`_worker`, and where it fails (its error recorded by ``record``), the
     process ends at once: the interpreter's finalization (the process groups and their threads torn down with a
-    peer stopped or gone) took 1.1-1.9 s here, which every fault added to the time the run took to end."""
+    peer stopped or gone) took 1.1-1.9 s here, which every fault added to the time the run took to end.
+    ``handed``: the launcher's values of the :data:`HANDED` variables (None: unset), which a forked rank's
+    forkserver may hold from an earlier launch."""
+    for name, value in handed.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         return _worker(entry, args, backend, timeout_s, threads)
     except BaseException:
@@ -179,20 +186,26 @@ START_METHODS = ("spawn", "forkserver")
 # about 3 s here), its FSDP and DTensor packages, and the training loop
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "parallelisms.training"]
 _forkserver_environment: dict = {}  # the environment the process's forkserver started with (one per process)
+# Variables that do not restart a forkserver. elastic_launch writes the first into the launcher's environment (the
+# same value at every launch) before any rank starts, so the forkserver holds it too. pytest rewrites the second at
+# every stage of every test (a restart per test took 3-5 s); each rank is handed the launcher's value instead.
+PASSING = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST")
+HANDED = ("PYTEST_CURRENT_TEST",)
 
 
 def _start_method() -> str:
     """``PARALLELISMS_START_METHOD``: ``spawn`` (default: each rank a fresh interpreter that imports torch) or
     ``forkserver`` (ranks forked from one process per launching process that has imported torch and this
     package once: an 8-rank launch here takes 0.3-0.6 s instead of 8.6 s). A forkserver whose environment
-    differs from the launcher's is restarted, so ranks see the launcher's environment as spawned ones do."""
+    differs from the launcher's (but for the :data:`PASSING` variables) is restarted, so ranks see the launcher's
+    environment as spawned ones do."""
     method = os.environ.get("PARALLELISMS_START_METHOD", "spawn")
     if method not in START_METHODS:
         raise LaunchError(f"PARALLELISMS_START_METHOD={method!r} is not one of {', '.join(START_METHODS)}")
     if method == "forkserver":
         import multiprocessing
         from multiprocessing import forkserver
-        environment = dict(os.environ)
+        environment = {k: v for k, v in os.environ.items() if k not in PASSING}
         if _forkserver_environment and _forkserver_environment != environment:
             forkserver._forkserver._stop()
         _forkserver_environment.clear()
@@ -322,7 +335,8 @@ def launch(entry, world_size: int, *args, backend: str | None = None, timeout_s:
                               start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=logs))
         try:
             with _ranks_run_the_package_main():
-                results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads)
+                results = elastic_launch(config, _rank_process)(entry, args, backend, timeout_s, threads,
+                                                                 {name: os.environ.get(name) for name in HANDED})
         finally:
             del store
     except ChildFailedError as exc:
