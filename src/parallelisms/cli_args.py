@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from parallelisms.config import TrainConfig, PRESETS
+from parallelisms.config import COUNT, MODEL_FLAGS, PRESETS, TRAIN_FLAGS, ModelConfig, TrainConfig
 from parallelisms.config_file import CONFIG_FILE, CONFIG_FLAG, expand
 from parallelisms.errors import ConfigError
-from parallelisms.flags import DEGREE, integer, number, number_pair, slow_rank
-from parallelisms.options import Dtype, choices
-from parallelisms.perf.shapes import add_shape_args
+from parallelisms.flags import DEGREE, add_flags
 from parallelisms.parallel.registry import LAYOUT, PARALLELISMS
 
 DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
-COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,7 +60,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
     g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
-    add_shape_args(g)
+    add_flags(g, MODEL_FLAGS, ModelConfig)
 
 
 def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
@@ -88,29 +85,10 @@ def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
 
 
 def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
-    g = p.add_argument_group("training")
-    d = TrainConfig()
-    g.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
-    g.add_argument("--global-batch", type=COUNT, default=DEFAULT_TRAIN["global_batch"], help="sequences per step")
-    g.add_argument("--seq-len", type=integer(2, 10**9), default=DEFAULT_TRAIN["seq_len"], help="tokens per sequence")
-    g.add_argument("--grad-accum", type=COUNT, default=1, help="microbatches per rank per step")
-    g.add_argument("--lr", type=number(0, above=True), default=d.lr, help="AdamW learning rate")
-    g.add_argument("--grad-clip", type=number(0), default=d.grad_clip, help="global-norm clip (0: off)")
-    g.add_argument("--weight-decay", type=number(0), default=d.weight_decay,
-                   help="AdamW's decoupled weight decay, of the weight matrices (not norms, biases, embeddings)")
-    g.add_argument("--betas", type=number_pair(0, 1), default=d.betas, metavar="B1,B2", help="AdamW's betas")
-    g.add_argument("--eps", type=number(0, above=True), default=d.eps, help="AdamW's epsilon")
-    g.add_argument("--decay-all", action="store_true", help="decay every parameter, norms and embeddings included")
-    # the data loader seeds step s with seed x 1_000_003 + s, which torch's 64-bit seeds hold for any seed below 2^32
-    g.add_argument("--seed", type=integer(0, 2**32 - 1), default=d.seed, help="seed of the weights and the data")
-    g.add_argument("--bucket-mb", type=number(0, 2**20, above=True), default=d.bucket_mb,
-                   help="data-parallel gradient bucket cap")
-    g.add_argument("--timeout", type=number(0, 10**6, above=True), default=d.timeout_s,
-                   help="collective timeout, seconds")
-    g.add_argument("--dtype", default=d.dtype, help=f"parameter dtype: {choices(Dtype)} (float64: rounding ~1e-16, so "
-                                                    f"verify's contract tightens to 1e-10)")
-    g.add_argument("--slow-rank", type=slow_rank, metavar="R:F", help="make rank R's compute F times slower (real "
-                                                                       "work; a straggler to see in the report)")
+    """The training flags, from :data:`parallelisms.config.TRAIN_FLAGS` (defaults TrainConfig's, except the
+    verb's ``steps`` and the command line's batch), and ``--json``."""
+    defaults = dict(steps=steps, global_batch=DEFAULT_TRAIN["global_batch"], seq_len=DEFAULT_TRAIN["seq_len"])
+    add_flags(p.add_argument_group("training"), TRAIN_FLAGS, TrainConfig, defaults)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 
 from parallelisms.support import validate_layout
-from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset, with_positions
+from parallelisms.config import (TRAIN_FLAGS, ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset,
+                                 with_positions)
 from parallelisms.errors import require
+from parallelisms.flags import given_fields
 from parallelisms.data.options import check_data_args, data_settings
 from parallelisms.device import under_torchrun
 from parallelisms.perf.shapes import shape_from_args
@@ -27,13 +29,7 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
     estimate needs (see ``validate_layout``)."""
     model = model_from_args(args)
     options = _degree_options(args)
-    train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
-                        grad_accum=args.grad_accum, lr=args.lr, grad_clip=args.grad_clip, seed=args.seed,
-                        weight_decay=args.weight_decay, betas=tuple(args.betas), eps=args.eps,
-                        decay_all=args.decay_all,
-                        bucket_mb=args.bucket_mb, timeout_s=args.timeout, dtype=args.dtype or TrainConfig.dtype,
-                        slow_rank=getattr(args, "slow_rank", None),
-                        **(data_settings(args) if hasattr(args, "data") else {}))
+    train = TrainConfig(**given_fields(TRAIN_FLAGS, args), **(data_settings(args) if hasattr(args, "data") else {}))
     dims = ParallelDims(**_data_parallel_degrees(args), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     parallel = parallel_config(dims, **{o.field: getattr(args, o.dest, o.default) for o in OPTIONS.values()
                                                   if not o.needs},

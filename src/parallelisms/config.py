@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallelisms.errors import ConfigError, divisors, path_kind, require, require_finite
+from parallelisms.flags import Flag, integer, number, number_pair, slow_rank
 from parallelisms.hf_arch import architecture_fields, check_architecture
 from parallelisms.hf_keys import check_config_keys
 from parallelisms.mesh import ParallelDims
@@ -151,21 +152,38 @@ def default_ffn(hidden: int, mlp: str) -> int:
     return 4 * hidden if mlp == "gelu" else -(-8 * hidden // 3 // 64) * 64 if hidden >= 64 else -(-8 * hidden // 3)
 
 
-def with_shape(base: ModelConfig, seq_len: int = 0, layers=None, hidden=None, heads=None, kv_heads=None, ffn=None,
-               vocab=None, mlp=None, experts=None, topk=None, head_dim=None) -> ModelConfig:
-    """``base`` with the shape flags given (None: keep the base's). A new hidden size without ``ffn`` takes the
-    MLP's default width; new heads without ``kv_heads`` are plain multi-head attention; ``max_seq_len`` grows
-    to ``seq_len``."""
-    given = {k: v for k, v in dict(n_layers=layers, dim=hidden, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
-                                   vocab_size=vocab, mlp=mlp, n_experts=experts, top_k=topk,
-                                   head_dim_override=head_dim).items() if v is not None}
+def with_shape(base: ModelConfig, seq_len: int = 0, **fields) -> ModelConfig:
+    """``base`` with the shape flags given, by field name (None: keep the base's). A new hidden size without
+    ``ffn_dim`` takes the MLP's default width; new heads without ``n_kv_heads`` are plain multi-head attention;
+    ``max_seq_len`` grows to ``seq_len``."""
+    given = {k: v for k, v in fields.items() if v is not None}
     if not given:
         return base
-    if heads is not None and kv_heads is None:
-        given["n_kv_heads"] = heads
-    if ffn is None and (hidden is not None or mlp is not None):
+    if "n_heads" in given and "n_kv_heads" not in given:
+        given["n_kv_heads"] = given["n_heads"]
+    if "ffn_dim" not in given and ("dim" in given or "mlp" in given):
         given["ffn_dim"] = default_ffn(given.get("dim", base.dim), given.get("mlp", base.mlp))
     return dataclasses.replace(base, max_seq_len=max(base.max_seq_len, seq_len), **given).validate()
+
+
+def _shape(field_name: str, flag: str, text: str, low: int = 1) -> Flag:
+    return Flag(field_name, f"{text}; overrides the preset/config", flag, integer(low, MAX_MODEL_INT), unset=True)
+
+
+MODEL_FLAGS = (  # the shape flags, over --preset or --config (with_shape); ModelConfig's other fields are a file's
+    _shape("n_layers", "--layers", "transformer blocks"),
+    _shape("dim", "--hidden", "hidden size h"),
+    _shape("n_heads", "--heads", "attention heads"),
+    _shape("n_kv_heads", "--kv-heads", "key/value heads (default: --heads)"),
+    _shape("head_dim_override", "--head-dim", "size of each attention head (default: hidden / heads; Qwen3 and "
+                                              "Mistral set it)"),
+    _shape("ffn_dim", "--ffn", "MLP width (default 4h for gelu, 8h/3 for swiglu)"),
+    _shape("vocab_size", "--vocab", "vocabulary size"),
+    _shape("n_experts", "--experts", "experts per MoE layer (0: dense)", low=0),
+    _shape("top_k", "--topk", "experts per token"),
+    Flag("mlp", "MLP: swiglu (Llama) or gelu (GPT, two matrices)", choices=MLPS, unset=True),
+    Flag("tie_embeddings", "the output head is the embedding table (Hugging Face's tie_word_embeddings)"),
+)
 
 
 def with_positions(model: ModelConfig, seq_len: int) -> ModelConfig:
@@ -329,6 +347,31 @@ class TrainConfig:
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+COUNT = integer(1, 10**9)  # steps, batch sizes, lengths: bounded, so no later arithmetic overflows
+
+TRAIN_FLAGS = (  # the training flags (the data and schedule flags are parallelisms.data.options')
+    Flag("steps", "optimizer steps", parse=COUNT),
+    Flag("global_batch", "sequences per step", parse=COUNT),
+    Flag("seq_len", "tokens per sequence", parse=integer(2, 10**9)),
+    Flag("grad_accum", "microbatches per rank per step", parse=COUNT),
+    Flag("lr", "AdamW learning rate", parse=number(0, above=True)),
+    Flag("grad_clip", "global-norm clip (0: off)", parse=number(0)),
+    Flag("weight_decay", "AdamW's decoupled weight decay, of the weight matrices (not norms, biases, embeddings)",
+         parse=number(0)),
+    Flag("betas", "AdamW's betas", parse=number_pair(0, 1), metavar="B1,B2"),
+    Flag("eps", "AdamW's epsilon", parse=number(0, above=True)),
+    Flag("decay_all", "decay every parameter, norms and embeddings included"),
+    # the data loader seeds step s with seed x 1_000_003 + s, which torch's 64-bit seeds hold for any seed below 2^32
+    Flag("seed", "seed of the weights and the data", parse=integer(0, 2**32 - 1)),
+    Flag("bucket_mb", "data-parallel gradient bucket cap", parse=number(0, 2**20, above=True)),
+    Flag("timeout_s", "collective timeout, seconds", "--timeout", number(0, 10**6, above=True)),
+    Flag("dtype", f"parameter dtype: {choices(Dtype)} (float64: rounding ~1e-16, so verify's contract tightens to "
+                  f"1e-10)"),
+    Flag("slow_rank", "make rank R's compute F times slower (real work; a straggler to see in the report)",
+         parse=slow_rank, metavar="R:F"),
+)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ import importlib.util
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from parallelisms.errors import require
 
@@ -141,3 +143,50 @@ def json_line(result: dict) -> str:
     if nulled:
         out["nonfinite_fields"] = nulled
     return json.dumps(out, allow_nan=False)
+
+
+class FlagName:
+    """A config field's flag name (``flag``, default ``--the-field-name``) and its argparse ``dest``."""
+    field: str
+    flag: str
+
+    @property
+    def name(self) -> str:
+        return self.flag or "--" + self.field.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Flag(FlagName):
+    """A config dataclass's field as a command-line flag (``TrainConfig``'s and ``ModelConfig``'s tables in
+    :mod:`parallelisms.config`): its name (default ``--the-field-name``), help, parser, metavar and choices;
+    ``unset``: the flag's default is None, so whether it was given is known (a shape flag over a preset)."""
+    field: str
+    help: str
+    flag: str = ""
+    parse: Callable | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    unset: bool = False
+
+
+def add_flags(group, flags: tuple[Flag, ...], config: type, defaults: dict | None = None) -> None:
+    """Each flag's argument: a switch for a bool field, else its parser and default (the verb's in
+    ``defaults``, else None where ``unset``, else ``config``'s field's)."""
+    fields = config.__dataclass_fields__
+    for flag in flags:
+        default = (defaults or {}).get(flag.field, None if flag.unset else fields[flag.field].default)
+        if isinstance(default, bool):
+            group.add_argument(flag.name, action="store_true", help=flag.help)
+        else:
+            group.add_argument(flag.name, type=flag.parse, default=default, help=flag.help, metavar=flag.metavar,
+                               choices=flag.choices)
+
+
+def given_fields(flags: tuple[Flag, ...], args) -> dict:
+    """The config fields of the flags ``args`` holds, by field name (None: not given, the config's default)."""
+    values = {flag.field: getattr(args, flag.dest, None) for flag in flags}
+    return {name: value for name, value in values.items() if value is not None}

@@ -24,7 +24,7 @@ from typing import Callable
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import require
-from parallelisms.flags import integer
+from parallelisms.flags import FlagName, integer
 from parallelisms.options import Dtype, FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule, choices, enum_fields
 from parallelisms.parallel import checks
 from parallelisms.parallel.cp_modes import MODES
@@ -34,7 +34,7 @@ LAYOUT = "layout (world size = pp x dp x cp x tp)"  # the --help group of the de
 
 
 @dataclass(frozen=True)
-class Option:
+class Option(FlagName):
     """A ParallelConfig field as a flag. ``help`` may name ``{choices}`` (the values, from the field's enum or
     ``values``) and ``{default}``; ``needs``: the degree it applies to (given without it above 1, the command
     line refuses it; unset, the config's default holds)."""
@@ -45,14 +45,6 @@ class Option:
     needs: str = ""
     group: str = ""                     # the --help group (default: the parallelism's)
     values: tuple[str, ...] = ()        # a registry's keys, for a field typed str
-
-    @property
-    def name(self) -> str:
-        return self.flag or "--" + self.field.replace("_", "-")
-
-    @property
-    def dest(self) -> str:
-        return self.name[2:].replace("-", "_")
 
     @property
     def default(self):
