@@ -59,7 +59,7 @@ def _checkpointed(module: nn.Module) -> None:
 
 def recompute_swap(model: nn.Module, comms, parallel, train) -> None:
     """The registry's transform (:func:`parallelisms.train_setup.parallelize`): ``--recompute``'s mode, if any."""
-    if parallel.recompute != Recompute.NONE:
+    if parallel.recompute is not Recompute.NONE:
         apply_recompute(model, parallel.recompute)
 
 

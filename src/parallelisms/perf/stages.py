@@ -26,11 +26,13 @@ def schedule_of(name: str, pp: int, m: int, chunks: int):
 class RankStages:
     """One pipeline rank's share: ``layers`` a microbatch runs on it (the stages of one path: a DualPipe rank holds
     two copies but runs each microbatch through one), its ``stage_layers`` (every stage it holds, both paths),
-    whether it holds the embedding (stage 0) and the head (the last stage)."""
+    whether that path holds the embedding (stage 0) and the head (the last stage), and whether any stage it holds
+    is the last (``holds_last``: DualPipe's second copy too)."""
     layers: int
     stage_layers: tuple[int, ...]
     embedding: bool
     head: bool
+    holds_last: bool
 
 
 def stage_sizes(cfg: ModelConfig, stages: int) -> list[int]:
@@ -45,7 +47,7 @@ def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[R
     """Each pipeline rank's stages for ``m`` microbatches (one rank holding everything without a pipeline)."""
     pp = parallel.dims.pp
     if pp == 1:
-        return [RankStages(cfg.n_layers, (cfg.n_layers,), True, True)]
+        return [RankStages(cfg.n_layers, (cfg.n_layers,), True, True, True)]
     schedule = schedule_of(parallel.schedule, pp, m, parallel.chunks)
     size = stage_sizes(cfg, schedule.num_stages)
     last = schedule.num_stages - 1
@@ -53,7 +55,8 @@ def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[R
     for rank in range(pp):
         held = schedule.modules_on(rank)
         own = [s for path, s in held if path == 0]
-        out.append(RankStages(sum(size[s] for s in own), tuple(size[s] for _, s in held), 0 in own, last in own))
+        out.append(RankStages(sum(size[s] for s in own), tuple(size[s] for _, s in held), 0 in own, last in own,
+                              any(s == last for _, s in held)))
     return out
 
 
@@ -72,9 +75,5 @@ def rank0_layers(cfg: ModelConfig, parallel: ParallelConfig) -> int:
 def rank0_held(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, bool]:
     """Layers rank 0 holds (every stage on it: DualPipe's two copies, a V's two chunks) and whether one of its stages
     holds the head: the parameters its gradient sync moves, where :func:`rank0_layers` counts the compute."""
-    if parallel.dims.pp == 1:
-        return cfg.n_layers, True
-    schedule = schedule_of(parallel.schedule, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp,
-                           parallel.chunks)
-    held = [s for _, s in schedule.modules_on(0)]
-    return sum(stage_sizes(cfg, schedule.num_stages)[s] for s in held), schedule.num_stages - 1 in held
+    rank = pipeline_ranks(cfg, parallel, parallel.microbatches or 2 * parallel.dims.pp)[0]
+    return sum(rank.stage_layers), rank.holds_last

@@ -112,13 +112,14 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     block = block_params(cfg, parallel.dims.tp) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
     padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
-    return params + blocks - (block if parallel.fsdp_style is FsdpStyle.REUSE else 0) + (sum(padding) + padding[1]) * dtype_bytes
+    reused = block if parallel.fsdp_style is FsdpStyle.REUSE else 0
+    return params + blocks - reused + (sum(padding) + padding[1]) * dtype_bytes
 
 
 # -- tensor (and sequence) parallelism ------------------------------------------------------------------
 
 def tensor_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                             dtype_bytes: int) -> list[CommVolume]:
+                    dtype_bytes: int) -> list[CommVolume]:
     """Rank 0's tensor-parallel bytes per step, as its ledger counts them, with A the residual activation of its
     tokens. Per block and pass, Megatron's f and g (Shoeybi et al. 2019) for attention and the MLP: all-reduces
     of A (forward g, backward f); under sequence parallelism (Korthikanti et al. 2023) all-gathers and
@@ -160,7 +161,7 @@ def tensor_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
 # -- context, expert and pipeline parallelism -------------------------------------------------------------
 
 def context_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                              dtype_bytes: int) -> list[CommVolume]:
+                     dtype_bytes: int) -> list[CommVolume]:
     """Rank 0's context-parallel bytes per step over its stage's layers: its mode's exchanges per layer from the
     modes' registry (:mod:`parallelisms.perf.context`), with recomputed forwards' re-sends and the K/V heads
     Ulysses repeats, for the local queries and K (or V) of its tokens."""
