@@ -32,13 +32,16 @@ def pytest_xdist_auto_num_workers(config):
 
 # pytest-xdist hands the files out in the order collected (pyproject's --no-loadscope-reorder: by default it sorts
 # them by their count of tests, which put files of one or two long tests, calibrate's, last): the longest first,
-# longest to shortest (worker-seconds measured one file at a time: 125 to 35 s), so that no worker is left running a
-# long one alone at the end; the rest follow by name. test_stragglers runs last: its runs hold the other worker off
-# (``alone``), which costs nothing once the other worker has no file left.
-FIRST = ("test_verify_matrix.py", "test_checkpoint.py", "test_dryrun.py", "test_faults.py", "test_benches.py",
-         "test_dryrun_replay.py", "test_api.py", "test_dryrun_own_layers.py", "test_tied.py", "test_docs.py",
-         "test_estimate_check.py", "test_launch.py", "test_perf_cpu_mechanisms.py", "test_cp_modes.py",
-         "test_pipeline_runtime.py", "test_perf_calibrate.py", "test_hf_architectures.py", "test_context_parallel.py")
+# longest to shortest (seconds measured one file after another in one process, two such processes at once: 80 to
+# 12 s), so that no worker is left running a long one alone at the end; the rest follow by name. test_stragglers
+# runs last: its runs hold the other worker off (``alone``), which costs nothing once the other worker has no file
+# left.
+FIRST = ("test_verify_matrix.py", "test_dryrun_replay.py", "test_estimate_check.py", "test_dryrun.py",
+         "test_checkpoint.py", "test_faults.py", "test_output.py", "test_docs.py", "test_perf_plan.py",
+         "test_launch.py", "test_api.py", "test_perf_plan_choices.py", "test_perf_calibrate.py",
+         "test_dryrun_own_layers.py", "test_tied.py", "test_ep_balance.py", "test_pipeline_runtime.py",
+         "test_benches.py", "test_hf_architectures.py", "test_zero_composed.py", "test_perf_cpu_mechanisms.py",
+         "test_long_runs.py", "test_recompute.py")
 LAST = ("test_stragglers.py",)
 
 
