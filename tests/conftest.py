@@ -66,6 +66,23 @@ def _locked(path: str, mode: int):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_worker():
+    """Each worker computes on one thread (the suite runs one worker per core): work done in pytest's process
+    (references, ``verify``'s single-process run, transformers' training) on two threads waits at every parallel
+    region for a core that the other worker's processes hold. The ranks set their own (``launch``'s ``threads``)."""
+    import sys
+
+    torch = sys.modules.get("torch")  # imported by the collected files that compute; a fast run may not import it
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def alone(tmp_path_factory):
     """A context manager: the code under it runs while no test of another worker does."""
