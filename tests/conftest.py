@@ -4,7 +4,8 @@ and launches its ranks from a forkserver that has imported torch once (``PARALLE
 it; ``test_launch`` checks both. The ranks wait on shared memory sleeping in the kernel (``PARALLELISMS_SPIN=0``)
 rather than polling where a launch has a core per rank: the two workers' launches share the cores, and a polling
 rank's turns are cores the other worker's ranks wait for. test_comm_shm_p2p's two-rank pipeline polls, and
-``test_spinning_is_for_ranks_with_a_core_each`` checks the switch.
+``test_spinning_is_for_ranks_with_a_core_each`` checks the switch. Each worker computes on one thread itself
+(:func:`_one_thread_per_worker`).
 
 Tiers: ``-m fast`` runs the tests marked ``fast`` (a file's ``pytestmark`` or a test's decorator): pure
 functions that start no process (schedules, the performance model, configuration and its rules, the modes'
@@ -18,6 +19,7 @@ autouse lock below is taken after module fixtures are set up."""
 import contextlib
 import fcntl
 import os
+import sys
 
 import pytest
 
@@ -71,8 +73,6 @@ def _one_thread_per_worker():
     """Each worker computes on one thread (the suite runs one worker per core): work done in pytest's process
     (references, ``verify``'s single-process run, transformers' training) on two threads waits at every parallel
     region for a core that the other worker's processes hold. The ranks set their own (``launch``'s ``threads``)."""
-    import sys
-
     torch = sys.modules.get("torch")  # imported by the collected files that compute; a fast run may not import it
     if torch is None:
         yield
