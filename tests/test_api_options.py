@@ -4,7 +4,7 @@ gives, with no flags written or parsed; a bad keyword or value is one line."""
 import pytest
 
 import parallelisms
-from parallelisms.api_options import namespace
+from parallelisms.api_options import settings
 from parallelisms.cli import build_parser
 from parallelisms.cli_configs import build_configs
 from parallelisms.errors import ConfigError
@@ -53,7 +53,7 @@ def test_configure_equals_the_command_lines_configs(options):
     ("simulate", dict(schedule="zb-v", pp=4, microbatches=8)),
 ])
 def test_each_verbs_settings_equal_its_command_lines(verb, options):
-    ours, theirs = vars(namespace(verb, options)), vars(_cli(verb, options))
+    ours, theirs = settings(verb, options), vars(_cli(verb, options))
     ours.pop("func"), theirs.pop("func")  # plan's is a closure of its own parser
     assert ours == theirs
     assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
@@ -98,7 +98,7 @@ def test_bad_keywords_raise_one_line(verb, options, line):
         if verb == "train":
             parallelisms.configure(**options)
         else:
-            build_configs(namespace(verb, options), runtime=False)
+            build_configs(settings(verb, options), runtime=False)
     assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError) as cli:  # the command line says the same where a flag can say it
         build_configs(_cli(verb, options), runtime=False)

@@ -28,7 +28,8 @@ from parallelisms.export import add_export_parser
 from parallelisms.cli_args import (DEFAULT_TRAIN, Parser, add_device_args, add_layout_args, add_model_args,
                                    add_train_args)
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
-from parallelisms.cli_results import estimate_result, run_layout, train_report, verify_result
+from parallelisms.cli_results import (estimate_result, estimate_run, run_layout, train_report, train_run, verify_result,
+                                      verify_run)
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
@@ -36,7 +37,7 @@ from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 def cmd_train(args) -> int:
     from parallelisms.summary import print_train_summary
 
-    report = train_report(args, announce=True)
+    report = train_report(train_run(args, announce=True))
     if report is None:
         return 0
     defaults = vars(build_parser().parse_args(["verify"]))
@@ -91,7 +92,7 @@ def _rounding_note(explained: dict) -> str:
 def cmd_verify(args) -> int:
     from parallelisms.device import Placement
 
-    result = verify_result(args, announce=True)
+    result = verify_result(verify_run(args, announce=True))
     if result is None:
         return 0
     norms = ("n/a (per-stage updates)" if result["max_grad_norm_rel_diff"] is None
@@ -125,7 +126,7 @@ def cmd_verify_resume(args) -> int:
 def cmd_estimate(args) -> int:
     from parallelisms.perf.estimate import explain
 
-    result = estimate_result(args)
+    result = estimate_result(estimate_run(args))
     print("\n".join(explain(result)))
     if args.check:  # the dry run of the same layout beside the formulas (imports torch)
         from parallelisms.estimate_check import check, check_lines

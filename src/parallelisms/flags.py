@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from parallelisms.errors import require
 
@@ -186,7 +186,15 @@ def add_flags(group, flags: tuple[Flag, ...], config: type, defaults: dict | Non
                                choices=flag.choices)
 
 
+def settings(args) -> Mapping:
+    """A verb's option values by Python name: the command line's parsed ``args`` (a Namespace), or the mapping
+    the Python API builds from its keywords (:mod:`parallelisms.api_options`)."""
+    return args if isinstance(args, Mapping) else vars(args)
+
+
 def given_fields(flags: tuple[Flag, ...], args) -> dict:
-    """The config fields of the flags ``args`` holds, by field name (None: not given, the config's default)."""
-    values = {flag.field: getattr(args, flag.dest, None) for flag in flags}
+    """The config fields of the flags ``args`` (:func:`settings`) holds, by field name (None: not given, the
+    config's default)."""
+    given = settings(args)
+    values = {flag.field: given.get(flag.dest) for flag in flags}
     return {name: value for name, value in values.items() if value is not None}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallelisms.errors import require
-from parallelisms.flags import integer, number
+from parallelisms.flags import integer, number, settings
 from parallelisms.options import Schedule
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
@@ -64,9 +64,11 @@ def optimizer_settings(train) -> dict:
 
 
 def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None:
-    """The checkpoint flags, validated (one line each, before launch); None without any."""
-    save, resume = args.save, args.resume
-    require(save is not None or (args.save_every is None and not args.async_save),
+    """The checkpoint flags ``args`` holds (:func:`parallelisms.flags.settings`), validated (one line each, before
+    launch); None without any."""
+    args = settings(args)
+    save, resume, save_every, async_save = args["save"], args["resume"], args["save_every"], args["async_save"]
+    require(save is not None or (save_every is None and not async_save),
             "--save-every/--async-save need --save DIR; add --save DIR")
     require(resume != "auto" or save is not None, "--resume auto looks in --save DIR; add --save DIR")
     if save is None and resume is None:
@@ -119,7 +121,7 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
                 f"--resume {str(path)!r} was saved {'with' if saved['pipedream'] else 'without'} --schedule pipedream "
                 f"and this run is {'with' if meta['pipedream'] else 'without'}: its per-microbatch Adam steps do not "
                 f"carry over; resume with{'' if saved['pipedream'] else 'out'} pipedream")
-    return CheckpointOptions(save, args.save_every or 0, args.async_save, str(path) if path else None, meta)
+    return CheckpointOptions(save, save_every or 0, async_save, str(path) if path else None, meta)
 
 
 def _announce(line: str) -> None:
