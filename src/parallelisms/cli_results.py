@@ -20,7 +20,7 @@ from typing import Any
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data.options import RunFiles, check_run_files, run_files
-from parallelisms.flags import check_writable, settings
+from parallelisms.flags import Flag, check_writable, given_fields, number, settings
 from parallelisms.options import Dtype, Precision, Schedule
 
 
@@ -35,7 +35,7 @@ def run_layout(spec, placement, trace: bool = False):
 class TrainRun:
     """``parallelisms train``'s configuration: the configs, the device placement, the files it reads and writes,
     its checkpoints (:class:`~parallelisms.resume.CheckpointOptions`, None without any), the ``--trace`` file and
-    the ``--predict`` hardware (None: not asked for)."""
+    the ``--predict`` hardware (None: not asked for) as given and loaded."""
 
     model: ModelConfig
     train: TrainConfig
@@ -44,7 +44,8 @@ class TrainRun:
     files: RunFiles = RunFiles()
     checkpoint: Any = None         # parallelisms.resume.CheckpointOptions
     trace: str | None = None
-    predict: Any = None            # parallelisms.perf.hardware.Hardware
+    predict: str | None = None     # a hardware preset or a calibrate file
+    hardware: Any = None           # --predict's, loaded (parallelisms.perf.hardware.Hardware)
 
     @property
     def save(self) -> str | None:
@@ -52,24 +53,33 @@ class TrainRun:
         return self.checkpoint.save_dir if self.checkpoint else None
 
 
+TRAIN_RUN_FLAGS = (  # train's own flags beside the configs' (data/options.py's, resume.py's)
+    Flag("trace", "write the timeline as Chrome-trace JSON (Perfetto; parallelisms plot-trace draws it)",
+         metavar="FILE"),
+    Flag("predict", "print the step model's prediction against this run (hardware: cpu or a calibrate file)",
+         metavar="HARDWARE", alone="cpu"),
+)
+
+
 def train_run(args, announce: bool = False) -> TrainRun:
     """The :class:`TrainRun` of ``args`` (parsed flags or the API's settings), every value checked before any
     process starts; ``announce`` prints the layout that will run."""
-    from parallelisms.resume import checkpoint_options
+    from parallelisms.resume import checkpoint_flags, checkpoint_options
 
-    args = settings(args)
-    if args["trace"]:
-        check_writable("--trace", args["trace"])
+    own = given_fields(TRAIN_RUN_FLAGS, args)
+    if own.get("trace"):
+        check_writable("--trace", own["trace"])
     hardware = None
-    if args["predict"]:
+    if own.get("predict"):
         from parallelisms.perf.hardware import load_hardware
-        hardware = load_hardware(args["predict"], "--predict")
+        hardware = load_hardware(own["predict"], "--predict")
     files = run_files(args)
     check_run_files(files)
     model, train, parallel, placement = prepare(args, announce)
-    train = train.replace(nonfinite="skip" if args["skip_nonfinite"] else "stop")
-    checkpoint = checkpoint_options(args, model, train, parallel)
-    return TrainRun(model, train, parallel, placement, files, checkpoint, args["trace"], hardware)
+    saving = checkpoint_flags(args)
+    train = train.replace(nonfinite="skip" if saving.skip_nonfinite else "stop")
+    checkpoint = checkpoint_options(saving, model, train, parallel)
+    return TrainRun(model, train, parallel, placement, files, checkpoint, **own, hardware=hardware)
 
 
 def train_report(run: TrainRun) -> dict | None:
@@ -82,7 +92,7 @@ def train_report(run: TrainRun) -> dict | None:
     metrics = files.metrics or (default_metrics_path(run.save) if run.save else None)  # next to the checkpoints
     spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(files.export_hf), metrics_path=metrics,
                    tensorboard_dir=files.tensorboard, init_from=files.init_from, checkpoint=run.checkpoint,
-                   keep_spans=bool(run.trace or run.predict))  # else summed per step: flat on long runs
+                   keep_spans=bool(run.trace or run.hardware))  # else summed per step: flat on long runs
     report = run_layout(spec, run.placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
@@ -106,9 +116,9 @@ def train_report(run: TrainRun) -> dict | None:
             timelines.append(t)
         if attempt(report, f"--trace {run.trace!r}", lambda: write_chrome_trace(timelines, run.trace, waits)):
             report["trace"] = run.trace
-    if run.predict:
+    if run.hardware:
         from parallelisms.perf.predict import compare
-        report["prediction"] = compare(model, parallel, train, report, run.predict, spans[0])
+        report["prediction"] = compare(model, parallel, train, report, run.hardware, spans[0])
     from parallelisms.perf.model import predicted_comm_by_kind
 
     report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train, dtype_bytes=2 if parallel.mixed_precision
@@ -130,6 +140,9 @@ class VerifyRun:
     dtype_unset: bool = True
 
 
+VERIFY_RUN_FLAGS = (Flag("tolerance", "relative tolerance (default 1e-5)", parse=number(0, 1)),)
+
+
 def verify_run(args, announce: bool = False) -> VerifyRun:
     """The :class:`VerifyRun` of ``args`` (parsed flags or the API's settings), checked before any process
     starts; ``announce`` prints the layout that will run."""
@@ -137,7 +150,8 @@ def verify_run(args, announce: bool = False) -> VerifyRun:
     model, train, parallel, placement = prepare(args, announce)
     # every token id in the batches, so that every vocabulary shard is looked up (parallelisms.data.loader)
     train = train.replace(data=dataclasses.replace(train.data, vocab_sweep=model.vocab_size))
-    return VerifyRun(model, train, parallel, placement, args["tolerance"], args["dtype"] is None)
+    return VerifyRun(model, train, parallel, placement, **given_fields(VERIFY_RUN_FLAGS, args),
+                     dtype_unset=args["dtype"] is None)
 
 
 def _tolerance(run: VerifyRun, train: TrainConfig) -> float:
