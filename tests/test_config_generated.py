@@ -9,12 +9,15 @@ import pytest
 
 from parallelisms.api_options import settings, verb_parser
 from parallelisms.cli_args import Parser
+from parallelisms.cli_configs import LAUNCH_FLAGS, MODEL_SOURCE_FLAGS
+from parallelisms.cli_results import TRAIN_RUN_FLAGS, VERIFY_RUN_FLAGS
 from parallelisms.config import MODEL_FLAGS, TRAIN_FLAGS, DataConfig
 from parallelisms.config_file import CONFIG_FLAG, sections
 from parallelisms.data.options import (DATA_FLAGS, EVAL_FLAGS, RUN_FILE_FLAGS, SCHEDULE_FLAGS, RunFiles, data_settings,
                                        run_files)
 from parallelisms.errors import ConfigError
 from parallelisms.flags import Flag, add_flags, given_fields, integer
+from parallelisms.resume import CHECKPOINT_FLAGS
 
 pytestmark = pytest.mark.fast  # parsing only: no process starts (tests/conftest.py)
 
@@ -71,16 +74,17 @@ def test_a_new_fields_bad_value_is_the_same_line_everywhere(tmp_path):
         p.parse_args([CONFIG_FLAG, str(run)])
 
 
-TABLES = {"training": TRAIN_FLAGS, "model": MODEL_FLAGS, "data": DATA_FLAGS + EVAL_FLAGS, "schedule": SCHEDULE_FLAGS,
-          "run files": RUN_FILE_FLAGS}
+TABLES = {"training": TRAIN_FLAGS, "model": MODEL_SOURCE_FLAGS + MODEL_FLAGS, "data": DATA_FLAGS + EVAL_FLAGS,
+          "schedule": SCHEDULE_FLAGS, "run files": RUN_FILE_FLAGS, "launch": LAUNCH_FLAGS,
+          "checkpoints": CHECKPOINT_FLAGS, "train's own": TRAIN_RUN_FLAGS}
 
 
-@pytest.mark.parametrize("table", TABLES)
-def test_every_generated_flag_of_train_is_a_keyword_and_a_file_key(table):
-    parser = verb_parser("train")
-    keywords = settings("train", {})
+@pytest.mark.parametrize("verb, table", [*(("train", t) for t in TABLES), ("verify", "verify's own")])
+def test_every_generated_flag_of_a_verb_is_a_keyword_and_a_file_key(verb, table):
+    parser = verb_parser(verb)
+    keywords = settings(verb, {})
     in_file = {key for section in sections(parser).values() for key in section}
-    for flag in TABLES[table]:
+    for flag in TABLES.get(table, VERIFY_RUN_FLAGS):
         assert flag.name in parser._option_string_actions, flag.name
         assert flag.dest in keywords and flag.dest in in_file, flag.dest
 

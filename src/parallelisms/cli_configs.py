@@ -7,18 +7,49 @@ Torch-free, as :mod:`parallelisms.cli` and everything it imports at load (``test
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Mapping
 
 from parallelisms.support import validate_layout
-from parallelisms.config import (TRAIN_FLAGS, ModelConfig, ParallelConfig, TrainConfig, load_hf_config, preset,
-                                 with_positions)
+from parallelisms.config import (PRESETS, TRAIN_FLAGS, ModelConfig, ParallelConfig, TrainConfig, load_hf_config,
+                                 preset, with_positions)
 from parallelisms.errors import require
-from parallelisms.flags import given_fields, settings
+from parallelisms.flags import Flag, given_fields, settings
 from parallelisms.data.options import check_data_args, data_settings
-from parallelisms.device import under_torchrun
+from parallelisms.device import DEVICES, under_torchrun
 from parallelisms.perf.shapes import shape_from_args
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallel.registry import OPTIONS, parallel_config
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model's shape comes from: a preset, or a Hugging Face ``config.json`` (which overrides it); a
+    checkpoint's (``--init-from``, :class:`~parallelisms.data.options.RunFiles`) overrides both."""
+
+    preset: str = "tiny"
+    config: str | None = None
+
+
+MODEL_SOURCE_FLAGS = (
+    Flag("preset", f"model preset: {', '.join(PRESETS)}"),
+    Flag("config", "Hugging Face Llama-style config.json (overrides --preset)", metavar="CONFIG_JSON"),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where a train or verify run starts (``device``: :func:`parallelisms.device.choose`'s rule) and whether it
+    starts where its memory per rank, as estimate predicts it, exceeds this machine's (``force``)."""
+
+    device: str = "auto"
+    force: bool = False
+
+
+LAUNCH_FLAGS = (
+    Flag("device", f"{', '.join(DEVICES)}: auto is cuda (NCCL) when every rank on this machine has a GPU of its own, "
+                   f"else cpu (gloo)"),
+    Flag("force", "launch even where the layout's memory per rank (as estimate predicts it) exceeds this machine's"),
+)
 
 # Options that mean something only with a degree above 1 (default None: given or not is known); given without
 # it they would be silently ignored. Their defaults are ParallelConfig's.
@@ -49,12 +80,13 @@ def build_configs(args, runtime: bool = True) -> tuple[ModelConfig, TrainConfig,
 
 def _model_config(args: Mapping) -> ModelConfig:
     """--init-from's config.json, else --config, else --preset."""
+    source = ModelSource(**given_fields(MODEL_SOURCE_FLAGS, args))
     if args.get("init_from"):
         from parallelisms.hf import load_hf_model_config
-        require(not args["config"], f"--config with --init-from {args['init_from']!r}: the model is the "
-                                    f"checkpoint's; drop --config")
+        require(not source.config, f"--config with --init-from {args['init_from']!r}: the model is the "
+                                   f"checkpoint's; drop --config")
         return load_hf_model_config(args["init_from"])
-    return load_hf_config(args["config"]) if args["config"] else preset(args["preset"]).validate()
+    return load_hf_config(source.config) if source.config else preset(source.preset).validate()
 
 
 def model_from_args(args) -> ModelConfig:
@@ -99,8 +131,9 @@ def prepare(args, announce: bool = False):
 
     args = settings(args)
     model, train, parallel = build_configs(args)
-    placement = choose(args["device"], parallel.dims.world_size)
-    if not (args.get("force", False) or under_torchrun()):  # torchrun's ranks start before any check could
+    launch = Launch(**given_fields(LAUNCH_FLAGS, args))
+    placement = choose(launch.device, parallel.dims.world_size)
+    if not (launch.force or under_torchrun()):  # torchrun's ranks start before any check could
         from parallelisms.device import local_ranks
         from parallelisms.fit import check_fits
 
