@@ -59,6 +59,22 @@ def test_each_verbs_settings_equal_its_command_lines(verb, options):
     assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
 
 
+def test_each_verbs_typed_configuration_equals_its_command_lines(tmp_path):
+    from parallelisms.cli_results import estimate_run, train_run, verify_run
+
+    options = dict(preset="llama3-8b", dp=8, tp=2, sp=True, fp8=True, hardware="a100", kernels="fused")
+    assert estimate_run(settings("estimate", options)) == estimate_run(_cli("estimate", options))
+    options = dict(dp=1, no_precheck=True, device="cpu", trace=str(tmp_path / "t.json"), predict=True,
+                   save=str(tmp_path / "ckpt"), save_every=2, skip_nonfinite=True, metrics=str(tmp_path / "m.jsonl"),
+                   warmup=2, lr_schedule="cosine")
+    run = train_run(settings("train", options))
+    assert run == train_run(_cli("train", options))
+    assert (run.predict, run.train.nonfinite, run.checkpoint.save_every, run.files.metrics) == (
+        "cpu", "skip", 2, options["metrics"])
+    options = dict(dp=1, no_precheck=True, device="cpu", tolerance=1e-6)
+    assert verify_run(settings("verify", options)) == verify_run(_cli("verify", options))
+
+
 def test_configure_then_argv_flags_override_the_keywords():
     cfg = parallelisms.configure(["--tp", "2", "--sp"], dp=1, tp=4, seed=5)
     assert cfg.layout.dims.tp == 2 and cfg.layout.sequence_parallel and cfg.train.seed == 5
