@@ -4,7 +4,7 @@ gives, with no flags written or parsed; a bad keyword or value is one line."""
 import pytest
 
 import parallelisms
-from parallelisms.api_options import namespace
+from parallelisms.api_options import settings
 from parallelisms.cli import build_parser
 from parallelisms.cli_configs import build_configs
 from parallelisms.errors import ConfigError
@@ -53,10 +53,26 @@ def test_configure_equals_the_command_lines_configs(options):
     ("simulate", dict(schedule="zb-v", pp=4, microbatches=8)),
 ])
 def test_each_verbs_settings_equal_its_command_lines(verb, options):
-    ours, theirs = vars(namespace(verb, options)), vars(_cli(verb, options))
+    ours, theirs = settings(verb, options), vars(_cli(verb, options))
     ours.pop("func"), theirs.pop("func")  # plan's is a closure of its own parser
     assert ours == theirs
     assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
+
+
+def test_each_verbs_typed_configuration_equals_its_command_lines(tmp_path):
+    from parallelisms.cli_results import estimate_run, train_run, verify_run
+
+    options = dict(preset="llama3-8b", dp=8, tp=2, sp=True, fp8=True, hardware="a100", kernels="fused")
+    assert estimate_run(settings("estimate", options)) == estimate_run(_cli("estimate", options))
+    options = dict(dp=1, no_precheck=True, device="cpu", trace=str(tmp_path / "t.json"), predict=True,
+                   save=str(tmp_path / "ckpt"), save_every=2, skip_nonfinite=True, metrics=str(tmp_path / "m.jsonl"),
+                   warmup=2, lr_schedule="cosine")
+    run = train_run(settings("train", options))
+    assert run == train_run(_cli("train", options))
+    assert (run.predict, run.train.nonfinite, run.checkpoint.save_every, run.files.metrics) == (
+        "cpu", "skip", 2, options["metrics"])
+    options = dict(dp=1, no_precheck=True, device="cpu", tolerance=1e-6)
+    assert verify_run(settings("verify", options)) == verify_run(_cli("verify", options))
 
 
 def test_configure_then_argv_flags_override_the_keywords():
@@ -98,7 +114,7 @@ def test_bad_keywords_raise_one_line(verb, options, line):
         if verb == "train":
             parallelisms.configure(**options)
         else:
-            build_configs(namespace(verb, options), runtime=False)
+            build_configs(settings(verb, options), runtime=False)
     assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError) as cli:  # the command line says the same where a flag can say it
         build_configs(_cli(verb, options), runtime=False)

@@ -25,36 +25,36 @@ from parallelisms.model import build_model
 __all__ = ["train", "verify", "estimate", "plan", "simulate", "configure", "build_model", "parallelize", "batches"]
 
 
-def _args(verb: str, options: dict):
+def _settings(verb: str, options: dict) -> dict:
     """The settings of ``verb`` with these keyword options, each checked by its option's parser, the rest the
     verb's defaults (:mod:`parallelisms.api_options`): no command line is written or parsed."""
-    from parallelisms.api_options import namespace
+    from parallelisms.api_options import settings
 
-    return namespace(verb, options)
+    return settings(verb, options)
 
 
 def train(**options) -> dict:
     """Train as ``parallelisms train`` does (options: its flags, e.g. ``dp=2, steps=50, trace="t.json"``); the
     report ``--json`` prints (losses, speed, communication, ``device``, ``backend``). Under ``torchrun``, ranks
     other than 0 return None."""
-    from parallelisms.cli_results import train_report
+    from parallelisms.cli_results import train_report, train_run
 
-    return train_report(_args("train", options))
+    return train_report(train_run(_settings("train", options)))
 
 
 def verify(**options) -> dict:
     """Compare a layout with single-process training as ``parallelisms verify`` does; its ``--json`` result
     (``ok``, the largest relative differences, the tolerance)."""
-    from parallelisms.cli_results import verify_result
+    from parallelisms.cli_results import verify_result, verify_run
 
-    return verify_result(_args("verify", options))
+    return verify_result(verify_run(_settings("verify", options)))
 
 
 def estimate(**options) -> dict:
     """Memory per rank, communication per step and step time of a layout, as ``parallelisms estimate``."""
-    from parallelisms.cli_results import estimate_result
+    from parallelisms.cli_results import estimate_result, estimate_run
 
-    return estimate_result(_args("estimate", options))
+    return estimate_result(estimate_run(_settings("estimate", options)))
 
 
 def plan(**options) -> dict:
@@ -62,14 +62,14 @@ def plan(**options) -> dict:
     given stay fixed): ``{"plans": [...]}``."""
     from parallelisms.cli_results import plan_result
 
-    return plan_result(_args("plan", options))
+    return plan_result(_settings("plan", options))
 
 
 def simulate(**options) -> dict:
     """Simulate a pipeline schedule as ``parallelisms simulate`` (``schedule="zb-v", pp=4, microbatches=8``)."""
     from parallelisms.parallel.pipeline.cli import simulate_result
 
-    return simulate_result(_args("simulate", options))
+    return simulate_result(_settings("simulate", options))
 
 
 class Configs(NamedTuple):
@@ -84,14 +84,16 @@ def configure(argv: list[str] = (), **options) -> Configs:
     """The model, training and layout configs of ``parallelisms train`` with these keyword options and then the
     flags in ``argv`` (``sys.argv[1:]`` of a script, say), validated as the command line validates them (under
     ``torchrun``: against the world size too)."""
-    from parallelisms.api_options import namespace, verb_parser
+    from argparse import Namespace
+
+    from parallelisms.api_options import settings, verb_parser
     from parallelisms.cli_configs import build_configs
 
     parser = verb_parser("train")
-    args = namespace("train", options, parser)
+    values = settings("train", options, parser)
     if argv:  # a command line of the script's: its flags override the keywords
-        args = parser.parse_args(list(argv), namespace=args)
-    return Configs(*build_configs(args))
+        values = vars(parser.parse_args(list(argv), namespace=Namespace(**values)))
+    return Configs(*build_configs(values))
 
 
 def parallelize(model, layout: ParallelConfig, train: TrainConfig, device: str = "auto"):

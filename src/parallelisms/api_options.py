@@ -1,8 +1,10 @@
-"""The Python API's keyword arguments as a verb's settings, with no command line in between: each keyword is one
-of the verb's options by its Python name (``dp_shard=2`` is ``--dp-shard 2``, ``sp=True`` is ``--sp``), checked
+"""The Python API's keyword arguments as a verb's settings (a mapping of each option's value by its Python name),
+with no command line written or parsed and no Namespace: each keyword is one of the verb's options by its Python
+name (``dp_shard=2`` is ``--dp-shard 2``, ``sp=True`` is ``--sp``), checked
 by that option's own parser and choices, so a bad value is the command line's one-line message; an option not
-given takes the verb's default. The configs are then built and validated by the one path the command line also
-takes (:func:`parallelisms.cli_configs.build_configs`: the registry's ``parallel_config``, the TrainConfig and
+given takes the verb's default. The verb's typed configuration is then built and validated by the one path the
+command line also takes (:mod:`parallelisms.cli_results`' ``train_run``, ``verify_run``, ``estimate_run``, through
+:func:`parallelisms.cli_configs.build_configs`: the registry's ``parallel_config``, the TrainConfig and
 ModelConfig fields, ``validate_layout``).
 
 The options' table is the verb's parser (:mod:`parallelisms.cli_args`, generated from the registry and the
@@ -29,7 +31,7 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
 
 
-def _defaults(parser: argparse.ArgumentParser, verb: str) -> argparse.Namespace:
+def _defaults(parser: argparse.ArgumentParser, verb: str) -> dict:
     """Every option's default, as the parser leaves it when the option is not given."""
     values = {"command": verb, **parser._defaults}
     for action in parser._actions:
@@ -38,7 +40,7 @@ def _defaults(parser: argparse.ArgumentParser, verb: str) -> argparse.Namespace:
             if isinstance(default, str) and action.type is not None:  # argparse parses a default given as text
                 default = parser._get_value(action, default)
             values[action.dest] = default
-    return argparse.Namespace(**values)
+    return values
 
 
 def _text(value) -> str:
@@ -69,11 +71,11 @@ def unknown_keyword(name: str, known, verb: str) -> str:
             f"--dp-shard 2 is dp_shard=2)")
 
 
-def namespace(verb: str, options: dict, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def settings(verb: str, options: dict, parser: argparse.ArgumentParser | None = None) -> dict:
     """The settings of ``verb`` with ``options`` (keyword arguments; None, or False for an option that takes a
-    value, leaves the default), each checked by its option's parser: ConfigError, one line, on an unknown keyword
-    or a bad value. ``config_file`` reads a run's TOML file first (:mod:`parallelisms.config_file`), the other
-    keywords overriding it."""
+    value, leaves the default), by Python name, each checked by its option's parser: ConfigError, one line, on an
+    unknown keyword or a bad value. ``config_file`` reads a run's TOML file first (:mod:`parallelisms.config_file`),
+    the other keywords overriding it."""
     parser = parser or verb_parser(verb)
     known = _options(parser)
     options = dict(options)
@@ -81,7 +83,7 @@ def namespace(verb: str, options: dict, parser: argparse.ArgumentParser | None =
     if path is not None:
         from_file = file_options(path, parser)
         try:  # the file's values alone first: a bad one is named as the file's
-            namespace(verb, from_file, parser)
+            settings(verb, from_file, parser)
         except ConfigError as exc:
             raise ConfigError(f"{CONFIG_FLAG} {path!r}: {exc}") from None
         options = {**from_file, **options}
@@ -91,10 +93,10 @@ def namespace(verb: str, options: dict, parser: argparse.ArgumentParser | None =
             raise ConfigError(unknown_keyword(name, known, verb))
         if value is None or (value is False and known[name].nargs != 0):
             continue
-        setattr(args, name, _value(parser, known[name], value))
+        args[name] = _value(parser, known[name], value)
     missing = [a.option_strings[-1] for a in parser._actions if a.required and options.get(a.dest) is None]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
     if path is not None:
-        setattr(args, CONFIG_FILE, path)
+        args[CONFIG_FILE] = path
     return args

@@ -20,15 +20,17 @@ import os
 import sys
 
 from parallelisms.config import TrainConfig
+from parallelisms.options import NonFinite
 from parallelisms.errors import ConfigError, LaunchError, StorageError
 from parallelisms.data.options import add_data_args, add_output_args
-from parallelisms.flags import json_line, number
+from parallelisms.flags import add_flags, json_line
 from parallelisms.perf.shapes import add_hardware_args
 from parallelisms.export import add_export_parser
 from parallelisms.cli_args import (DEFAULT_TRAIN, Parser, add_device_args, add_layout_args, add_model_args,
                                    add_train_args)
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
-from parallelisms.cli_results import estimate_result, run_layout, train_report, verify_result
+from parallelisms.cli_results import (TRAIN_RUN_FLAGS, VERIFY_RUN_FLAGS, TrainRun, VerifyRun, estimate_result,
+                                      estimate_run, run_layout, train_report, train_run, verify_result, verify_run)
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
@@ -36,7 +38,8 @@ from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 def cmd_train(args) -> int:
     from parallelisms.summary import print_train_summary
 
-    report = train_report(args, announce=True)
+    run = train_run(args, announce=True)
+    report = train_report(run)
     if report is None:
         return 0
     defaults = vars(build_parser().parse_args(["verify"]))
@@ -51,7 +54,7 @@ def cmd_train(args) -> int:
         print(json_line(report))
     for line in report.get("output_errors", []):  # after the report: the results are printed whatever failed
         print(f"error: {line}", file=sys.stderr)
-    return _diverged(report, args.lr, args.skip_nonfinite) or (1 if report.get("output_errors") else 0)
+    return _diverged(report, run.train.lr, run.train.nonfinite is NonFinite.SKIP) or (1 if report.get("output_errors") else 0)
 
 
 def _diverged(report: dict, lr: float, skip_nonfinite: bool = False) -> int:
@@ -91,7 +94,7 @@ def _rounding_note(explained: dict) -> str:
 def cmd_verify(args) -> int:
     from parallelisms.device import Placement
 
-    result = verify_result(args, announce=True)
+    result = verify_result(verify_run(args, announce=True))
     if result is None:
         return 0
     norms = ("n/a (per-stage updates)" if result["max_grad_norm_rel_diff"] is None
@@ -125,7 +128,7 @@ def cmd_verify_resume(args) -> int:
 def cmd_estimate(args) -> int:
     from parallelisms.perf.estimate import explain
 
-    result = estimate_result(args)
+    result = estimate_result(estimate_run(args))
     print("\n".join(explain(result)))
     if args.check:  # the dry run of the same layout beside the formulas (imports torch)
         from parallelisms.estimate_check import check, check_lines
@@ -153,10 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(p)
     add_output_args(p)
     add_device_args(p)
-    p.add_argument("--trace", metavar="FILE", help="write the timeline as Chrome-trace JSON (Perfetto; "
-                                                   "parallelisms plot-trace draws it)")
-    p.add_argument("--predict", nargs="?", const="cpu", metavar="HARDWARE",
-                   help="print the step model's prediction against this run (hardware: cpu or a calibrate file)")
+    add_flags(p, TRAIN_RUN_FLAGS, TrainRun)
     add_checkpoint_args(p)
     add_precheck_arg(p)
     p.set_defaults(func=cmd_train)
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(p, steps=5)
     add_data_args(p, evaluation=False)
     add_device_args(p)
-    p.add_argument("--tolerance", type=number(0, 1), help="relative tolerance (default 1e-5)")
+    add_flags(p, VERIFY_RUN_FLAGS, VerifyRun)
     p.set_defaults(dtype=None)  # unset: float32, then float64 where cheap (verify_result)
     add_precheck_arg(p)
     p.set_defaults(func=cmd_verify)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from parallelisms.config import COUNT, MODEL_FLAGS, PRESETS, TRAIN_FLAGS, ModelConfig, TrainConfig
+from parallelisms.cli_configs import LAUNCH_FLAGS, MODEL_SOURCE_FLAGS, Launch, ModelSource
+from parallelisms.config import COUNT, MODEL_FLAGS, TRAIN_FLAGS, ModelConfig, TrainConfig
 from parallelisms.config_file import CONFIG_FILE, CONFIG_FLAG, expand
 from parallelisms.errors import ConfigError
 from parallelisms.flags import DEGREE, add_flags
 from parallelisms.parallel.registry import LAYOUT, PARALLELISMS
 
-DEFAULT_TRAIN = dict(preset="tiny", dp=2, steps=300, global_batch=16, seq_len=64)
+DEFAULT_TRAIN = dict(dp=2, steps=300, global_batch=16, seq_len=64)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,8 +59,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                                          "[layout], [training], [optimizer], [data], [outputs], "
                                                          "[run]); flags given here override it")
     g = p.add_argument_group("model")
-    g.add_argument("--preset", default=DEFAULT_TRAIN["preset"], help=f"model preset: {', '.join(PRESETS)}")
-    g.add_argument("--config", metavar="CONFIG_JSON", help="Hugging Face Llama-style config.json (overrides --preset)")
+    add_flags(g, MODEL_SOURCE_FLAGS, ModelSource)
     add_flags(g, MODEL_FLAGS, ModelConfig)
 
 
@@ -93,9 +93,5 @@ def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    from parallelisms.device import DEVICES
-
-    p.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)}: auto is cuda (NCCL) when every rank on "
-                                                    f"this machine has a GPU of its own, else cpu (gloo)")
-    p.add_argument("--force", action="store_true", help="launch even where the layout's memory per rank (as estimate "
-                                                        "predicts it) exceeds this machine's")
+    """Where a run starts, from :class:`~parallelisms.cli_configs.Launch`'s fields."""
+    add_flags(p, LAUNCH_FLAGS, Launch)

@@ -1,5 +1,12 @@
-"""The verbs' results, the dicts that ``--json`` prints and the Python API returns: train, verify, estimate
-and plan; the code that needs torch is imported inside the function that runs it.
+"""The verbs' typed configurations and their results, the dicts that ``--json`` prints and the Python API
+returns: train, verify, estimate and plan.
+
+Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`)
+of the validated configs (:class:`~parallelisms.config.ModelConfig`, ``TrainConfig``, ``ParallelConfig``) and the
+verb's own options, built once, with every check, before any process starts: from the command line's parsed
+flags or the Python API's keyword settings (:func:`parallelisms.flags.settings`) by :func:`train_run`,
+:func:`verify_run` and :func:`estimate_run`. The result functions take that configuration; the code that needs
+torch is imported inside the function that runs it.
 
 Torch-free at load, as :mod:`parallelisms.cli` and everything it imports (``tests/test_cli_light.py``).
 """
@@ -7,10 +14,13 @@ Torch-free at load, as :mod:`parallelisms.cli` and everything it imports (``test
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
-from parallelisms.data.options import check_output_args
-from parallelisms.flags import check_writable
+from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
+from parallelisms.data.options import RunFiles, check_run_files, run_files
+from parallelisms.flags import Flag, check_writable, given_fields, number, settings
 from parallelisms.options import Dtype, Precision, Schedule
 
 
@@ -21,40 +31,82 @@ def run_layout(spec, placement, trace: bool = False):
     return run(spec, placement, trace)
 
 
-def train_report(args, announce: bool = False) -> dict | None:
-    """Train as ``args`` say; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
+@dataclass(frozen=True)
+class TrainRun:
+    """``parallelisms train``'s configuration: the configs, the device placement, the files it reads and writes,
+    its checkpoints (:class:`~parallelisms.resume.CheckpointOptions`, None without any), the ``--trace`` file and
+    the ``--predict`` hardware (None: not asked for) as given and loaded."""
+
+    model: ModelConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    placement: Any                 # parallelisms.device.Placement
+    files: RunFiles = RunFiles()
+    checkpoint: Any = None         # parallelisms.resume.CheckpointOptions
+    trace: str | None = None
+    predict: str | None = None     # a hardware preset or a calibrate file
+    hardware: Any = None           # --predict's, loaded (parallelisms.perf.hardware.Hardware)
+
+    @property
+    def save(self) -> str | None:
+        """The ``--save`` directory, or None."""
+        return self.checkpoint.save_dir if self.checkpoint else None
+
+
+TRAIN_RUN_FLAGS = (  # train's own flags beside the configs' (data/options.py's, resume.py's)
+    Flag("trace", "write the timeline as Chrome-trace JSON (Perfetto; parallelisms plot-trace draws it)",
+         metavar="FILE"),
+    Flag("predict", "print the step model's prediction against this run (hardware: cpu or a calibrate file)",
+         metavar="HARDWARE", alone="cpu"),
+)
+
+
+def train_run(args, announce: bool = False) -> TrainRun:
+    """The :class:`TrainRun` of ``args`` (parsed flags or the API's settings), every value checked before any
+    process starts; ``announce`` prints the layout that will run."""
+    from parallelisms.resume import checkpoint_flags, checkpoint_options
+
+    own = given_fields(TRAIN_RUN_FLAGS, args)
+    if own.get("trace"):
+        check_writable("--trace", own["trace"])
+    hardware = None
+    if own.get("predict"):
+        from parallelisms.perf.hardware import load_hardware
+        hardware = load_hardware(own["predict"], "--predict")
+    files = run_files(args)
+    check_run_files(files)
+    model, train, parallel, placement = prepare(args, announce)
+    saving = checkpoint_flags(args)
+    train = train.replace(nonfinite="skip" if saving.skip_nonfinite else "stop")
+    checkpoint = checkpoint_options(saving, model, train, parallel)
+    return TrainRun(model, train, parallel, placement, files, checkpoint, **own, hardware=hardware)
+
+
+def train_report(run: TrainRun) -> dict | None:
+    """Train as ``run`` says; rank 0's report (the ``--json`` object), None on other torchrun ranks."""
     from parallelisms.training import RunSpec
 
     from parallelisms.metrics import default_metrics_path
-    from parallelisms.resume import checkpoint_options
 
-    if args.trace:
-        check_writable("--trace", args.trace)
-    if args.predict:
-        from parallelisms.perf.hardware import load_hardware
-        hardware = load_hardware(args.predict, "--predict")
-    check_output_args(args)
-    model, train, parallel, placement = prepare(args, announce)
-    train = train.replace(nonfinite="skip" if args.skip_nonfinite else "stop")
-    checkpoint = checkpoint_options(args, model, train, parallel)
-    metrics = args.metrics or (default_metrics_path(args.save) if args.save else None)  # next to the checkpoints
-    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(args.export_hf), metrics_path=metrics,
-                   tensorboard_dir=args.tensorboard, init_from=args.init_from, checkpoint=checkpoint,
-                   keep_spans=bool(args.trace or args.predict))  # else summed per step: flat on long runs
-    report = run_layout(spec, placement, trace=True)
+    model, train, parallel, files = run.model, run.train, run.parallel, run.files
+    metrics = files.metrics or (default_metrics_path(run.save) if run.save else None)  # next to the checkpoints
+    spec = RunSpec(model, train, parallel, progress=True, collect_state=bool(files.export_hf), metrics_path=metrics,
+                   tensorboard_dir=files.tensorboard, init_from=files.init_from, checkpoint=run.checkpoint,
+                   keep_spans=bool(run.trace or run.hardware))  # else summed per step: flat on long runs
+    report = run_layout(spec, run.placement, trace=True)
     if report is None:  # a non-zero rank under torchrun
         return None
     if metrics:
         report["metrics"] = metrics
     from parallelisms.outputs import attempt, export_or_keep, last_checkpoint
-    if args.export_hf:
+    if files.export_hf:
         from parallelisms.hf import export_dtype
         last = report["first_step"] - 1 + len(report["losses"])
-        export_or_keep(report, report.pop("state"), model, args.export_hf, last_checkpoint(args.save, last),
-                       export_dtype(args.export_dtype, train.torch_dtype, parallel.mixed_precision))
+        export_or_keep(report, report.pop("state"), model, files.export_hf, last_checkpoint(run.save, last),
+                       export_dtype(files.export_dtype, train.torch_dtype, parallel.mixed_precision))
     spans = report.pop("spans")
     waits = report.pop("straggler_waits", None) or []
-    if args.trace:
+    if run.trace:
         from parallelisms.comm.trace import Timeline, write_chrome_trace
 
         timelines = []
@@ -62,11 +114,11 @@ def train_report(args, announce: bool = False) -> dict | None:
             t = Timeline(rank)
             t.spans = rank_spans
             timelines.append(t)
-        if attempt(report, f"--trace {args.trace!r}", lambda: write_chrome_trace(timelines, args.trace, waits)):
-            report["trace"] = args.trace
-    if args.predict:
+        if attempt(report, f"--trace {run.trace!r}", lambda: write_chrome_trace(timelines, run.trace, waits)):
+            report["trace"] = run.trace
+    if run.hardware:
         from parallelisms.perf.predict import compare
-        report["prediction"] = compare(model, parallel, train, report, hardware, spans[0])
+        report["prediction"] = compare(model, parallel, train, report, run.hardware, spans[0])
     from parallelisms.perf.model import predicted_comm_by_kind
 
     report["predicted_comm"] = predicted_comm_by_kind(model, parallel, train, dtype_bytes=2 if parallel.mixed_precision
@@ -74,11 +126,39 @@ def train_report(args, announce: bool = False) -> dict | None:
     return report
 
 
-def _tolerance(args, train) -> float:
+@dataclass(frozen=True)
+class VerifyRun:
+    """``parallelisms verify``'s configuration: the configs (batches that look up every token id), the device
+    placement, the ``--tolerance`` (None: 1e-5, float64 1e-10) and whether ``--dtype`` was left unset (then a
+    small fp32 run on the CPU is compared in float64 too)."""
+
+    model: ModelConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    placement: Any                 # parallelisms.device.Placement
+    tolerance: float | None = None
+    dtype_unset: bool = True
+
+
+VERIFY_RUN_FLAGS = (Flag("tolerance", "relative tolerance (default 1e-5)", parse=number(0, 1)),)
+
+
+def verify_run(args, announce: bool = False) -> VerifyRun:
+    """The :class:`VerifyRun` of ``args`` (parsed flags or the API's settings), checked before any process
+    starts; ``announce`` prints the layout that will run."""
+    args = settings(args)
+    model, train, parallel, placement = prepare(args, announce)
+    # every token id in the batches, so that every vocabulary shard is looked up (parallelisms.data.loader)
+    train = train.replace(data=dataclasses.replace(train.data, vocab_sweep=model.vocab_size))
+    return VerifyRun(model, train, parallel, placement, **given_fields(VERIFY_RUN_FLAGS, args),
+                     dtype_unset=args["dtype"] is None)
+
+
+def _tolerance(run: VerifyRun, train: TrainConfig) -> float:
     from parallelisms.equivalence import TOLERANCE, TOLERANCE_FLOAT64
 
-    if args.tolerance is not None:
-        return args.tolerance
+    if run.tolerance is not None:
+        return run.tolerance
     return TOLERANCE_FLOAT64 if train.dtype is Dtype.FLOAT64 else TOLERANCE
 
 
@@ -100,34 +180,33 @@ def reference_for(model, train, parallel):
 FLOAT64_UP_TO = "small"  # verify without --dtype runs float64 as well on the CPU for models up to this preset's size
 
 
-def verify_result(args, announce: bool = False) -> dict | None:
-    """Verify as ``args`` say; the comparison (the ``--json`` object), None on non-zero torchrun ranks. Without
+def verify_result(run: VerifyRun) -> dict | None:
+    """Verify as ``run`` says; the comparison (the ``--json`` object), None on non-zero torchrun ranks. Without
     ``--dtype``, an fp32 run on the CPU of a model up to ``small`` is followed by the same layout in float64
     (``float64``: its comparison; ``ok`` needs both), where the contract tightens to 1e-10 and a precision
     error fp32's rounding hides shows."""
     from parallelisms.config import PRESETS
 
-    model, train, parallel, placement = prepare(args, announce)
-    # every token id in the batches, so that every vocabulary shard is looked up (parallelisms.data.loader)
-    train = train.replace(data=dataclasses.replace(train.data, vocab_sweep=model.vocab_size))
-    result = _verify_dtype(args, model, train, parallel, placement)
-    if result is None or not (args.dtype is None and placement.device == "cpu" and parallel.mixed_precision is Precision.FP32
+    model, train, parallel, placement = run.model, run.train, run.parallel, run.placement
+    result = _verify_dtype(run, train)
+    if result is None or not (run.dtype_unset and placement.device == "cpu" and parallel.mixed_precision is Precision.FP32
                               and model.num_params() <= PRESETS[FLOAT64_UP_TO].num_params()):
         return result
-    wide = _verify_dtype(args, model, train.replace(dtype="float64"), parallel, placement)
+    wide = _verify_dtype(run, train.replace(dtype="float64"))
     result["float64"] = {k: wide[k] for k in ("ok", "tolerance", "max_loss_rel_diff", "max_grad_norm_rel_diff",
                                               "max_param_rel_diff", "worst_param", "nonfinite")}
     result["ok"] = result["ok"] and wide["ok"]
     return result
 
 
-def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
-    """One comparison of the layout with single-process training, in ``train.dtype``."""
+def _verify_dtype(run: VerifyRun, train: TrainConfig) -> dict | None:
+    """One comparison of ``run``'s layout with single-process training, in ``train.dtype``."""
     from parallelisms.training import RunSpec
     from parallelisms.equivalence import (batch_slices, bf16_samples, check_reference, compare_mixed_precision,
                                      compare_settled)
 
-    tolerance = _tolerance(args, train)
+    model, parallel, placement = run.model, run.parallel, run.placement
+    tolerance = _tolerance(run, train)
     # the reference first: settings under which it diverges are refused before any process starts
     reference = check_reference(reference_for(model, train, parallel), train)
     report = run_layout(RunSpec(model, train, parallel, collect_state=True, poison_fresh_memory=True), placement)
@@ -146,19 +225,43 @@ def _verify_dtype(args, model, train, parallel, placement) -> dict | None:
             "dtype": train.dtype, "device": report["device"], "backend": report["backend"], **result}
 
 
-def estimate_result(args) -> dict:
-    """The estimate ``args`` ask for (the ``--json`` object). It only computes, so layouts this runtime does
-    not run yet are estimated all the same."""
-    from parallelisms.perf.estimate import estimate
+@dataclass(frozen=True)
+class EstimateRun:
+    """``parallelisms estimate``'s configuration: the configs (checked as far as an estimate needs), the
+    hardware and how it runs the work: the attention kernel, the non-GEMM ``kernels``, FP8 linear layers."""
+
+    model: ModelConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    hardware: Any                  # parallelisms.perf.hardware.Hardware
+    attention: str = "flash"
+    kernels: str = "eager"
+    fp8: bool = False
+
+
+def estimate_run(args) -> EstimateRun:
+    """The :class:`EstimateRun` of ``args`` (parsed flags or the API's settings). It only computes, so layouts
+    this runtime does not run yet are estimated all the same."""
     from parallelisms.perf.hardware import load_hardware
 
-    hw = load_hardware(args.hardware)
+    args = settings(args)
+    hardware = load_hardware(args["hardware"])
     model, train, parallel = build_configs(args, runtime=False)
-    return estimate(model, parallel, train, hw, args.attention, fp8=args.fp8, kernels=args.kernels)
+    return EstimateRun(model, train, parallel, hardware, args["attention"], args["kernels"], args["fp8"])
+
+
+def estimate_result(run: EstimateRun) -> dict:
+    """The estimate of ``run`` (the ``--json`` object)."""
+    from parallelisms.perf.estimate import estimate
+
+    return estimate(run.model, run.parallel, run.train, run.hardware, run.attention, fp8=run.fp8, kernels=run.kernels)
 
 
 def plan_result(args) -> dict:
-    """The plans ``args`` ask for (the ``--json`` object of ``parallelisms plan``)."""
+    """The plans ``args`` (parsed flags or the API's settings) ask for (the ``--json`` object of ``parallelisms
+    plan``); :func:`parallelisms.perf.plan.plan_result` reads its own options from them."""
+    import argparse
+
     from parallelisms.perf.plan import plan_result as plans
 
-    return plans(args, model_from_args(args))
+    return plans(argparse.Namespace(**settings(args)), model_from_args(args))

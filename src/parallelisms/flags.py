@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from parallelisms.errors import require
 
@@ -163,7 +163,8 @@ class FlagName:
 class Flag(FlagName):
     """A config dataclass's field as a command-line flag (``TrainConfig``'s and ``ModelConfig``'s tables in
     :mod:`parallelisms.config`): its name (default ``--the-field-name``), help, parser, metavar and choices;
-    ``unset``: the flag's default is None, so whether it was given is known (a shape flag over a preset)."""
+    ``unset``: the flag's default is None, so whether it was given is known (a shape flag over a preset);
+    ``alone``: the value of the flag given without one (its value is then optional: ``--predict``)."""
     field: str
     help: str
     flag: str = ""
@@ -171,22 +172,32 @@ class Flag(FlagName):
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     unset: bool = False
+    alone: str | None = None
 
 
 def add_flags(group, flags: tuple[Flag, ...], config: type, defaults: dict | None = None) -> None:
     """Each flag's argument: a switch for a bool field, else its parser and default (the verb's in
-    ``defaults``, else None where ``unset``, else ``config``'s field's)."""
+    ``defaults``, else None where ``unset``, else ``config``'s field's), its value optional where ``alone``."""
     fields = config.__dataclass_fields__
     for flag in flags:
         default = (defaults or {}).get(flag.field, None if flag.unset else fields[flag.field].default)
+        optional = {} if flag.alone is None else {"nargs": "?", "const": flag.alone}
         if isinstance(default, bool):
             group.add_argument(flag.name, action="store_true", help=flag.help)
         else:
             group.add_argument(flag.name, type=flag.parse, default=default, help=flag.help, metavar=flag.metavar,
-                               choices=flag.choices)
+                               choices=flag.choices, **optional)
+
+
+def settings(args) -> Mapping:
+    """A verb's option values by Python name: the command line's parsed ``args`` (a Namespace), or the mapping
+    the Python API builds from its keywords (:mod:`parallelisms.api_options`)."""
+    return args if isinstance(args, Mapping) else vars(args)
 
 
 def given_fields(flags: tuple[Flag, ...], args) -> dict:
-    """The config fields of the flags ``args`` holds, by field name (None: not given, the config's default)."""
-    values = {flag.field: getattr(args, flag.dest, None) for flag in flags}
+    """The config fields of the flags ``args`` (:func:`settings`) holds, by field name (None: not given, the
+    config's default)."""
+    given = settings(args)
+    values = {flag.field: given.get(flag.dest) for flag in flags}
     return {name: value for name, value in values.items() if value is not None}

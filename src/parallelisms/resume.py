@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallelisms.errors import require
-from parallelisms.flags import integer, number
+from parallelisms.flags import Flag, add_flags, given_fields, integer, number
 from parallelisms.options import Schedule
 
 META = "parallelisms.json"  # written last into a complete checkpoint (parallelisms.checkpoint)
@@ -28,16 +28,36 @@ class CheckpointOptions:
     meta: dict = dataclasses.field(default_factory=dict)  # model shape and layout, written with every save
 
 
+@dataclass(frozen=True)
+class CheckpointFlags:
+    """The checkpoint flags as given (:func:`checkpoint_options` resolves and checks them), and what a step whose
+    loss or gradient is not finite does: skipped (``skip_nonfinite``), else the run stops naming it."""
+
+    save: str | None = None        # DIR: checkpoints into DIR/step_N
+    save_every: int | None = None  # None: at the end only
+    async_save: bool = False
+    resume: str | None = None      # DIR/step_N, a --save DIR (its newest complete step), or auto
+    skip_nonfinite: bool = False
+
+
+CHECKPOINT_FLAGS = (
+    Flag("save", "save checkpoints into DIR/step_N", metavar="DIR"),
+    Flag("save_every", "save every N steps (and at the end)", parse=integer(1, 10**9), metavar="N"),
+    Flag("async_save", "write checkpoints in the background"),
+    Flag("resume", "continue from a checkpoint DIR/step_N, or from the newest complete one in a --save DIR; auto: "
+                   "in this run's --save DIR (none there: start from step 0)", metavar="DIR|auto"),
+    Flag("skip_nonfinite", "skip a step whose loss or gradient is not finite (default: stop, naming step and rank)"),
+)
+
+
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpoints (torch.distributed.checkpoint; any layout loads any other's)")
-    g.add_argument("--save", metavar="DIR", help="save checkpoints into DIR/step_N")
-    g.add_argument("--save-every", type=integer(1, 10**9), metavar="N", help="save every N steps (and at the end)")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
-    g.add_argument("--resume", metavar="DIR|auto", help="continue from a checkpoint DIR/step_N, or from the newest "
-                                                        "complete one in a --save DIR; auto: in this run's --save DIR "
-                                                        "(none there: start from step 0)")
-    g.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip a step whose loss or gradient is not finite (default: stop, naming step and rank)")
+    add_flags(p.add_argument_group("checkpoints (torch.distributed.checkpoint; any layout loads any other's)"),
+              CHECKPOINT_FLAGS, CheckpointFlags)
+
+
+def checkpoint_flags(args) -> CheckpointFlags:
+    """The :class:`CheckpointFlags` ``args`` holds (:func:`parallelisms.flags.settings`)."""
+    return CheckpointFlags(**given_fields(CHECKPOINT_FLAGS, args))
 
 
 def latest(root: str | Path) -> Path | None:
@@ -63,10 +83,10 @@ def optimizer_settings(train) -> dict:
             "decay_all": train.decay_all}
 
 
-def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None:
-    """The checkpoint flags, validated (one line each, before launch); None without any."""
-    save, resume = args.save, args.resume
-    require(save is not None or (args.save_every is None and not args.async_save),
+def checkpoint_options(flags: CheckpointFlags, model, train, parallel) -> CheckpointOptions | None:
+    """The checkpoint ``flags``, validated (one line each, before launch); None without any."""
+    save, resume, save_every, async_save = flags.save, flags.resume, flags.save_every, flags.async_save
+    require(save is not None or (save_every is None and not async_save),
             "--save-every/--async-save need --save DIR; add --save DIR")
     require(resume != "auto" or save is not None, "--resume auto looks in --save DIR; add --save DIR")
     if save is None and resume is None:
@@ -119,7 +139,7 @@ def checkpoint_options(args, model, train, parallel) -> CheckpointOptions | None
                 f"--resume {str(path)!r} was saved {'with' if saved['pipedream'] else 'without'} --schedule pipedream "
                 f"and this run is {'with' if meta['pipedream'] else 'without'}: its per-microbatch Adam steps do not "
                 f"carry over; resume with{'' if saved['pipedream'] else 'out'} pipedream")
-    return CheckpointOptions(save, args.save_every or 0, args.async_save, str(path) if path else None, meta)
+    return CheckpointOptions(save, save_every or 0, async_save, str(path) if path else None, meta)
 
 
 def _announce(line: str) -> None:

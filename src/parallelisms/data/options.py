@@ -6,55 +6,79 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from parallelisms.config import LR_SCHEDULES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import require
-from parallelisms.flags import check_installed, integer, number
+from parallelisms.flags import Flag, add_flags, check_installed, given_fields, integer, number
 from parallelisms.options import FsdpStyle, LrSchedule, Precision, Schedule
+
+
+DATA_FLAGS = (  # DataConfig's fields as flags (vocab_sweep is verify's own, with none)
+    Flag("path", "a text file, a directory of .txt files, or a pre-tokenized .bin of token ids (default: the built-in "
+                 "corpus)", flag="--data", metavar="PATH"),
+    Flag("bin_dtype", "element type of a .bin: uint16 or uint32", flag="--data-dtype"),
+    Flag("tokenizer", "a Hugging Face tokenizer.json (default: UTF-8 bytes)", metavar="TOKENIZER_JSON"),
+)
+EVAL_FLAGS = (  # the held-out split's (train only: verify compares training, not validation)
+    Flag("eval_split", "fraction of the tokens held out for validation (the last ones)", parse=number(0, 0.5)),
+    Flag("eval_every", "steps between validation losses (0: at the last step only, with --eval-split)",
+         parse=integer(0, 10**9)),
+    Flag("eval_batches", "global batches each validation averages over", parse=integer(1, 10**6)),
+)
+SCHEDULE_FLAGS = (  # TrainConfig's learning-rate schedule
+    Flag("warmup", "linear warmup steps", parse=integer(0, 10**9)),
+    Flag("lr_schedule", f"after warmup: {', '.join(LR_SCHEDULES)}"),
+    Flag("min_lr", "the decay's floor at the last step", parse=number(0)),
+)
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files a training run writes beside its checkpoints (metrics, TensorBoard, a Hugging Face export)
+    and the Hugging Face checkpoint it may start from; checked before launch by :func:`check_run_files`."""
+
+    metrics: str | None = None       # JSON lines per step
+    tensorboard: str | None = None   # a TensorBoard log directory
+    init_from: str | None = None     # a Hugging Face checkpoint directory: the model and its weights
+    export_hf: str | None = None     # a directory the trained model is exported to
+    export_dtype: str | None = None  # float32, bfloat16 or same; None: bfloat16 under bf16, else float32
+
+
+RUN_FILE_FLAGS = (
+    Flag("metrics", "JSON lines per step: loss, eval loss, lr, grad norm, tokens/s, exposed communication, peak "
+                    "memory", metavar="FILE"),
+    Flag("tensorboard", "TensorBoard scalars (needs the tensorboard package)", metavar="DIR"),
+    Flag("init_from", "start from a Hugging Face Llama checkpoint (config.json + model.safetensors); sets the model",
+         metavar="HF_DIR"),
+    Flag("export_hf", "write the trained model as a Hugging Face Llama checkpoint", metavar="HF_DIR"),
+    Flag("export_dtype", "dtype of --export-hf's weights; same: the trained parameters' (float64 under --dtype "
+                         "float64); default: bfloat16 under --mixed-precision bf16, else float32",
+         choices=("float32", "bfloat16", "same")),
+)
 
 
 def add_data_args(p: argparse.ArgumentParser, evaluation: bool = True) -> None:
     """Data and learning-rate schedule flags (train and verify: the references follow both); ``evaluation``:
     the held-out split's flags too (train: verify compares training, not validation)."""
-    d, t = DataConfig(), TrainConfig()
-    g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="PATH", help="a text file, a directory of .txt files, or a pre-tokenized .bin "
-                                                  "of token ids (default: the built-in corpus)")
-    g.add_argument("--data-dtype", default=d.bin_dtype, help="element type of a .bin: uint16 or uint32")
-    g.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
-    if evaluation:
-        g.add_argument("--eval-split", type=number(0, 0.5), default=d.eval_split,
-                       help="fraction of the tokens held out for validation (the last ones)")
-        g.add_argument("--eval-every", type=integer(0, 10**9), default=d.eval_every,
-                       help="steps between validation losses (0: at the last step only, with --eval-split)")
-        g.add_argument("--eval-batches", type=integer(1, 10**6), default=d.eval_batches,
-                       help="global batches each validation averages over")
-    g = p.add_argument_group("learning-rate schedule")
-    g.add_argument("--warmup", type=integer(0, 10**9), default=t.warmup, help="linear warmup steps")
-    g.add_argument("--lr-schedule", default=t.lr_schedule, help=f"after warmup: {', '.join(LR_SCHEDULES)}")
-    g.add_argument("--min-lr", type=number(0), default=t.min_lr, help="the decay's floor at the last step")
+    add_flags(p.add_argument_group("data"), DATA_FLAGS + (EVAL_FLAGS if evaluation else ()), DataConfig)
+    add_flags(p.add_argument_group("learning-rate schedule"), SCHEDULE_FLAGS, TrainConfig)
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
-    """Train-only flags: metrics, TensorBoard, and Hugging Face weights in and out."""
-    g = p.add_argument_group("metrics and Hugging Face weights")
-    g.add_argument("--metrics", metavar="FILE", help="JSON lines per step: loss, eval loss, lr, grad norm, tokens/s, "
-                                                     "exposed communication, peak memory")
-    g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars (needs the tensorboard package)")
-    g.add_argument("--init-from", metavar="HF_DIR", help="start from a Hugging Face Llama checkpoint (config.json + "
-                                                         "model.safetensors); sets the model")
-    g.add_argument("--export-hf", metavar="HF_DIR", help="write the trained model as a Hugging Face Llama checkpoint")
-    g.add_argument("--export-dtype", choices=("float32", "bfloat16", "same"),
-                   help="dtype of --export-hf's weights; same: the trained parameters' (float64 under --dtype "
-                        "float64); default: bfloat16 under --mixed-precision bf16, else float32")
+    """Train-only flags: metrics, TensorBoard, and Hugging Face weights in and out (:class:`RunFiles`)."""
+    add_flags(p.add_argument_group("metrics and Hugging Face weights"), RUN_FILE_FLAGS, RunFiles)
 
 
 def data_settings(args) -> dict:
     """``TrainConfig`` fields of the data and schedule flags."""
-    held_out = {k: getattr(args, k) for k in ("eval_split", "eval_every", "eval_batches") if hasattr(args, k)}
-    data = DataConfig(path=args.data, bin_dtype=args.data_dtype, tokenizer=args.tokenizer, **held_out)
-    return {"data": data, "warmup": args.warmup, "lr_schedule": args.lr_schedule, "min_lr": args.min_lr}
+    return {"data": DataConfig(**given_fields(DATA_FLAGS + EVAL_FLAGS, args)), **given_fields(SCHEDULE_FLAGS, args)}
+
+
+def run_files(args) -> RunFiles:
+    """The :class:`RunFiles` of the flags ``args`` holds."""
+    return RunFiles(**given_fields(RUN_FILE_FLAGS, args))
 
 
 def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> None:
@@ -84,18 +108,18 @@ def check_data_args(model: ModelConfig, train: TrainConfig, parallel: ParallelCo
         check_data(data, model, train.seq_len)  # own data, a tokenizer or a held-out split: read it once here
 
 
-def check_output_args(args) -> None:
+def check_run_files(files: RunFiles) -> None:
     """Before launch: output paths are writable, TensorBoard is installed, the Hugging Face directory reads."""
-    if args.metrics:  # its directory is created, as a checkpoint directory would be
-        require(not Path(args.metrics).is_dir(), f"--metrics {args.metrics!r} is a directory; name a file in it")
-        _check_dir("--metrics", str(Path(args.metrics).parent))
-    if args.tensorboard:
+    if files.metrics:  # its directory is created, as a checkpoint directory would be
+        require(not Path(files.metrics).is_dir(), f"--metrics {files.metrics!r} is a directory; name a file in it")
+        _check_dir("--metrics", str(Path(files.metrics).parent))
+    if files.tensorboard:
         check_installed("--tensorboard", "tensorboard")
-        _check_dir("--tensorboard", args.tensorboard)
-    if args.export_hf:
+        _check_dir("--tensorboard", files.tensorboard)
+    if files.export_hf:
         check_installed("--export-hf", "safetensors")
-        _check_dir("--export-hf", args.export_hf)
-    require(args.export_dtype is None or args.export_hf, f"--export-dtype {args.export_dtype} applies to "
+        _check_dir("--export-hf", files.export_hf)
+    require(files.export_dtype is None or files.export_hf, f"--export-dtype {files.export_dtype} applies to "
                                                          f"--export-hf; add --export-hf HF_DIR or drop it")
 
 

@@ -10,7 +10,7 @@ import re
 
 from parallelisms.config import MODEL_FLAGS, ModelConfig, with_shape
 from parallelisms.errors import ConfigError
-from parallelisms.flags import given_fields
+from parallelisms.flags import given_fields, settings
 
 # the model's field names, as a message about them says them, and the flag that sets each
 _FIELD_FLAGS = {"model dim": "--hidden", "head_dim": "--head-dim",
@@ -19,12 +19,12 @@ _FIELDS = re.compile(r"\b(" + "|".join(map(re.escape, _FIELD_FLAGS)) + r")\b")
 
 
 def shape_from_args(base: ModelConfig, args) -> ModelConfig:
-    """``base`` with the shape flags given on the command line (validated: a bad shape is one line naming the
-    flags that would fix it)."""
+    """``base`` with the shape flags ``args`` holds (:func:`parallelisms.flags.settings`), validated: a bad shape is
+    one line naming the flags that would fix it."""
     given = given_fields(MODEL_FLAGS, args)
     tie = given.pop("tie_embeddings", False)
     try:
-        shaped = with_shape(base, getattr(args, "seq_len", 0), **given)
+        shaped = with_shape(base, settings(args).get("seq_len", 0), **given)
     except ConfigError as exc:
         raise ConfigError(_FIELDS.sub(lambda m: _FIELD_FLAGS[m[1]], str(exc))) from None
     return dataclasses.replace(shaped, tie_embeddings=True) if tie else shaped

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from parallelisms.errors import ConfigError, require
-from parallelisms.flags import DEGREE, check_installed, check_writable, integer, json_line, number
+from parallelisms.flags import DEGREE, check_installed, check_writable, integer, json_line, number, settings
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 from .simulate import Times, plot, simulate
 from .validate import validate
@@ -34,19 +34,21 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def simulate_result(args: argparse.Namespace) -> dict:
-    """The simulation ``args`` ask for (the ``--json`` object), drawn to ``--plot`` when given; a bad
-    schedule raises :class:`ScheduleError`."""
-    if args.plot:  # the output first: a run is not thrown away for want of a place or a library to draw it
-        require(args.plot.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got "
-                                                              f"{args.plot!r}")
+def simulate_result(args) -> dict:
+    """The simulation ``args`` (parsed flags or the Python API's settings: :func:`parallelisms.flags.settings`)
+    ask for (the ``--json`` object), drawn to ``--plot`` when given; a bad schedule raises
+    :class:`ScheduleError`."""
+    args = settings(args)
+    where = args["plot"]
+    if where:  # the output first: a run is not thrown away for want of a place or a library to draw it
+        require(where.lower().endswith((".png", ".svg")), f"--plot must name a .png or .svg file, got {where!r}")
         check_installed("--plot", "matplotlib", extra="plot")
-        check_writable("--plot", args.plot)
-    schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks)
+        check_writable("--plot", where)
+    schedule = build_schedule(args["schedule"], args["pp"], args["microbatches"], args["chunks"])
     validate(schedule)
-    sim = simulate(schedule, Times(args.tf, args.tb, args.tw, args.tcomm))
-    if args.plot:
-        plot(sim, args.plot)
+    sim = simulate(schedule, Times(args["tf"], args["tb"], args["tw"], args["tcomm"]))
+    if where:
+        plot(sim, where)
     return sim.to_dict()
 
 
