@@ -84,6 +84,8 @@ STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelis
 PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
                 "parallelisms.options", "parallelisms.parallel.registry",  # registry: each one's volumes function
                 "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
+                "parallelisms.parallel.ep_placement",  # the experts' placement before any measurement
+                "parallelisms.parallel.row_split",  # FSDP2's and the vocabulary's padded rows
                 "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",
                 "parallelisms.parallel.pipeline.partition", "parallelisms.perf")  # partition: the runtime's stage cut
 
