@@ -17,7 +17,8 @@ from parallelisms.parallel.ep_balance import ExpertBalance
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.grad_sync import GradSync, LocalGradients
 from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
-from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages, schedule_for
+from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages
+from parallelisms.parallel.pipeline.schedules import schedule_for
 from parallelisms.parallel.pipeline.stage_sync import StageSyncs
 from parallelisms.parallel.registry import module_swaps
 from parallelisms.parallel.tied import TiedEmbeddings, untie

@@ -21,7 +21,7 @@ from parallelisms.parallel.memory import zero_formula
 from parallelisms.parallel.registry import PARALLELISMS
 from parallelisms.parallel.row_split import padding_rows, rows_per_rank
 from parallelisms.perf.stages import rank0_held, rank0_layers
-from parallelisms.parallel.pipeline.schedules import V_SHAPED
+from parallelisms.parallel.pipeline.schedules import V_SHAPED, pipeline_microbatches
 
 
 # -- parameters and FLOPs ------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: i
         return 0.0
     copied = len(replicated(expert_placement(cfg, parallel), cfg.n_experts))
     pipedream = parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
-    updates = (parallel.microbatches or 2 * parallel.dims.pp) if pipedream else 1
+    updates = pipeline_microbatches(parallel) if pipedream else 1
     return updates * layers * copied * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
@@ -214,7 +214,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
     """Microbatches each rank runs per step: the pipeline's (default 2 x pp), else the gradient accumulation."""
-    return (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
+    return pipeline_microbatches(parallel) if parallel.dims.pp > 1 else train.grad_accum
 
 
 def rank0_holds_head(parallel: ParallelConfig) -> bool:

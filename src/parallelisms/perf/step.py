@@ -54,7 +54,7 @@ from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
 from parallelisms.perf.prefetch import shared_link
-from parallelisms.perf.stages import busiest_rank, pipeline_ranks
+from parallelisms.perf.stages import busiest_rank, pipeline_ranks, schedule_of
 
 CLOSED_FORM_PEAK = {Schedule.GPIPE: None, Schedule.ONE_F_ONE_B: 1.0, Schedule.ZB_H1: 1.0, Schedule.ZB_H2: 2.0,
                     Schedule.INTERLEAVED: 1.0}
@@ -111,11 +111,9 @@ def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float
         bubble = max(bubble, 0.0)
         peak = m if name is Schedule.GPIPE else CLOSED_FORM_PEAK[name] * pp * (1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1)
         return busy + bubble, bubble / (busy + bubble), min(peak, m)
-    from parallelisms.parallel.pipeline.schedules import build_schedule
     from parallelisms.parallel.pipeline.simulate import Times, simulate
 
-    result = simulate(build_schedule(name, pp, m, parallel.chunks if name is Schedule.INTERLEAVED else None),
-                      Times(t_f, t_b, t_w, t_comm))
+    result = simulate(schedule_of(name, pp, m, parallel.chunks), Times(t_f, t_b, t_w, t_comm))
     span = max(result.spans)
     return span, result.bubble_rate, max(result.peak_activations)
 

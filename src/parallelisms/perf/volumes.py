@@ -17,7 +17,7 @@ from parallelisms.perf.context import context_volumes
 from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
                                      microbatches_per_step, per_param_padding, rank0_holds_head, rank0_params,
                                      redundant_expert_grads, sharding_stage)
-from parallelisms.perf.stages import rank0_held, rank0_layers
+from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
 
 
 # -- data parallelism: one gradient sync engine, DDP's, ZeRO's or FSDP's ---------------------------------------
@@ -202,14 +202,13 @@ def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
                       dtype_bytes: int) -> list[CommVolume]:
     """The stages' sends: as many activations and gradients as the schedule has rank 0 send, of the residual
     stream (sequence-sharded under SP); DualPipe's two copies of each stage exchange their fp32 gradient buffers."""
-    from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
+    from parallelisms.parallel.pipeline.schedules import Kind
 
     dims = parallel.dims
     if dims.pp == 1:
         return []
     m = microbatches_per_step(parallel, train)
-    schedule = build_schedule(parallel.schedule, dims.pp, m,
-                              parallel.chunks if parallel.schedule is Schedule.INTERLEAVED else None)
+    schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
     sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
     activation = train.global_batch // dims.dp // m * train.seq_len // dims.cp * cfg.dim * dtype_bytes
     if parallel.sequence_parallel:
