@@ -156,6 +156,17 @@ def test_fully_sharded_in_a_blocks_backward(vocab, flags):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+@pytest.mark.parametrize("flags", ["--dp 2 --cp 2 --pp 2 --zero 1 --global-batch 8 --microbatches 4",
+                                   "--dp 2 --cp 2 --fsdp full_shard --fsdp-style per_param --global-batch 4"])
+def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):
+    """With context parallelism every sharding engine shards over its data-parallel ranks x cp, under a pipeline
+    too and in the per-parameter styles (``parallel/shard_group.py``, which the step model reads): the gradient
+    norm's all-reduces run over that group."""
+    out = _checked(SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"] + flags.split())
+    assert out["collectives"]["all_reduce/dp"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+
+
 # The data-parallel engines' calls per step: the step model prices each call's latency, and no plan object of the
 # runtime counts them (DDP's and ZeRO's buckets are cut by the parameters' sizes in backward's order), so the
 # counts of perf/step.py are held against the dry run's ledger, engine by engine. Strict xfails: layouts whose

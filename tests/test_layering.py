@@ -90,6 +90,7 @@ PLAN_OBJECTS = {
     "parallelisms.parallel.memory": "ZeRO's model states per rank",
     "parallelisms.parallel.ep_placement": "the experts' placement before any measurement (slots, copies)",
     "parallelisms.parallel.row_split": "FSDP2's and the vocabulary's padded dim-0 rows",
+    "parallelisms.parallel.shard_group": "the mesh dimension a sharding engine splits over",
     "parallelisms.parallel.pipeline.schedules": "the schedule a layout runs, its microbatches, stage placement",
     "parallelisms.parallel.pipeline.simulate": "the schedule's timing",
     "parallelisms.parallel.pipeline.partition": "the pipeline's layer cut",

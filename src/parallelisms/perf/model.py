@@ -20,6 +20,7 @@ from parallelisms.parallel.ep_placement import canonical, replicated, slots_per_
 from parallelisms.parallel.memory import zero_formula
 from parallelisms.parallel.registry import PARALLELISMS
 from parallelisms.parallel.row_split import padding_rows, rows_per_rank
+from parallelisms.parallel.shard_group import shard_dim
 from parallelisms.perf.stages import rank0_held, rank0_layers
 from parallelisms.parallel.pipeline.schedules import V_SHAPED, pipeline_microbatches
 
@@ -241,15 +242,10 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:
-    """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over."""
-    dims = parallel.dims
-    if not sharding_stage(parallel):
-        return None
-    if (parallel.fsdp and parallel.fsdp.hybrid) or parallel.fsdp_style is not FsdpStyle.FLAT:
-        return "dp_shard", dims.dp_shard
-    if dims.cp > 1 and dims.pp == 1:
-        return "dp_cp", dims.dp * dims.cp
-    return "dp", dims.dp
+    """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over: the runtime's
+    (:func:`~parallelisms.parallel.shard_group.shard_dim`)."""
+    name = shard_dim(parallel) if sharding_stage(parallel) else None
+    return None if name is None else (name, parallel.dims.span(name)[0])
 
 
 def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[CommVolume]:
