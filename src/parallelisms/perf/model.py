@@ -259,7 +259,7 @@ def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[Com
     base = [("pp", dims.pp)] + ([sharding] if sharding else [])
     groups = [base] + ([base + [("tp", dims.tp)]] if dims.tp > 1 else [])
     if dims.ep > 1:  # expert weights are sharded over the ranks holding the same experts, not over dp
-        replicas = [("ep_replicate", dims.dp * dims.cp // dims.ep)] if sharding else []
+        replicas = [("ep_replicate", dims.span("ep_replicate")[0])] if sharding else []
         groups.append([("pp", dims.pp)] + replicas + [("ep", dims.ep)])
     out = []
     for group in groups:

@@ -47,19 +47,19 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     out = []
     layers, local_params = _held(cfg, parallel)
     expert_params = layers * expert_slot_params(cfg, parallel)
-    dp = dims.dp * dims.cp
+    dp = dims.span("dp_cp")[0]
     if dp > 1:
         hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
-        shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
+        shards = dims.span("dp_shard_cp")[0] if hybrid else dp  # HSDP shards within dp_shard, replicates across
         dense = local_params - expert_params + sum(per_param_padding(cfg, parallel, shards))
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
-            replicas = dims.dp_replicate
+            replicas = dims.span("dp_replicate")[0]
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
             out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * dense * 4 / shards))
         out += _engine_volumes(parallel, train, "dp", shards, dense, dtype_bytes,
                                _gathered_per_microbatch(cfg, parallel, dtype_bytes))
     if expert_params:
-        replicas = dp // dims.ep
+        replicas = dims.span("ep_replicate")[0]
         out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
                                expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
         copies = redundant_expert_grads(cfg, parallel, layers)
