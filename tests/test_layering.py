@@ -91,6 +91,7 @@ PLAN_OBJECTS = {
     "parallelisms.parallel.ep_placement": "the experts' placement before any measurement (slots, copies)",
     "parallelisms.parallel.row_split": "FSDP2's and the vocabulary's padded dim-0 rows",
     "parallelisms.parallel.shard_group": "the mesh dimension a sharding engine splits over",
+    "parallelisms.parallel.wrap": "how consecutive wrapping units merge under --bucket-mb",
     "parallelisms.parallel.pipeline.schedules": "the schedule a layout runs, its microbatches, stage placement",
     "parallelisms.parallel.pipeline.simulate": "the schedule's timing",
     "parallelisms.parallel.pipeline.partition": "the pipeline's layer cut",
@@ -131,12 +132,13 @@ def test_perf_imports_the_runtime_only_in_its_cpu_adapter():
 
 
 def _load_time_imports(path: pathlib.Path) -> set[str]:
-    """Every name a module imports when it loads: its imports outside function bodies."""
+    """Every name a module imports when it loads: its imports outside function bodies and ``if TYPE_CHECKING:``."""
     names: set[str] = set()
 
     def visit(node):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                    isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING")):
                 continue
             if isinstance(child, ast.Import):
                 names.update(a.name for a in child.names)

@@ -48,6 +48,7 @@ from parallelisms.perf import cpu
 from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
+from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.model import (block_params, comm_per_step, sharding_stage, microbatches_per_step, model_flops_per_token,
                                      model_state_bytes, rank0_holds_head)
 from parallelisms.perf.network import collective_time, comm_time, group
@@ -323,14 +324,10 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
         stages = [[block] * layers + [head]]
     cap = train.bucket_mb * 2**20 if parallel.zero in (1, 2) else 0.0
     count = 0
-    for units in stages:
-        merged = []  # [bytes, holds a block]
-        for size, is_block in units:
-            if merged and merged[-1][0] + size <= cap:
-                merged[-1] = [merged[-1][0] + size, merged[-1][1] or is_block]
-            else:
-                merged.append([size, is_block])
-        count += len(merged) + (sum(b for _, b in merged) if dims.ep > 1 and cfg.n_experts else 0)
+    for units in stages:  # merged as the runtime merges them (parallel/wrap.py)
+        merged = merged_units([size for size, _ in units], cap, [False] * len(units))
+        experts = sum(any(units[i][1] for i in g) for g in merged) if dims.ep > 1 and cfg.n_experts else 0
+        count += len(merged) + experts  # a merged unit holding a block: its expert weights a shard of their own
     return count
 
 
