@@ -208,8 +208,9 @@ def _engine_calls(flags: str) -> tuple[dict, dict]:
     for name, _, _, calls in _data_parallel_traffic(cfg.model, cfg.layout, cfg.train, load_hardware("h100")):
         kind, dim = name.split("/")
         ours[f"{kind}/{dim_family(dim)}"] += calls
-    theirs = Counter(f"{e.kind}/{dim_family(e.dim)}" for e in dry_run(cfg.model, cfg.train, cfg.layout)["runs"][0].events
-                     if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and e.dim.startswith("dp"))
+    events = [e for e in dry_run(cfg.model, cfg.train, cfg.layout)["runs"][0].events
+              if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and e.dim.startswith("dp")]
+    theirs = Counter(f"{e.kind}/{dim_family(e.dim)}" for e in events)
     return dict(ours), dict(theirs)
 
 

@@ -99,7 +99,8 @@ PLAN_OBJECTS = {
 
 
 def _beyond_plan_objects(targets: set[str]) -> set[str]:
-    return {t for t in targets if t not in CONFIGS and t not in PLAN_OBJECTS and not t.startswith("parallelisms.perf.")}
+    return {t for t in targets
+            if t not in CONFIGS and t not in PLAN_OBJECTS and not t.startswith("parallelisms.perf.")}
 
 
 def test_the_step_model_imports_only_configs_and_plan_objects():

@@ -1,7 +1,8 @@
 """The collective-order proof: before launch, from the dry run's ledgers, every group's members issue the same
 collectives in the same order, every message is received, and the pipeline schedule cannot deadlock.
 
-For every process group of the layout (every group of every mesh dimension, :meth:`ParallelDims.groups <parallelisms.mesh.ParallelDims.groups>`):
+For every process group of the layout (every group of every mesh dimension, the mesh's
+:meth:`~parallelisms.mesh.ParallelDims.groups`):
 
 * collectives: each member's sequence over that group, as (kind, dtype, element count, reduction), is the same;
   an uneven all-to-all's splits agree (what member i sends to j is what j expects from i);

@@ -49,7 +49,8 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     dtype = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else next(model.parameters()).dtype
     # neither: mixed precision over plain data parallelism, the NO_SHARD plan (DDP with fp32 master weights)
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp or "no_shard", dtype)
-    plan = dataclasses.replace(plan, shard_dim=shard_dim(parallel), replicate_dim=with_cp(plan.replicate_dim, parallel))
+    plan = dataclasses.replace(plan, shard_dim=shard_dim(parallel),
+                               replicate_dim=with_cp(plan.replicate_dim, parallel))
     # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block
     cap = int(train.bucket_mb * 2**20) if parallel.zero in (1, 2) else None
     return ShardedEngine(model, module_units(model, cap), plan, comms,

@@ -193,9 +193,9 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: i
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
     """Per-parameter FSDP (FSDP2) shards each parameter's rows, padded to a multiple of the ``shards`` ranks
-    (:mod:`parallelisms.parallel.row_split`, the engine's split), and gathers and reduce-scatters the padded rows: the padding elements of rank 0's
-    tables and final norm, and of its blocks (dense blocks: their q, k, v, output and MLP matrices and norms).
-    Nothing for the other engines."""
+    (:mod:`parallelisms.parallel.row_split`, the engine's split), and gathers and reduce-scatters the padded rows:
+    the padding elements of rank 0's tables and final norm, and of its blocks (dense blocks: their q, k, v, output
+    and MLP matrices and norms). Nothing for the other engines."""
     if parallel.fsdp_style is not FsdpStyle.PER_PARAM or not parallel.fsdp or shards <= 1:
         return 0.0, 0.0
     t, d = parallel.dims.tp, cfg.dim
