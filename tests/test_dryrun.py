@@ -134,6 +134,27 @@ def _first_violation(kind: str, rank: int, method: str, plant, train_changes=Non
     return result["precheck"]["violations"][0]
 
 
+@pytest.mark.parametrize("rank", [0, 13, 22, 31])
+def test_the_mesh_plan_is_the_groups_build_meshes_makes(rank):
+    """:meth:`ParallelDims.group` (the precheck's groups, the step model's strides) against the ``DeviceMesh`` the
+    runtime builds on the fake process group: every dimension's group of ``rank`` in a 5-D layout with expert
+    parallelism, and hierarchical context parallelism's split of cp (``parallel/cp_hierarchical.py``)."""
+    import torch.distributed as dist
+
+    from parallelisms.dryrun.fake import fake_rank
+    from parallelisms.mesh import ParallelDims
+    from parallelisms.parallel.cp_hierarchical import _split_cp
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=4, tp=2, pp=1, ep=4)
+    with fake_rank(rank, dims.world_size):
+        comms = Comms(dims.build_meshes("cpu"), CommLedger(), Timeline(rank, enabled=False))
+        _split_cp(comms, 2)
+        for name, mesh in comms.meshes.items():  # the world: every rank, its 5-D mesh in rank order
+            ranks = mesh.mesh.flatten().tolist() if mesh.ndim > 1 else dist.get_process_group_ranks(mesh.get_group())
+            assert tuple(ranks) == dims.group(name, rank, 2), name
+    assert len(comms.meshes) == 14  # the five axes, dp, dp_cp, dp_shard_cp, ep, ep_bwd, ep_replicate, cp's two, world
+
+
 def test_a_rank_that_skips_a_bucket_is_caught():
     def skip_second(original):
         calls = []

@@ -74,24 +74,39 @@ def test_lower_layers_do_not_import_higher_ones():
         assert not {t for t in graph[bottom] if t.startswith(("parallelisms.parallel", "parallelisms.model"))}, bottom
 
 
-# The step model prices a layout from its configs and the runtime's plan objects (schedules and their simulator,
-# the ZeRO formulas, the ledger's ring bytes), never from the running engines: it predicts layouts nothing runs.
+# The step model prices a layout from its configs and the runtime's own plan objects, never from the running
+# engines: it predicts layouts nothing runs, and each decision it reads is the one the runtime makes, not a copy.
 STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelisms.perf.model",
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
               "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu",
-              "parallelisms.perf.volumes")
-PLAN_OBJECTS = ("parallelisms.config", "parallelisms.errors", "parallelisms.mesh", "parallelisms.units",
-                "parallelisms.options", "parallelisms.parallel.registry",  # registry: each one's volumes function
-                "parallelisms.comm.ledger", "parallelisms.parallel.cp_modes", "parallelisms.parallel.memory",
-                "parallelisms.parallel.pipeline.schedules", "parallelisms.parallel.pipeline.simulate",
-                "parallelisms.parallel.pipeline.partition", "parallelisms.perf")  # partition: the runtime's stage cut
+              "parallelisms.perf.volumes", "parallelisms.perf.context", "parallelisms.perf.memory")
+CONFIGS = {"parallelisms.config", "parallelisms.errors", "parallelisms.options", "parallelisms.units"}
+PLAN_OBJECTS = {
+    "parallelisms.mesh": "each dimension's groups, sizes and strides (ParallelDims.span)",
+    "parallelisms.parallel.registry": "each parallelism's descriptor: its volumes function",
+    "parallelisms.comm.ledger": "the bytes a ring collective moves per rank",
+    "parallelisms.parallel.cp_modes": "each context-parallel mode's traffic and groups",
+    "parallelisms.parallel.memory": "ZeRO's model states per rank",
+    "parallelisms.parallel.ep_placement": "the experts' placement before any measurement (slots, copies)",
+    "parallelisms.parallel.row_split": "FSDP2's and the vocabulary's padded dim-0 rows",
+    "parallelisms.parallel.shard_group": "the mesh dimension a sharding engine splits over",
+    "parallelisms.parallel.wrap": "how consecutive wrapping units merge under --bucket-mb",
+    "parallelisms.parallel.pipeline.schedules": "the schedule a layout runs, its microbatches, stage placement",
+    "parallelisms.parallel.pipeline.simulate": "the schedule's timing",
+    "parallelisms.parallel.pipeline.partition": "the pipeline's layer cut",
+}
+
+
+def _beyond_plan_objects(targets: set[str]) -> set[str]:
+    return {t for t in targets
+            if t not in CONFIGS and t not in PLAN_OBJECTS and not t.startswith("parallelisms.perf.")}
 
 
 def test_the_step_model_imports_only_configs_and_plan_objects():
     graph = _imports()
     for name in STEP_MODEL:
-        beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)}
+        beyond = _beyond_plan_objects(graph[name])
         assert not beyond, (name, beyond)
         assert not {t for t in graph[name] if t.startswith(("parallelisms.perf.calibrate", "parallelisms.perf.predict"))}
 
@@ -112,9 +127,49 @@ def test_perf_imports_the_runtime_only_in_its_cpu_adapter():
     for name in perf:
         if name in CPU_ADAPTER:
             continue
-        beyond = {t for t in graph[name] if not t.startswith(PLAN_OBJECTS)} - PERF_EXTRAS.get(name, set())
+        beyond = _beyond_plan_objects(graph[name]) - PERF_EXTRAS.get(name, set())
         assert not beyond, (name, beyond)
         assert not graph[name] & set(CPU_ADAPTER), name
+
+
+def _load_time_imports(path: pathlib.Path) -> set[str]:
+    """Every name a module imports when it loads: its imports outside function bodies and ``if TYPE_CHECKING:``."""
+    names: set[str] = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                    isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING")):
+                continue
+            if isinstance(child, ast.Import):
+                names.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                names.update({child.module} | {f"{child.module}.{a.name}" for a in child.names})
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+def test_the_plan_objects_load_without_torch():
+    """``estimate`` and ``plan`` import no torch (tests/test_cli_light.py): nothing the step model reads imports
+    torch or numpy when it loads, nor do the packages above them or the package modules they load in turn."""
+    paths = {}
+    for path in SRC.rglob("*.py"):
+        parts = ("parallelisms", *path.relative_to(SRC).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    todo = [*CONFIGS, *PLAN_OBJECTS, *STEP_MODEL]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        packages = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        imported = _load_time_imports(paths[name])
+        heavy = {n for n in imported if n.split(".")[0] in ("torch", "numpy")}
+        assert not heavy, (name, heavy)
+        todo += [n for n in imported | set(packages) if n in paths]
+    assert set(PLAN_OBJECTS) <= seen
 
 
 # The CPU hardware adapter: perf/cpu.py holds the step model's mechanisms that exist only because ranks share CPU

@@ -27,6 +27,7 @@ from parallelisms.errors import ConfigError
 from parallelisms.data.sources import training_loader
 from parallelisms.lr_schedule import make_scheduler
 from parallelisms.model import build_model
+from parallelisms.parallel.pipeline.schedules import pipeline_microbatches
 from parallelisms.optim import decays
 
 TOLERANCE = 1e-5
@@ -228,7 +229,7 @@ def batch_slices(parallel, train: TrainConfig) -> int:
     microbatches, or x gradient-accumulation microbatches (context and tensor parallelism split tokens and
     weights, not rows). The references accumulate over as many, so what remains is the parallel arithmetic."""
     if parallel.dims.pp > 1:
-        return parallel.dims.dp * (parallel.microbatches or 2 * parallel.dims.pp)
+        return parallel.dims.dp * pipeline_microbatches(parallel)
     return parallel.dims.dp * train.grad_accum
 
 

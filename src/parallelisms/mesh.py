@@ -9,12 +9,16 @@ add ranks: the ``ep`` degree is carved out of the data-parallel x context-parall
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
 from parallelisms.errors import divisors, require
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# the flattened dimensions :meth:`ParallelDims.build_meshes` makes, each from adjacent axes of the rank order
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp"), "world": MESH_ORDER}
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,33 @@ class ParallelDims:
         for name in reversed(MESH_ORDER):
             rank, coords[name] = divmod(rank, getattr(self, name))
         return coords
+
+    def span(self, dim: str, cp_ulysses: int = 0) -> tuple[int, int]:
+        """(ranks, stride) of mesh dimension ``dim`` (as the Comm names it): each of its groups in
+        :meth:`build_meshes` is ``ranks`` ranks ``stride`` apart, a dimension being a run of adjacent axes of the
+        rank order (or of dp x cp: ``ep`` its innermost ``ep`` ranks, ``ep_replicate`` every ``ep``-th; with
+        ``cp_ulysses``, hierarchical context parallelism's ``cp_inner``, neighbouring cp ranks, and ``cp_outer``,
+        every ``cp_ulysses``-th). The stride is the product of the degrees inside the dimension's innermost axis."""
+        if dim in ("ep", "ep_bwd", "ep_replicate"):
+            inner = (self.ep, self.tp)
+            return (self.dp * self.cp // self.ep, self.ep * self.tp) if dim == "ep_replicate" else inner
+        if dim in ("cp_inner", "cp_outer") and cp_ulysses > 1:
+            return (cp_ulysses, self.tp) if dim == "cp_inner" else (self.cp // cp_ulysses, cp_ulysses * self.tp)
+        if dim not in MESH_ORDER and dim not in FLATTENED:
+            raise KeyError(f"unknown mesh dimension {dim!r}")
+        axes = FLATTENED.get(dim, (dim,))
+        inside = MESH_ORDER[MESH_ORDER.index(axes[-1]) + 1:]
+        return math.prod(getattr(self, a) for a in axes), math.prod(getattr(self, a) for a in inside)
+
+    def group(self, dim: str, rank: int, cp_ulysses: int = 0) -> tuple[int, ...]:
+        """The global ranks, in group order, of ``rank``'s group of mesh dimension ``dim`` (:meth:`span`)."""
+        size, stride = self.span(dim, cp_ulysses)
+        first = rank - (rank // stride) % size * stride
+        return tuple(first + i * stride for i in range(size))
+
+    def groups(self, dim: str, cp_ulysses: int = 0) -> list[tuple[int, ...]]:
+        """Every group of mesh dimension ``dim`` (:meth:`group`), by their first ranks."""
+        return sorted({self.group(dim, rank, cp_ulysses) for rank in range(self.world_size)})
 
     def build_meshes(self, device_type: str = "cpu") -> dict:
         """The 5-D ``DeviceMesh`` in ``MESH_ORDER`` (key ``"world"``), its 1-D sub-meshes by name, and the

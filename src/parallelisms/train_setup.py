@@ -17,9 +17,11 @@ from parallelisms.parallel.ep_balance import ExpertBalance
 from parallelisms.parallel.fsdp2 import PerParamSharding
 from parallelisms.parallel.grad_sync import GradSync, LocalGradients
 from parallelisms.parallel.pipeline.executor import WeightGradStore, split_linears
-from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages, schedule_for
+from parallelisms.parallel.pipeline.runner import PipelineSchedule, cut_stages
+from parallelisms.parallel.pipeline.schedules import schedule_for
 from parallelisms.parallel.pipeline.stage_sync import StageSyncs
 from parallelisms.parallel.registry import module_swaps
+from parallelisms.parallel.shard_group import shard_dim
 from parallelisms.parallel.tied import TiedEmbeddings, untie
 from parallelisms.parallel.yafsdp import ReuseSharding
 from parallelisms.parallel.zero import sharded_grad_sync
@@ -117,9 +119,9 @@ def _engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, com
 
 def _sharding_engine(module: nn.Module, parallel: ParallelConfig, train: TrainConfig, comms: Comms):
     """The engine of --zero / --fsdp over ``module`` (the model, or one pipeline stage): flat, per-parameter
-    (FSDP2) or buffer reuse (YaFSDP). The per-parameter engines shard over dp_shard, and with context parallelism
-    over dp_shard x cp (those ranks hold different tokens of the same model)."""
-    dim = "dp_shard_cp" if parallel.dims.cp > 1 else "dp_shard"
+    (FSDP2) or buffer reuse (YaFSDP), over :func:`~parallelisms.parallel.shard_group.shard_dim` (the per-parameter
+    engines: dp_shard, and with context parallelism dp_shard x cp, those ranks holding different tokens)."""
+    dim = shard_dim(parallel)
     compute = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None  # None: the parameters' dtype
     if parallel.fsdp and parallel.fsdp_style is FsdpStyle.REUSE:
         return ReuseSharding(module, comms, dim, compute_dtype=compute)

@@ -51,7 +51,7 @@ def dry_run(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, ev
 
     schedule = None
     if dims.pp > 1:
-        from parallelisms.parallel.pipeline.runner import schedule_for
+        from parallelisms.parallel.pipeline.schedules import schedule_for
         schedule = schedule_for(parallel)
     check = precheck(dims, events_of, schedule, parallel.cp_ulysses_size)
     return {"runs": runs, "classes": classes, "precheck": check, "seconds": time.perf_counter() - began}

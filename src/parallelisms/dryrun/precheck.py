@@ -1,7 +1,8 @@
 """The collective-order proof: before launch, from the dry run's ledgers, every group's members issue the same
 collectives in the same order, every message is received, and the pipeline schedule cannot deadlock.
 
-For every process group of the layout (every group of every mesh dimension, :func:`.groups.groups_of`):
+For every process group of the layout (every group of every mesh dimension, the mesh's
+:meth:`~parallelisms.mesh.ParallelDims.groups`):
 
 * collectives: each member's sequence over that group, as (kind, dtype, element count, reduction), is the same;
   an uneven all-to-all's splits agree (what member i sends to j is what j expects from i);
@@ -27,12 +28,12 @@ def precheck(dims: ParallelDims, events_of, schedule=None, cp_ulysses: int = 0) 
     """The proof over the layout ``dims`` (``cp_ulysses``: hierarchical context parallelism's split of cp);
     ``events_of(rank)`` gives a rank's recorded events (its class's).
     Returns ``{"ok", "groups", "collectives", "messages", "violations"}``."""
-    from parallelisms.dryrun.groups import class_key, groups_of
+    from parallelisms.dryrun.groups import class_key
 
     violations, seen, checked = [], set(), {"groups": 0, "collectives": 0, "messages": 0}
     dims_used = sorted({e.dim for r in {min(rs) for rs in _class_ranks(dims).values()} for e in events_of(r)})
     for dim in dims_used:
-        for group in groups_of(dims, dim, cp_ulysses):
+        for group in dims.groups(dim, cp_ulysses):
             signature = (dim, tuple(class_key(dims, r) for r in group))
             if signature in seen or len(group) < 2:
                 continue

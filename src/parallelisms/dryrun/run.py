@@ -68,7 +68,7 @@ def modelled_costs(model_cfg: ModelConfig, train: TrainConfig, parallel: Paralle
     times. ``None`` for the other cuts. Every rank takes rank 0's cut, so the collective order holds for any cut."""
     import dataclasses
 
-    from parallelisms.parallel.pipeline.runner import schedule_for
+    from parallelisms.parallel.pipeline.schedules import schedule_for
     from parallelisms.perf.model import model_flops_per_token
 
     if parallel.dims.pp == 1 or parallel.pp_balance is not PpBalance.MEASURED:
@@ -87,7 +87,7 @@ def layers_on(parallel: ParallelConfig, model_cfg: ModelConfig, rank: int, costs
     the rank: building them costs time (80 blocks of a 70B model, tensor-parallel swaps included) and, kept by the
     full model, memory the rank does not hold."""
     from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds
-    from parallelisms.parallel.pipeline.runner import schedule_for
+    from parallelisms.parallel.pipeline.schedules import schedule_for
 
     if parallel.dims.pp == 1:
         return None

@@ -13,7 +13,7 @@ from parallelisms.errors import ConfigError, divisors, require
 from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Schedule
 from parallelisms.parallel.cp_modes import MODES, Shape
 from parallelisms.parallel.ep_placement import check_ep_balance
-from parallelisms.parallel.pipeline.schedules import ScheduleError, build_schedule
+from parallelisms.parallel.pipeline.schedules import ScheduleError, pipeline_microbatches, schedule_for
 
 # FSDP1's sharding strategies (:mod:`parallelisms.parallel.fsdp`), and the ones that need a 2-D
 # ``dp_replicate x dp_shard`` mesh
@@ -151,9 +151,9 @@ def check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCon
             f"--chunks {parallel.chunks} applies to --schedule interleaved only ({name} fixes its chunks)")
     require(train.grad_accum == 1, f"--grad-accum {train.grad_accum} with --pp: the pipeline's --microbatches "
                                    f"already accumulate; use --microbatches instead")
-    m = parallel.microbatches or 2 * dims.pp
+    m = pipeline_microbatches(parallel)
     try:
-        schedule = build_schedule(name, dims.pp, m, parallel.chunks if name is Schedule.INTERLEAVED else None)
+        schedule = schedule_for(parallel)
     except ScheduleError as exc:
         raise ConfigError(f"--schedule {exc}") from None
     require(model.n_layers >= schedule.num_stages,

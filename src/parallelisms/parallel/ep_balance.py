@@ -40,7 +40,7 @@ from parallelisms.comm import Comms
 from parallelisms.model.moe import GroupedExperts
 from parallelisms.options import Balance
 from parallelisms.parallel.common import mark_sharded
-from parallelisms.parallel.ep_placement import canonical, place, rank_loads, valid
+from parallelisms.parallel.ep_placement import canonical, place, rank_loads, replicated, slots_per_rank, valid
 from parallelisms.parallel.ep_slots import WEIGHTS, Holder, engines_of, holders
 from parallelisms.parallel.expert import ExpertParallelExperts, apply_expert_parallel
 from parallelisms.parallel.placement import Piece
@@ -64,7 +64,7 @@ class BalancedExperts(ExpertParallelExperts):
     def use(self, placement: list[int]) -> None:
         """Take ``placement`` (physical slot -> expert) as the layer's; the weights are moved by the caller."""
         self.placement = list(placement)
-        self.local = len(placement) // self.comm.size  # slots per rank: what the dispatch splits by
+        self.local = slots_per_rank(placement, self.comm.size)
         self.copies = [[p for p, e in enumerate(placement) if e == expert] for expert in range(self.n_experts)]
 
     def mine(self) -> list[int]:
@@ -178,7 +178,7 @@ class ExpertBalance:
         The ranks of an ep group hold the same layers, so they make the same calls."""
         parts = []  # (layer's holders, replicated expert -> row, their summed gradients [row, weights' elements])
         for m, held in ((self.layers[i], self._holders()[i]) for i in which):
-            shared = {e: i for i, e in enumerate(e for e in range(m.n_experts) if len(m.copies[e]) > 1)}
+            shared = {e: i for i, e in enumerate(replicated(m.placement, m.n_experts))}
             if not shared:
                 continue
             total = held[0].param.new_zeros((len(shared), sum(h.per_slot for h in held)))

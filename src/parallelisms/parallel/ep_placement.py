@@ -14,6 +14,8 @@ rank computes the same placement from the same all-reduced counts.
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 def replicate(loads: list[float], ranks: int, extra: int) -> list[int]:
     """Copies of each expert: one each, then ``extra`` more, each to the expert with the largest load per copy
@@ -66,6 +68,18 @@ def canonical(n_experts: int, ranks: int, redundant: int) -> list[int]:
     own = n_experts // ranks
     return [e for r in range(ranks) for e in sorted(list(range(r * own, (r + 1) * own))
                                                     + [((r + 1) * own + j) % n_experts for j in range(redundant)])]
+
+
+def slots_per_rank(placement: list[int], ranks: int) -> int:
+    """Slots each of ``ranks`` ranks holds under ``placement``: what the dispatch splits by."""
+    return len(placement) // ranks
+
+
+def replicated(placement: list[int], n_experts: int) -> list[int]:
+    """The experts with more than one copy under ``placement``, ascending: those whose copies' gradients are
+    summed after each reduction."""
+    copies = Counter(placement)
+    return [e for e in range(n_experts) if copies[e] > 1]
 
 
 def rank_loads(loads: list[float], placement: list[int], ranks: int) -> list[float]:

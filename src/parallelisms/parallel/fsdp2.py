@@ -51,6 +51,7 @@ from parallelisms.parallel.wrap import module_units, split_expert_units
 from parallelisms.parallel.memory import engines_memory
 from parallelisms.parallel.placement import tensor_pieces
 from parallelisms.parallel.recompute import register_recompute_context
+from parallelisms.parallel.row_split import rows_per_rank
 from parallelisms.parallel.shard_units import BufferStats, Unit, copy_rows, unit_offsets
 from parallelisms.parallel.tied import shared_uses
 
@@ -112,7 +113,7 @@ class PerParamSharding:
     @staticmethod
     def _rows(unit: Unit, shape: torch.Size) -> tuple[int, int]:
         """Rows per rank (dim-0 chunk, padded) and elements per row of a parameter of ``shape``."""
-        return -(-shape[0] // unit.comm.size), shape[1:].numel()
+        return rows_per_rank(shape[0], unit.comm.size), shape[1:].numel()
 
     def _shard(self, unit: Unit) -> None:
         """Replace each parameter's data by its dim-0 rows, a view into one flat shard per unit."""

@@ -10,6 +10,7 @@ from torch import nn
 from parallelisms.comm import Comm
 from parallelisms.model.moe import MoE
 from parallelisms.parallel.moe_sequence import shard_moe_sequences
+from parallelisms.parallel.row_split import rows_per_rank
 from parallelisms.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelFeedForward, Region,
                                           SequenceParallelRMSNorm)
 from parallelisms.parallel.tied import tie
@@ -42,7 +43,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
     cfg = model.cfg
     region = Region(comm, sequence_parallel, overlap, chunks)
     model.seq_shards = comm.size if sequence_parallel else 1  # the residual stream between layers
-    padded_vocab = -(-cfg.vocab_size // comm.size) * comm.size
+    padded_vocab = rows_per_rank(cfg.vocab_size, comm.size) * comm.size
     for layer in model.layers.values():
         layer.attention = ParallelAttention(layer.attention, region, cfg.n_heads, cfg.n_kv_heads)
         if not isinstance(layer.feed_forward, MoE):  # experts stay whole, replicated over tp (see docstring)

@@ -4,9 +4,10 @@ ZeRO and FSDP1 styles) and per-parameter sharding (:mod:`parallelisms.parallel.f
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from parallelisms.parallel.common import sharded_over
+if TYPE_CHECKING:  # torch-free at load: the performance model reads merged_units
+    from torch import nn
 
 
 def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[str, list[nn.Module]]]:
@@ -28,15 +29,22 @@ def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[s
     if cap_bytes is None:
         return units
     alone = {"tok_embeddings", "output"} if tied else set()  # never merged (parallelisms.parallel.tied)
-    merged, sizes = [], []
-    for name, modules in units:
-        size = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-        if merged and sizes[-1] + size <= cap_bytes and not {name, merged[-1][0]} & alone:
-            merged[-1] = (f"{merged[-1][0]}+{name}", merged[-1][1] + modules)
-            sizes[-1] += size
+    sizes = [sum(p.numel() * p.element_size() for m in modules for p in m.parameters()) for _, modules in units]
+    return [("+".join(units[i][0] for i in group), [m for i in group for m in units[i][1]])
+            for group in merged_units(sizes, cap_bytes, [name in alone for name, _ in units])]
+
+
+def merged_units(sizes: list[float], cap_bytes: float, alone: list[bool]) -> list[list[int]]:
+    """Consecutive units of ``sizes`` bytes merged while the merged unit fits under ``cap_bytes`` (none merge with a
+    unit ``alone``), as the indices of each merged unit."""
+    merged, total = [], []
+    for i, size in enumerate(sizes):
+        if merged and total[-1] + size <= cap_bytes and not alone[i] and not alone[merged[-1][0]]:
+            merged[-1].append(i)
+            total[-1] += size
         else:
-            merged.append((name, list(modules)))
-            sizes.append(size)
+            merged.append([i])
+            total.append(size)
     return merged
 
 
@@ -45,6 +53,8 @@ def split_expert_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple]:
     they differ between expert-parallel ranks) becomes two, its other weights (``owned`` picks them) and its
     expert weights (``experts`` True), which the engines shard over the ranks holding the same experts,
     ``ep_replicate``, instead of the data-parallel dimension."""
+    from parallelisms.parallel.common import sharded_over
+
     out = []
     for name, modules in units:
         if any("ep" in sharded_over(p) for m in modules for p in m.parameters()):

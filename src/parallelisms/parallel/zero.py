@@ -30,6 +30,7 @@ from parallelisms.config import ParallelConfig, TrainConfig
 from parallelisms.parallel.flat import ShardedEngine, ShardingPlan
 from parallelisms.parallel.wrap import module_units
 from parallelisms.parallel.fsdp import fsdp_plan
+from parallelisms.parallel.shard_group import shard_dim, with_cp
 from parallelisms.options import Precision
 
 def zero_plan(stage: int, compute_dtype: torch.dtype = torch.float32) -> ShardingPlan:
@@ -48,10 +49,8 @@ def sharded_grad_sync(model: nn.Module, parallel: ParallelConfig, train: TrainCo
     dtype = torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else next(model.parameters()).dtype
     # neither: mixed precision over plain data parallelism, the NO_SHARD plan (DDP with fp32 master weights)
     plan = zero_plan(parallel.zero, dtype) if parallel.zero else fsdp_plan(parallel.fsdp or "no_shard", dtype)
-    if parallel.dims.cp > 1:
-        widen = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
-        plan = dataclasses.replace(plan, shard_dim=widen.get(plan.shard_dim, plan.shard_dim),
-                                   replicate_dim=widen.get(plan.replicate_dim, plan.replicate_dim))
+    plan = dataclasses.replace(plan, shard_dim=shard_dim(parallel),
+                               replicate_dim=with_cp(plan.replicate_dim, parallel))
     # ZeRO-1/2 communicate gradients in buckets under --bucket-mb; ZeRO-3 and FSDP per block
     cap = int(train.bucket_mb * 2**20) if parallel.zero in (1, 2) else None
     return ShardedEngine(model, module_units(model, cap), plan, comms,

@@ -51,7 +51,7 @@ def context_times(hw: Hardware, cfg: ModelConfig, parallel: ParallelConfig, q_by
     out = {}
     for t in mode.traffic(shape, q_bytes, kv_bytes):
         n, stride = groups[t.dim]
-        stride *= parallel.dims.tp  # cp sits just outside tp in the mesh
+        stride *= parallel.dims.span("cp")[1]  # the mode's stride among cp ranks, the mesh's between them
 
         def time(kind: str, full_bytes: float, calls: int) -> float:
             return collective_time(hw, kind, full_bytes, n, stride, calls)

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import Balance, FsdpStyle, Precision, Recompute, Schedule
-from parallelisms.parallel.registry import PARALLELISMS
+from parallelisms.parallel.ep_placement import canonical, replicated, slots_per_rank
 from parallelisms.parallel.memory import zero_formula
+from parallelisms.parallel.registry import PARALLELISMS
+from parallelisms.parallel.row_split import padding_rows, rows_per_rank
+from parallelisms.parallel.shard_group import shard_dim
 from parallelisms.perf.stages import rank0_held, rank0_layers
-from parallelisms.parallel.pipeline.schedules import V_SHAPED
+from parallelisms.parallel.pipeline.schedules import V_SHAPED, pipeline_microbatches
 
 
 # -- parameters and FLOPs ------------------------------------------------------------------------------
@@ -142,11 +144,17 @@ def _named(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def expert_slots(cfg: ModelConfig, parallel: ParallelConfig) -> int:
-    """Experts an expert-parallel rank holds per MoE layer: its n_experts / ep, plus ``--ep-redundant`` slots for
-    copies of hot experts under ``--ep-balance measured`` (EPLB; :mod:`parallelisms.parallel.ep_balance`)."""
+def expert_placement(cfg: ModelConfig, parallel: ParallelConfig) -> list[int]:
+    """The placement of a MoE layer's experts on the expert-parallel ranks before any measurement, the runtime's
+    (:func:`~parallelisms.parallel.ep_placement.canonical`): plain expert parallelism's n_experts / ep a rank, with
+    ``--ep-redundant`` more slots a rank copying the experts after its own under ``--ep-balance measured`` (EPLB)."""
     extra = parallel.ep_redundant if parallel.ep_balance is Balance.MEASURED else 0
-    return cfg.n_experts // parallel.dims.ep + extra
+    return canonical(cfg.n_experts, parallel.dims.ep, extra)
+
+
+def expert_slots(cfg: ModelConfig, parallel: ParallelConfig) -> int:
+    """Experts an expert-parallel rank holds per MoE layer: its slots under :func:`expert_placement`."""
+    return slots_per_rank(expert_placement(cfg, parallel), parallel.dims.ep)
 
 
 def expert_slot_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
@@ -170,33 +178,33 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: i
     """Gradient elements a rank all-reduces over ep per step so that the copies of each replicated expert step as
     one expert (``ExpertBalance.finish``: every replicated expert's gradient, once a step, after the layout's
     reduction; PipeDream at each of its M per-microbatch updates), over the ``layers`` it holds (DualPipe's two
-    copies of a stage each): min(n_experts, ep x R) replicated experts per layer for R redundant slots per rank, under uniform
-    routing (the extra slots go to the experts in turn) and before any measurement (each rank's extra slots copy
-    the experts after its own) alike; a skewed router copies fewer, hotter experts more often. A flat engine that
+    copies of a stage each): the replicated experts of :func:`expert_placement` per layer (min(n_experts, ep x R) for R
+    redundant slots per rank), before any measurement and under uniform routing alike (the extra slots go to the
+    experts in turn); a skewed router copies fewer, hotter experts more often. A flat engine that
     shards the slots over the expert replicas (ZeRO, FSDP but NO_SHARD) all-reduces the same elements over them too,
     each rank's share of its copies being a range of them."""
     if parallel.ep_balance is not Balance.MEASURED or not parallel.ep_redundant or parallel.dims.ep == 1:
         return 0.0
-    replicated = min(cfg.n_experts, parallel.dims.ep * parallel.ep_redundant)
+    copied = len(replicated(expert_placement(cfg, parallel), cfg.n_experts))
     pipedream = parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
-    updates = (parallel.microbatches or 2 * parallel.dims.pp) if pipedream else 1
-    return updates * layers * replicated * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    updates = pipeline_microbatches(parallel) if pipedream else 1
+    return updates * layers * copied * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
     """Per-parameter FSDP (FSDP2) shards each parameter's rows, padded to a multiple of the ``shards`` ranks
-    (``parallel/fsdp2.py``), and gathers and reduce-scatters the padded rows: the padding elements of rank 0's
-    tables and final norm, and of its blocks (dense blocks: their q, k, v, output and MLP matrices and norms).
-    Nothing for the other engines."""
+    (:mod:`parallelisms.parallel.row_split`, the engine's split), and gathers and reduce-scatters the padded rows:
+    the padding elements of rank 0's tables and final norm, and of its blocks (dense blocks: their q, k, v, output
+    and MLP matrices and norms). Nothing for the other engines."""
     if parallel.fsdp_style is not FsdpStyle.PER_PARAM or not parallel.fsdp or shards <= 1:
         return 0.0, 0.0
     t, d = parallel.dims.tp, cfg.dim
 
     def pad(rows: int, width: int) -> int:
-        return (-(-rows // shards) * shards - rows) * width
+        return padding_rows(rows, shards) * width
     layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    ends = tables * pad(math.ceil(cfg.vocab_size / t), d) + head * pad(d, 1)
+    ends = tables * pad(rows_per_rank(cfg.vocab_size, t), d) + head * pad(d, 1)
     if cfg.n_experts or t > cfg.n_kv_heads:
         return float(ends), 0.0
     kv = cfg.n_kv_heads * cfg.head_dim // t
@@ -207,7 +215,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
 
 def microbatches_per_step(parallel: ParallelConfig, train: TrainConfig) -> int:
     """Microbatches each rank runs per step: the pipeline's (default 2 x pp), else the gradient accumulation."""
-    return (parallel.microbatches or 2 * parallel.dims.pp) if parallel.dims.pp > 1 else train.grad_accum
+    return pipeline_microbatches(parallel) if parallel.dims.pp > 1 else train.grad_accum
 
 
 def rank0_holds_head(parallel: ParallelConfig) -> bool:
@@ -234,15 +242,10 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:
-    """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over."""
-    dims = parallel.dims
-    if not sharding_stage(parallel):
-        return None
-    if (parallel.fsdp and parallel.fsdp.hybrid) or parallel.fsdp_style is not FsdpStyle.FLAT:
-        return "dp_shard", dims.dp_shard
-    if dims.cp > 1 and dims.pp == 1:
-        return "dp_cp", dims.dp * dims.cp
-    return "dp", dims.dp
+    """The mesh dimension (and its size) a sharded engine splits parameters or optimizer state over: the runtime's
+    (:func:`~parallelisms.parallel.shard_group.shard_dim`)."""
+    name = shard_dim(parallel) if sharding_stage(parallel) else None
+    return None if name is None else (name, parallel.dims.span(name)[0])
 
 
 def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[CommVolume]:
@@ -256,7 +259,7 @@ def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[Com
     base = [("pp", dims.pp)] + ([sharding] if sharding else [])
     groups = [base] + ([base + [("tp", dims.tp)]] if dims.tp > 1 else [])
     if dims.ep > 1:  # expert weights are sharded over the ranks holding the same experts, not over dp
-        replicas = [("ep_replicate", dims.dp * dims.cp // dims.ep)] if sharding else []
+        replicas = [("ep_replicate", dims.span("ep_replicate")[0])] if sharding else []
         groups.append([("pp", dims.pp)] + replicas + [("ep", dims.ep)])
     out = []
     for group in groups:

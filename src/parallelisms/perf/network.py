@@ -63,14 +63,10 @@ def collective_time(hw: Hardware, kind: str, full_bytes: float, n: int, stride: 
 
 
 def group(parallel, dim: str) -> tuple[int, int]:
-    """(ranks, stride) of a mesh dimension's group (mesh order pp, dp_replicate, dp_shard, cp, tp) in
-    ``parallel`` (a ParallelConfig)."""
-    d = parallel.dims
-    table = {"tp": (d.tp, 1), "cp": (d.cp, d.tp), "dp": (d.dp * d.cp, d.tp), "dp_cp": (d.dp * d.cp, d.tp),
-             "dp_shard": (d.dp_shard, d.cp * d.tp), "ep": (d.ep, d.tp), "dp_shard_cp": (d.dp_shard * d.cp, d.tp),
-             "dp_replicate": (d.dp_replicate, d.dp_shard * d.cp * d.tp),
-             "ep_replicate": (d.dp * d.cp // d.ep, d.ep * d.tp), "pp": (d.pp, d.dp * d.cp * d.tp)}
-    return table[dim]
+    """(ranks, stride) of a mesh dimension's group in ``parallel`` (a ParallelConfig): the mesh's own plan,
+    :meth:`ParallelDims.span <parallelisms.mesh.ParallelDims.span>`; the step model's ``dp`` is every rank that saw
+    different tokens, the mesh's ``dp_cp``."""
+    return parallel.dims.span("dp_cp" if dim == "dp" else dim)
 
 
 def comm_time(hw: Hardware, parallel, kind: str, dim: str, full_bytes: float, calls: int = 1) -> float:

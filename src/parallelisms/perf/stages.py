@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig
-from parallelisms.options import Schedule
+from parallelisms.parallel.pipeline.partition import equal_bounds
+from parallelisms.parallel.pipeline.schedules import build_schedule, pipeline_microbatches, schedule_chunks
 
 
 @lru_cache(maxsize=256)
 def schedule_of(name: str, pp: int, m: int, chunks: int):
-    """The schedule (built once per shape: ``plan`` prices many layouts of one)."""
-    from parallelisms.parallel.pipeline.schedules import build_schedule
-
-    return build_schedule(name, pp, m, chunks if name == Schedule.INTERLEAVED else None)
+    """The schedule of ``--schedule name`` over ``pp`` ranks for ``m`` microbatches and ``--chunks chunks``, as the
+    runtime builds it (:func:`~parallelisms.parallel.pipeline.schedules.schedule_chunks`), once per shape:
+    ``plan`` prices many layouts of one."""
+    return build_schedule(name, pp, m, schedule_chunks(name, chunks))
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,6 @@ class RankStages:
 
 def stage_sizes(cfg: ModelConfig, stages: int) -> list[int]:
     """Layers in each of ``stages`` stages as the runtime cuts them (one line where the layers cannot fill them)."""
-    from parallelisms.parallel.pipeline.partition import equal_bounds
-
     bounds = equal_bounds(cfg.n_layers, stages)
     return [bounds[s + 1] - bounds[s] for s in range(stages)]
 
@@ -69,11 +68,11 @@ def rank0_layers(cfg: ModelConfig, parallel: ParallelConfig) -> int:
     """Layers rank 0 runs a microbatch through (the first stages take a layer count's remainder)."""
     if parallel.dims.pp == 1:
         return cfg.n_layers
-    return pipeline_ranks(cfg, parallel, parallel.microbatches or 2 * parallel.dims.pp)[0].layers
+    return pipeline_ranks(cfg, parallel, pipeline_microbatches(parallel))[0].layers
 
 
 def rank0_held(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, bool]:
     """Layers rank 0 holds (every stage on it: DualPipe's two copies, a V's two chunks) and whether one of its stages
     holds the head: the parameters its gradient sync moves, where :func:`rank0_layers` counts the compute."""
-    rank = pipeline_ranks(cfg, parallel, parallel.microbatches or 2 * parallel.dims.pp)[0]
+    rank = pipeline_ranks(cfg, parallel, pipeline_microbatches(parallel))[0]
     return sum(rank.stage_layers), rank.holds_last

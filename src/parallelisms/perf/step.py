@@ -48,13 +48,14 @@ from parallelisms.perf import cpu
 from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
+from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.model import (block_params, comm_per_step, sharding_stage, microbatches_per_step, model_flops_per_token,
                                      model_state_bytes, rank0_holds_head)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
 from parallelisms.perf.prefetch import shared_link
-from parallelisms.perf.stages import busiest_rank, pipeline_ranks
+from parallelisms.perf.stages import busiest_rank, pipeline_ranks, schedule_of
 
 CLOSED_FORM_PEAK = {Schedule.GPIPE: None, Schedule.ONE_F_ONE_B: 1.0, Schedule.ZB_H1: 1.0, Schedule.ZB_H2: 2.0,
                     Schedule.INTERLEAVED: 1.0}
@@ -111,11 +112,9 @@ def _bubble(parallel: ParallelConfig, m: int, t_f: float, t_b: float, t_w: float
         bubble = max(bubble, 0.0)
         peak = m if name is Schedule.GPIPE else CLOSED_FORM_PEAK[name] * pp * (1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1)
         return busy + bubble, bubble / (busy + bubble), min(peak, m)
-    from parallelisms.parallel.pipeline.schedules import build_schedule
     from parallelisms.parallel.pipeline.simulate import Times, simulate
 
-    result = simulate(build_schedule(name, pp, m, parallel.chunks if name is Schedule.INTERLEAVED else None),
-                      Times(t_f, t_b, t_w, t_comm))
+    result = simulate(schedule_of(name, pp, m, parallel.chunks), Times(t_f, t_b, t_w, t_comm))
     span = max(result.spans)
     return span, result.bubble_rate, max(result.peak_activations)
 
@@ -325,14 +324,10 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
         stages = [[block] * layers + [head]]
     cap = train.bucket_mb * 2**20 if parallel.zero in (1, 2) else 0.0
     count = 0
-    for units in stages:
-        merged = []  # [bytes, holds a block]
-        for size, is_block in units:
-            if merged and merged[-1][0] + size <= cap:
-                merged[-1] = [merged[-1][0] + size, merged[-1][1] or is_block]
-            else:
-                merged.append([size, is_block])
-        count += len(merged) + (sum(b for _, b in merged) if dims.ep > 1 and cfg.n_experts else 0)
+    for units in stages:  # merged as the runtime merges them (parallel/wrap.py)
+        merged = merged_units([size for size, _ in units], cap, [False] * len(units))
+        experts = sum(any(units[i][1] for i in g) for g in merged) if dims.ep > 1 and cfg.n_experts else 0
+        count += len(merged) + experts  # a merged unit holding a block: its expert weights a shard of their own
     return count
 
 

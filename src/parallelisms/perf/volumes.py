@@ -17,7 +17,7 @@ from parallelisms.perf.context import context_volumes
 from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
                                      microbatches_per_step, per_param_padding, rank0_holds_head, rank0_params,
                                      redundant_expert_grads, sharding_stage)
-from parallelisms.perf.stages import rank0_held, rank0_layers
+from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
 
 
 # -- data parallelism: one gradient sync engine, DDP's, ZeRO's or FSDP's ---------------------------------------
@@ -47,19 +47,19 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     out = []
     layers, local_params = _held(cfg, parallel)
     expert_params = layers * expert_slot_params(cfg, parallel)
-    dp = dims.dp * dims.cp
+    dp = dims.span("dp_cp")[0]
     if dp > 1:
         hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
-        shards = dims.dp_shard * dims.cp if hybrid else dp  # HSDP shards within dp_shard, replicates across
+        shards = dims.span("dp_shard_cp")[0] if hybrid else dp  # HSDP shards within dp_shard, replicates across
         dense = local_params - expert_params + sum(per_param_padding(cfg, parallel, shards))
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
-            replicas = dims.dp_replicate
+            replicas = dims.span("dp_replicate")[0]
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
             out.append(CommVolume("all_reduce", "dp", m_reduce * 2 * (replicas - 1) / replicas * dense * 4 / shards))
         out += _engine_volumes(parallel, train, "dp", shards, dense, dtype_bytes,
                                _gathered_per_microbatch(cfg, parallel, dtype_bytes))
     if expert_params:
-        replicas = dp // dims.ep
+        replicas = dims.span("ep_replicate")[0]
         out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
                                expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
         copies = redundant_expert_grads(cfg, parallel, layers)
@@ -202,14 +202,13 @@ def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
                       dtype_bytes: int) -> list[CommVolume]:
     """The stages' sends: as many activations and gradients as the schedule has rank 0 send, of the residual
     stream (sequence-sharded under SP); DualPipe's two copies of each stage exchange their fp32 gradient buffers."""
-    from parallelisms.parallel.pipeline.schedules import Kind, build_schedule
+    from parallelisms.parallel.pipeline.schedules import Kind
 
     dims = parallel.dims
     if dims.pp == 1:
         return []
     m = microbatches_per_step(parallel, train)
-    schedule = build_schedule(parallel.schedule, dims.pp, m,
-                              parallel.chunks if parallel.schedule is Schedule.INTERLEAVED else None)
+    schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
     sends = sum(1 for a in schedule.ranks[0] if a.kind in (Kind.SEND_F, Kind.SEND_B))
     activation = train.global_batch // dims.dp // m * train.seq_len // dims.cp * cfg.dim * dtype_bytes
     if parallel.sequence_parallel:

@@ -34,18 +34,11 @@ from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.pipeline.executor import Executor, WeightGradStore
 from parallelisms.parallel.pipeline.partition import balanced_bounds, equal_bounds, profile_costs
 from parallelisms.parallel.pipeline.pipedream import WeightStashing
-from parallelisms.parallel.pipeline.schedules import Action, Kind, Schedule, build_schedule, produces, requires
+from parallelisms.parallel.pipeline.schedules import Action, Kind, Schedule, produces, requires, schedule_for
 from parallelisms.parallel.pipeline.simulate import Times, simulate
 from parallelisms.parallel.pipeline.stage import build_stages
 from parallelisms.parallel.pipeline.stage_sync import StageSyncs
-from parallelisms.options import PpBalance, Schedule
-
-
-def schedule_for(parallel: ParallelConfig) -> Schedule:
-    """The schedule a layout runs (microbatches default to 2 x pp; chunks only for interleaved)."""
-    pp = parallel.dims.pp
-    chunks = parallel.chunks if parallel.schedule is Schedule.INTERLEAVED else None
-    return build_schedule(parallel.schedule, pp, parallel.microbatches or 2 * pp, chunks)
+from parallelisms.options import PpBalance
 
 
 def measured_bounds(model_cfg, parallel: ParallelConfig, cfg: TrainConfig, comms: Comms,

@@ -448,3 +448,21 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         raise ScheduleError(f"{name} has {fixed} chunk(s) per rank; chunks={chunks} is invalid "
                             "(only interleaved takes chunks)")
     return GENERATORS[name](pp, microbatches)
+
+
+def pipeline_microbatches(parallel) -> int:
+    """Microbatches a layout's (a ``ParallelConfig``) pipeline runs per step: ``--microbatches``, 2 x pp by
+    default."""
+    return parallel.microbatches or 2 * parallel.dims.pp
+
+
+def schedule_chunks(name: str, chunks: int) -> int | None:
+    """The :func:`build_schedule` chunks of a layout's ``--chunks``: interleaved's; the others fix theirs (None)."""
+    return chunks if name == "interleaved" else None
+
+
+def schedule_for(parallel) -> Schedule:
+    """The schedule a layout runs: its ``--schedule`` over its pp ranks, for :func:`pipeline_microbatches`, with
+    :func:`schedule_chunks`."""
+    return build_schedule(parallel.schedule, parallel.dims.pp, pipeline_microbatches(parallel),
+                          schedule_chunks(parallel.schedule, parallel.chunks))
