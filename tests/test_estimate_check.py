@@ -196,6 +196,17 @@ def test_expert_layouts_agree_with_the_dry_run(flags):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+def test_recomputed_moe_layers_keep_only_their_input():
+    """Full recompute of MoE blocks: each block keeps only its input through backward (the recomputation's own
+    load-balancing loss is not kept: model/moe.py; keeping it kept each recomputed block's graph until the next
+    step, every layer's norms, gathers and attention tensors at once), so the estimate holds within 5%."""
+    shape = MOE_SHAPE[:MOE_SHAPE.index("--layers")] + ["--layers", "6"] + MOE_SHAPE[MOE_SHAPE.index("--seq-len"):]
+    out = _checked(shape + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
+                           "--global-batch 8".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
 def test_dualpipe_redundant_experts_bytes_agree(schedule):
     """EPLB's copies under DualPipe: a rank holds two stages (both copies of one), so its gradient syncs, the copies'
