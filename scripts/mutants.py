@@ -230,7 +230,7 @@ MUTANTS = [
            ("train_setup.py", 'replica_comms = {"ep": comms["ep_replicate"]}', 'replica_comms = {"ep": comms["ep_single"]}')),
     mutant("ep-combine-order", "expert parallel: outputs sent back in grouped order, arrival order not restored",
            "--preset tiny-moe --dp 2 --ep 2",
-           ("parallel/expert.py", "restored = torch.empty_like(out).index_copy(0, order, out)", "restored = out")),
+           ("parallel/expert.py", "restored = unsort(out, order)", "restored = out")),
     mutant("moe-aux-loss-dropped", "MoE load-balancing auxiliary loss dropped", "--preset tiny-moe --dp 2 --ep 2",
            ("model/transformer.py",
             "return loss if aux is None else loss + aux", "return loss"),

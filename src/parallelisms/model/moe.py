@@ -118,7 +118,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.sequence.enter(x)
         batch, seq, dim = x.shape
-        top_experts, weights, keep, self.aux_loss = self.route(x)
+        top_experts, weights, keep, aux = self.route(x)
+        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recomputation in backward: there the
+            self.aux_loss = aux  # forward's loss was read already, and keeping this one would keep its graph
         tokens = x.reshape(batch * seq, dim)
         kept = keep.flatten().nonzero().squeeze(1)
         expert_ids = top_experts.flatten()[kept]

@@ -7,8 +7,8 @@ A descriptor names the mode's attention core (``module:function``, imported when
 once per layer as ``function(comms, held, inner, parallel)``, ``held`` every cp rank's positions, ``inner``
 the model's own core), the sequence positions each cp rank holds
 (zigzag chunk pairs for causal balance, Brandon et al. 2023, or contiguous chunks), its rules (one-line errors
-before launch), the groups it talks over and its traffic per layer (what ``perf/`` prices and the ledger of a
-real run counts).
+before launch), the groups it talks over, its traffic per layer (what ``perf/`` prices and the ledger of a
+real run counts) and what its core keeps for backward (what ``perf/memory.py`` prices).
 A new mode is its core's module and one entry in :data:`MODES`.
 """
 
@@ -69,6 +69,36 @@ def whole_cp(s: Shape) -> dict[str, tuple[int, int]]:
     return {"cp": (s.cp, 1)}
 
 
+def repeated_out(e: int, q: float, kv: float, heads: float, cp: int) -> float:
+    """What a core over all-to-alls keeps a token (Ulysses, hierarchical): q, the key and value repeated to every
+    query head, the output and the output as it comes back from the all-to-all (5 e q), and the log-sum-exp."""
+    return 5 * e * q + 4 * heads
+
+
+def unrepeated(e: int, q: float, kv: float, heads: float, cp: int) -> float:
+    """Ring attention's per token: q, k, v and the output without repeating (e(2q + 2kv)), and the log-sum-exp."""
+    return e * (2 * q + 2 * kv) + 4 * heads
+
+
+def gathered(e: int, q: float, kv: float, heads: float, cp: int) -> float:
+    """All-gather attention's per token: the whole sequence's repeated key and value (2 cp e q), q, each run's
+    output and their concatenation ((3 + 2cp) e q), and the log-sum-exp."""
+    return (3 + 2 * cp) * e * q + 4 * heads
+
+
+def no_masks(seq: float, cp: int, e: int) -> float:
+    return 0.0
+
+
+def all_gather_masks(seq: float, cp: int, e: int) -> float:
+    """The causal masks all-gather attention's SDPA keeps a layer (``parallel/cp_allgather.py``: boolean, made
+    into the query's dtype by SDPA) on the busiest cp rank, the middle one, whose two chunks of c = seq/2 local
+    positions are one run of 2c queries over (cp + 1) c keys. The CUDA path passes torch's CausalBias to the
+    fused kernel and keeps none."""
+    c = seq / 2
+    return 2 * c * (cp + 1) * c * e
+
+
 @dataclass(frozen=True)
 class ContextMode:
     name: str
@@ -78,6 +108,11 @@ class ContextMode:
     check: Callable[[Shape], None]              # one-line ConfigErrors
     traffic: Callable[[Shape, float, float], list[Traffic]]  # (shape, local query bytes, local K (or V) bytes)
     groups: Callable[[Shape], dict[str, tuple[int, int]]] = whole_cp  # (ranks, stride in cp ranks) per group
+    # what the core keeps for backward (``perf/memory.py`` prices it): bytes a token of a layer, from (activation
+    # bytes e, query width q, key/value width kv, query heads, cp), each per tensor-parallel rank; and bytes a layer
+    # and microbatch beyond them, from (local positions, cp, e)
+    kept: Callable[[int, float, float, float, int], float] = repeated_out
+    kept_per_layer: Callable[[float, int, int], float] = no_masks
 
 
 def _zigzag_chunks(s: Shape, what: str) -> None:
@@ -171,11 +206,12 @@ def _hierarchical_traffic(s: Shape, q: float, kv: float) -> list[Traffic]:
 _CORES = "parallelisms.parallel.context"
 MODES: dict[str, ContextMode] = {m.name: m for m in (
     ContextMode("ring", "ring attention, zigzag shards (default)", f"{_CORES}:ring_core", zigzag, _check_ring,
-                lambda s, q, kv: [_ring_hops(s, "cp", s.cp, kv)]),
+                lambda s, q, kv: [_ring_hops(s, "cp", s.cp, kv)], kept=unrepeated),
     ContextMode("ulysses", "all-to-all over heads", f"{_CORES}:ulysses_core", contiguous, _check_ulysses,
                 lambda s, q, kv: [_all_to_alls(s, "cp", s.cp, q, _repeated(s, s.cp, kv))]),
     ContextMode("allgather", "K/V all-gathered, queries local (Llama 3)",
-                "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic),
+                "parallelisms.parallel.cp_allgather:all_gather_core", zigzag, _check_all_gather, _all_gather_traffic,
+                kept=gathered, kept_per_layer=all_gather_masks),
     ContextMode("hierarchical", "Ulysses inside --cp-ulysses-size ranks, ring across (USP)",
                 "parallelisms.parallel.cp_hierarchical:hierarchical_core", _hierarchical_positions,
                 _check_hierarchical, _hierarchical_traffic, _hierarchical_groups),

@@ -42,7 +42,7 @@ from parallelisms.options import Balance
 from parallelisms.parallel.common import mark_sharded
 from parallelisms.parallel.ep_placement import canonical, place, rank_loads, replicated, slots_per_rank, valid
 from parallelisms.parallel.ep_slots import WEIGHTS, Holder, engines_of, holders
-from parallelisms.parallel.expert import ExpertParallelExperts, apply_expert_parallel
+from parallelisms.parallel.expert import ExpertParallelExperts, apply_expert_parallel, unsort
 from parallelisms.parallel.placement import Piece
 
 MEASURE_STEPS = 2  # steps on the even placement before the first measured one
@@ -87,7 +87,7 @@ class BalancedExperts(ExpertParallelExperts):
         slot_of = torch.repeat_interleave(torch.tensor(slot_ids, device=x.device), torch.tensor(sizes, device=x.device))
         order = torch.argsort(slot_of, stable=True)
         out = super().forward(x[order], torch.tensor(rows, dtype=counts.dtype, device=counts.device))
-        return torch.empty_like(out).index_copy(0, order, out)
+        return unsort(out, order)
 
 
 def expert_parallel_swap(model, comms: Comms, parallel, train) -> None:

@@ -48,8 +48,16 @@ class ExpertParallelExperts(nn.Module):
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv_counts.flatten())
         order = torch.argsort(expert_of, stable=True)
         out = grouped_swiglu(received[order], recv_counts.sum(0), self.w_gate, self.w_up, self.w_down)
-        restored = torch.empty_like(out).index_copy(0, order, out)                   # back to arrival order
+        restored = unsort(out, order)                                                 # back to arrival order
         return all_to_all(restored, self.comm, input_splits, output_splits, backward_comm=self.backward_comm)  # combine
+
+
+def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``rows`` put back in the order ``order`` took them from (``rows[i]`` came from row ``order[i]``): a gather
+    by the inverse permutation, whose backward keeps only the index (``index_copy``'s keeps its source whole, for
+    its shape: one more row-wide tensor per MoE layer and microbatch held for backward)."""
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return rows[inverse]
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, backward: Comm | None = None,

@@ -8,10 +8,10 @@ the activation's bytes (2 in bf16, 4 in fp32) and h, q, kv, f the hidden, query,
 
 * each RMSNorm keeps its input in fp32 (4h), the normalised input and its output (e h each);
 * attention (PyTorch's SDPA, flash: no scores) keeps q, the key and value repeated to every query head and its
-  output (4 e q) and the log-sum-exp (4 bytes per head); ring attention keeps q, k, v and the output without
-  repeating (e(2q + 2kv)); Ulysses also keeps the output as it comes back from the all-to-all (5 e q);
-  all-gather attention the whole sequence's repeated key and value (2 cp e q), q, each run's output and their
-  concatenation ((3 + 2cp) e q) and on CPU its causal masks (:func:`all_gather_masks`);
+  output (4 e q) and the log-sum-exp (4 bytes per head); under context parallelism the mode's descriptor says
+  what its core keeps (``parallel/cp_modes.py``: ``kept``, ``kept_per_layer``; ring attention q, k, v and the
+  output unrepeated, Ulysses also the output as the all-to-all returns it, all-gather attention the whole
+  sequence's key and value and on CPU its causal masks);
 * the SwiGLU MLP keeps the gate and up projections, the gate's activation and their product (4 e f; GELU: 2 e f);
 * tensor parallelism divides the attention and MLP terms by t; sequence parallelism divides the norms by t too
   (the column layers' input is kept sequence-sharded and re-gathered for the weight gradient);
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.options import FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
+from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
+from parallelisms.parallel.cp_modes import MODES
 from parallelisms.perf.model import sharding_stage
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
@@ -63,43 +64,45 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelCo
         return e * tokens * h / seq_shards
     norms = 2 * (max(4, e) + 2 * e) * h / seq_shards
     q, kv, heads = cfg.q_dim / t, cfg.n_kv_heads * cfg.head_dim / t, cfg.n_heads / t
+    masks = 0.0
     if recompute == Recompute.SELECTIVE:
         core = e * (2 * q + 2 * kv)
-    elif dims.cp > 1 and parallel.cp_attention == "ring":
-        core = e * (2 * q + 2 * kv) + 4 * heads
-    elif dims.cp > 1 and parallel.cp_attention == "allgather":
-        core = (3 + 2 * dims.cp) * e * q + 4 * heads
-        return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e)) + all_gather_masks(seq, dims.cp, e)
-    elif dims.cp > 1:
-        core = 5 * e * q + 4 * heads
+    elif dims.cp > 1:  # the mode's core (``parallel/cp_modes.py``: its descriptor's kept bytes)
+        mode = MODES[parallel.cp_attention]
+        core, masks = mode.kept(e, q, kv, heads, dims.cp), mode.kept_per_layer(seq, dims.cp, e)
     else:
         core = 4 * e * q + 4 * heads
         if attention != "flash":
             core += 5 * heads * seq
-    return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e))
-
-
-def all_gather_masks(seq: float, cp: int, e: int) -> float:
-    """The causal masks all-gather attention's SDPA keeps a layer (``parallel/cp_allgather.py``: boolean, made
-    into the query's dtype by SDPA) on the busiest cp rank, the middle one, whose two chunks of c = seq/2 local
-    positions are one run of 2c queries over (cp + 1) c keys. The CUDA path passes torch's CausalBias to the
-    fused kernel and keeps none."""
-    c = seq / 2
-    return 2 * c * (cp + 1) * c * e
+    return tokens * (norms + core + mlp_activation_bytes(cfg, parallel, e)) + masks
 
 
 def mlp_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
     """Per token: the MLP's kept tensors (SwiGLU four f-wide, GELU two). An MoE layer (``model/moe.py``, SwiGLU
     experts whole on every tensor-parallel rank) keeps per routed row (top-k a token) the experts' four f-wide
-    tensors, three h-wide ones (the grouped GEMM's padded input, the combine's output and its weighted copy; a
-    fourth under expert parallelism: the dispatched rows regrouped), four int64 indices (five under expert
-    parallelism), its weight and the top-k's index and softmax; per token the router's fp32 probabilities (the
-    load-balancing loss)."""
+    tensors and the grouped GEMM's padded input (h-wide), two more h-wide ones (the experts' output in routing
+    order and its weighted copy), four int64 indices (five under expert parallelism), its weight and the top-k's
+    index and softmax; per token the router's fp32 probabilities (the load-balancing loss). The grouped GEMM pads
+    every slot to the fullest one's rows: with ``--ep-redundant`` copies (``--ep-balance measured``) a rank's
+    n/ep + r slots each as full as an uncopied expert (:func:`padded_slots`)."""
     if not cfg.n_experts:
         return e * cfg.ffn_dim / parallel.dims.tp * (4 if cfg.mlp == "swiglu" else 2)
     ep = parallel.dims.ep > 1
-    row = 4 * e * cfg.ffn_dim + (3 + ep) * e * cfg.dim + 8 * (4 + ep) + e + 4 + 8
+    padded = padded_slots(cfg, parallel) * (4 * e * cfg.ffn_dim + e * cfg.dim)
+    row = padded + 2 * e * cfg.dim + 8 * (4 + ep) + e + 4 + 8
     return cfg.top_k * row + 4 * cfg.n_experts
+
+
+def padded_slots(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """The grouped GEMM's padded rows per routed row a rank receives, under balanced routing
+    (``parallel/ep_balance.py``: an expert's rows split evenly over its copies, so an uncopied expert's slot is
+    the fullest, or with copies of every expert the one with fewest): 1, or (n/ep + r) / (n/ep) / c with ``r``
+    redundant slots per rank and c the fewest copies an expert has."""
+    dims = parallel.dims
+    if dims.ep == 1 or parallel.ep_balance is not Balance.MEASURED or not parallel.ep_redundant:
+        return 1.0
+    own, slots = cfg.n_experts // dims.ep, cfg.n_experts // dims.ep + parallel.ep_redundant
+    return slots / own / (slots * dims.ep // cfg.n_experts)
 
 
 def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int, kept: bool = False) -> float:
@@ -301,17 +304,25 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     return compute * largest_unit
 
 
-def backward_buffers(parallel: ParallelConfig, block: float) -> float:
-    """What FULL_SHARD / HYBRID_SHARD in mixed precision (no pipeline) holds in a block's backward for ``block``
-    parameters a block: the block's and the prefetched block's gathered bf16 weights (2 x 2 bytes a parameter), and
-    per parameter-FSDP (``parallel/fsdp2.py``) two fp32 main gradients laid out for the reduce-scatter (the
-    block's, forming, and the one before it, in flight), the flat engine (``parallel/flat.py``) the block's bf16
-    gradient and the previous unit's bf16 gradient and fp32 copy in flight: 2 x 4 or 2 + 2 + 4 bytes. Where
-    activations are small (full recompute) this, not the loss, is the peak."""
+def backward_buffers(parallel: ParallelConfig, train: TrainConfig, block: float) -> float:
+    """What FULL_SHARD / HYBRID_SHARD (no pipeline) holds at a block's backward for ``block`` parameters a block;
+    where activations are small (full recompute) this, not the loss, is the peak:
+
+    * in mixed precision, beside the block's backward: the block's and the prefetched block's gathered bf16
+      weights (2 x 2 bytes a parameter), and per-parameter FSDP (``parallel/fsdp2.py``) two fp32 main gradients
+      laid out for the reduce-scatter (the block's, forming, and the one before it, in flight), the flat engine
+      (``parallel/flat.py``) the block's bf16 gradient and the previous unit's bf16 gradient and fp32 copy in
+      flight: 2 x 4 or 2 + 2 + 4 bytes;
+    * without it, once the block's backward is done and its reduce-scatter begins (its activations freed): the
+      two gathered blocks, the block's gradients and two send buffers (the block's and the previous one's, in
+      flight), 5 x the parameters' bytes (``_grad_send_buffer``; the flat engine's own gradient and buffers
+      alike)."""
     if (not (parallel.fsdp and parallel.fsdp.stage == 3) or parallel.fsdp_style is FsdpStyle.REUSE
-            or parallel.mixed_precision is not Precision.BF16 or parallel.dims.pp > 1):
+            or parallel.dims.pp > 1):
         return 0.0
-    return 2 * (2 + 4) * block
+    if parallel.mixed_precision is Precision.BF16:
+        return 2 * (2 + 4) * block
+    return 5 * train.dtype.bytes * block
 
 
 def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
@@ -404,7 +415,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * block_params(
             cfg, dims.tp)  # beside a block's backward than the default's one ahead
     held = engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))  # at the loss, and beside a
-    other += max(0.0, backward_buffers(parallel, block_params(cfg, dims.tp)) - held)  # block's backward
+    buffers = max(0.0, backward_buffers(parallel, train, block_params(cfg, dims.tp)) - held)  # block's backward
+    # without mixed precision the buffers peak once the block's backward has freed what the block kept
+    other = other + buffers if parallel.mixed_precision is Precision.BF16 else max(other, buffers - block)
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
