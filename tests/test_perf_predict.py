@@ -86,6 +86,23 @@ def test_a_case_error_is_the_median_of_its_rounds_paired_errors():
 
 
 @pytest.mark.fast
+def test_a_case_takes_the_median_compute_rates_of_the_calibrations_around_it():
+    """The three calibrations nearest a case give its compute rates at their median: one that misfit the memory
+    line (a bandwidth a hundred times the others') is dropped; the links stay those of the last."""
+    import dataclasses
+
+    from parallelisms.perf.hardware import PRESETS
+    from parallelisms.perf.predict import _around
+
+    cpu = PRESETS["cpu"]
+    runs = [dataclasses.replace(cpu, hbm_tbps=bandwidth, peak_tflops=peak, meeting_overhead_us=meeting)
+            for bandwidth, peak, meeting in ((0.017, 0.090, 300), (1.7, 0.094, 200), (0.016, 0.080, 250))]
+    case = _around(runs)
+    assert (case.hbm_tbps, case.peak_tflops, case.meeting_overhead_us) == (0.017, 0.090, 250)
+    assert _around(runs[:2]).peak_tflops == pytest.approx(0.092)  # the first case: the start's and the one after
+
+
+@pytest.mark.fast
 def test_measured_phases_are_per_step_medians_after_the_first():
     """A phase's spans are summed step by step (two microbatches a step here) and the median taken over the
     steps the step time's is (all but the first): warm-up steps (the first three here) do not lift it as a

@@ -86,8 +86,9 @@ def bench_predict(args) -> dict:
     first. With ``--hardware calibrate`` (the default) this machine is measured at the start, and every round of
     every case is paired with a calibration taken around it, so that a slow minute slows both sides: the link
     rates the case depends on (:func:`link_groups`: its collective kinds, the meeting and the overlap overheads)
-    measured just before it, the compute rates just before and just after it (:func:`_bracketed`); the rest
-    stay the start's. A preset or a ``parallelisms calibrate`` file is taken as given."""
+    measured just before it, the compute rates measured after every case and taken at the median of the three
+    around it (:func:`_around`); the rest stay the start's. A preset or a ``parallelisms calibrate`` file is
+    taken as given."""
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
@@ -95,22 +96,22 @@ def bench_predict(args) -> dict:
     from parallelisms.training import RunSpec, run_layout
 
     spec = getattr(args, "hardware", None) or "calibrate"
-    start = compute = _hardware(spec)
+    start = _hardware(spec)
     cfg = preset(args.preset)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     calibrating = spec == "calibrate"
     depends = {name: link_groups(cfg, parallel, train, start) if calibrating else () for name, parallel in layouts.items()}
     rounds = {name: [] for name in CASES}
-    names = list(layouts)
+    names, computed = list(layouts), [start]  # the compute calibrations: the start's, then one after each case
     with calibration_pool() if calibrating else contextlib.nullcontext() as pool:
         for round_ in range(args.rounds):
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                parallel, before = layouts[name], compute
+                parallel = layouts[name]
                 links = _measured_links(start, depends[name])
                 report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
-                compute = _recalibrated(compute, pool) if pool else compute
-                hw = _links_of(links, _bracketed(before, compute))
+                computed.append(_recalibrated(start, pool) if pool else start)
+                hw = _links_of(links, _around(computed[-3:]))
                 c = compare(cfg, parallel, train, report, hw, report["spans"][0])
                 c["start_links_error"] = predict_step(cfg, parallel, train, _links_of(start, hw))["step_s"] / c["measured_s"] - 1
                 rounds[name].append({**c, "calibration": calibration_figures(hw, depends[name])})
@@ -124,6 +125,7 @@ def bench_predict(args) -> dict:
     ours, peer = (statistics.mean(c[k] for c in cases) for k in ("predicted_s", "measured_s"))
     return {"bench": "predict", "hardware": start.name, "cases": cases,
             "start": calibration_figures(start, tuple(start.collectives)),
+            "compute_calibrations": [{k: calibration_figures(c, ())[k] for k in COMPUTE_FIGURES} for c in computed],
             "mean_error": statistics.mean(errors), "max_error": max(errors),
             "start_links_mean_error": statistics.mean(abs(c["start_links_error"]) for c in cases),
             "ours_s": ours, "peer": "measured step times", "peer_s": peer, "ratio": ours / peer}
@@ -163,6 +165,7 @@ def _round_line(r: dict) -> str:
             f"overlapped +{cal['overlap_overhead_us']:.0f} us{links}")
 
 
+COMPUTE_FIGURES = ("gflops_per_thread", "memory_gbps", "op_overhead_us", "optimizer_gbps")
 # a link group is worth measuring beside a case when doubling its cost moves the case's prediction by this much
 LINK_SENSITIVITY = 0.02
 
@@ -191,12 +194,13 @@ def _links_of(source: Hardware, hw: Hardware) -> Hardware:
     return dataclasses.replace(hw, **{k: getattr(source, k) for k in (*LINKS, "collectives")})
 
 
-def _bracketed(before: Hardware, after: Hardware) -> Hardware:
-    """``before`` with every compute rate (:data:`RATES`) at the geometric mean of the measurements just before
-    and just after a run: a shared machine's speed drifts within seconds (consecutive calibrations here: GEMMs
-    78-92 GFLOP/s, memory 10-17 GB/s), and two measurements around the run describe it better than one before
-    it."""
-    return dataclasses.replace(before, **{k: (getattr(before, k) * getattr(after, k)) ** 0.5 for k in RATES})
+def _around(measured: list[Hardware]) -> Hardware:
+    """The last of ``measured`` (the calibrations nearest a case: the one before the previous case's, the one
+    just before it and the one just after it) with every compute rate (:data:`RATES`) at their median: a shared
+    machine's speed drifts within a minute, and a three-repeat calibration now and then misfits a rate (the
+    memory line's slope lost in the noise: a bandwidth many times the machine's), so the median of the three
+    around the case follows the drift and drops such a one."""
+    return dataclasses.replace(measured[-1], **{k: statistics.median(getattr(hw, k) for hw in measured) for k in RATES})
 
 
 def _recalibrated(hw: Hardware, pool) -> Hardware:
