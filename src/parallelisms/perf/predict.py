@@ -101,7 +101,8 @@ def bench_predict(args) -> dict:
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
     calibrating = spec == "calibrate"
-    depends = {name: link_groups(cfg, parallel, train, start) if calibrating else () for name, parallel in layouts.items()}
+    depends = {name: link_groups(cfg, parallel, train, start) if calibrating else ()
+               for name, parallel in layouts.items()}
     rounds = {name: [] for name in CASES}
     names, computed = list(layouts), [start]  # the compute calibrations: the start's, then one after each case
     with calibration_pool() if calibrating else contextlib.nullcontext() as pool:
@@ -113,7 +114,8 @@ def bench_predict(args) -> dict:
                 computed.append(_recalibrated(start, pool) if pool else start)
                 hw = _links_of(links, _around(computed[-3:]))
                 c = compare(cfg, parallel, train, report, hw, report["spans"][0])
-                c["start_links_error"] = predict_step(cfg, parallel, train, _links_of(start, hw))["step_s"] / c["measured_s"] - 1
+                with_start = predict_step(cfg, parallel, train, _links_of(start, hw))["step_s"]
+                c["start_links_error"] = with_start / c["measured_s"] - 1
                 rounds[name].append({**c, "calibration": calibration_figures(hw, depends[name])})
                 print(f"round {round_ + 1} {name}: {_round_line(rounds[name][-1])}", flush=True)
     cases = [case_verdict(name, runs) for name, runs in rounds.items()]
@@ -175,12 +177,14 @@ def link_groups(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     doubled and bandwidth halved), ``meeting`` (``meeting_overhead_us``) and ``overlap``
     (``overlap_overhead_us``) whose doubled cost moves the predicted step by :data:`LINK_SENSITIVITY` or more."""
     base = predict_step(cfg, parallel, train, hw)["step_s"]
-    slowed = {kind: {"collectives": {**hw.collectives, kind: {"alpha_us": 2 * row["alpha_us"], "gbps": row["gbps"] / 2}}}
+    slowed = {kind: {"collectives": {**hw.collectives,
+                                     kind: {"alpha_us": 2 * row["alpha_us"], "gbps": row["gbps"] / 2}}}
               for kind, row in hw.collectives.items()}
     slowed["meeting"] = {"meeting_overhead_us": 2 * hw.meeting_overhead_us}
     slowed["overlap"] = {"overlap_overhead_us": 2 * hw.overlap_overhead_us}
-    return tuple(group for group, keys in slowed.items()
-                 if predict_step(cfg, parallel, train, dataclasses.replace(hw, **keys))["step_s"] >= (1 + LINK_SENSITIVITY) * base)
+    moved = {group: predict_step(cfg, parallel, train, dataclasses.replace(hw, **keys))["step_s"] / base - 1
+             for group, keys in slowed.items()}
+    return tuple(group for group, change in moved.items() if change >= LINK_SENSITIVITY)
 
 
 RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "attention_backward",
