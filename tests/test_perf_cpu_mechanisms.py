@@ -296,6 +296,64 @@ def test_tensor_parallel_operator_counts_are_what_a_tp_block_dispatches():
         assert (cat_f, cat_b) == sequence_parallel_copies(LayerShape(SMALL, 1, 128, tp=2, sp=sp), 4)
 
 
+def _moe_operator_counts(info):
+    """Operators an MoE block (`small` with 8 experts of top 2) dispatches forward and backward (its output's
+    gradient and the auxiliary loss's), whole and at tp 2 with and without SP."""
+    import torch
+
+    from parallelisms.comm import CommLedger, Comms
+    from parallelisms.model import build_model
+    from parallelisms.parallel.tensor_plan import apply_tensor_parallel
+
+    cfg, out = dataclasses.replace(SMALL, n_experts=8, top_k=2), {}
+    comms = Comms(ParallelDims(tp=2).build_meshes(), CommLedger())
+    tokens = torch.zeros(1, 128, dtype=torch.long)
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        model = build_model(cfg, 0)
+        if tp > 1:
+            model = apply_tensor_parallel(model, comms["tp"], sequence_parallel=sp)
+        model(tokens, tokens).backward()  # first calls set up the transports
+        block, cos, sin = model.layers["0"], model.rope_cos[:128], model.rope_sin[:128]
+        h, y = torch.randn(1, 64 if sp else 128, cfg.dim, requires_grad=True), []
+        forward = _dispatched(lambda: y.append(block(h, cos, sin)))[0]
+        grads = [torch.ones_like(y[0]), torch.tensor(cfg.aux_loss_coef)]
+        backward = _dispatched(lambda: torch.autograd.backward([y[0], block.feed_forward.aux_loss], grads))[0]
+        out[tp, sp] = (forward, backward)
+    return out
+
+
+def test_moe_operator_counts_are_what_an_moe_block_dispatches():
+    """The operators compute.py charges an MoE block on a CPU, whole and at tp 2 with and without SP (the
+    layer's own all-gather and split), are what the block dispatches (within 5% or 5 operators, as above)."""
+    from parallelisms.launch import launch
+    from parallelisms.perf.compute import block_ops
+
+    counts = launch(_moe_operator_counts, 2, backend="gloo", threads=1)[0]
+    for (tp, sp), got in counts.items():
+        expected = block_ops("swiglu", tp, sp, moe=True)
+        assert all(abs(g - want) <= max(5, 0.05 * want) for g, want in zip(got, expected)), (tp, sp, got, expected)
+        assert expected != block_ops("swiglu", tp, sp)  # not the dense block's
+
+
+@pytest.mark.fast
+def test_an_moe_block_prices_its_own_operators_on_cpus_only():
+    """On a CPU an MoE block's routing operators add to a dense block's, under tp its own comm-layer ones
+    replace the dense block's; a GPU's block charges its collective calls alone."""
+    from parallelisms.perf.compute import block_ops
+    from parallelisms.perf.cpu import MOE_BLOCK_OPS, TP_MOE_BLOCK_OPS
+
+    dense = block_ops("swiglu")
+    assert block_ops("swiglu", moe=True) == tuple(d + m for d, m in zip(dense, MOE_BLOCK_OPS))
+    for sp in (False, True):
+        extra = TP_MOE_BLOCK_OPS["sp" if sp else "tp"]
+        assert block_ops("swiglu", 2, sp, moe=True) == tuple(d + m + e for d, m, e in zip(dense, MOE_BLOCK_OPS, extra))
+        assert block_ops("swiglu", 2, sp, device=True, moe=True) < block_ops("swiglu", 2, sp, device=True)
+    moe = dataclasses.replace(SMALL, n_experts=8, top_k=2)
+    shape = LayerShape(moe, 1, 128, tp=2, sp=True)
+    priced = layer_times(CPU, shape).forward - layer_times(dataclasses.replace(CPU, op_overhead_us=0.0), shape).forward
+    assert priced == pytest.approx(block_ops("swiglu", 2, True, moe=True)[0] * CPU.op_overhead_us * 1e-6)
+
+
 def _sp_copies(info):
     """Bytes a tp 2 SP block's copies (concatenations, clones, copies into place) move forward and backward on two
     sequences, its forward collectives whole and in 2 and 3 pieces (--tp-overlap --tp-overlap-chunks C); not the

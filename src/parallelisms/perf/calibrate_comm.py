@@ -56,7 +56,7 @@ def _cpu_per_iteration(comm, iteration, iterations: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
+def _collectives_rank(info, sizes: list[int], repeats: int, kinds: tuple[str, ...] = KINDS) -> dict:
     from parallelisms.comm import Comms
     from parallelisms.mesh import ParallelDims
 
@@ -77,7 +77,7 @@ def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
         return statistics.median(times)
 
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         for numel in sizes:
             full = torch.ones(numel)
             shard = torch.ones(numel // comm.size)
@@ -94,13 +94,14 @@ def _collectives_rank(info, sizes: list[int], repeats: int) -> dict:
     return out
 
 
-def measure_collectives(sizes: list[int], repeats: int = 7) -> dict:
-    """{kind: {"alpha_us", "gbps", "r2", "rows": [...]}} fitted on two ranks, and "cpu_fraction": the share of
-    a large collective's wall time the rank's own CPU is busy with it (median over the kinds)."""
+def measure_collectives(sizes: list[int], repeats: int = 7, kinds: tuple[str, ...] = KINDS) -> dict:
+    """{kind: {"alpha_us", "gbps", "r2", "rows": [...]}} fitted on two ranks for each of ``kinds``, and
+    "cpu_fraction": the share of a large collective's wall time the rank's own CPU is busy with it (median over
+    the kinds)."""
     from parallelisms.comm.ledger import ring_bytes_per_rank
     from parallelisms.launch import launch
 
-    timings = launch(_collectives_rank, 2, sizes, repeats, backend="gloo", threads=1)[0]
+    timings = launch(_collectives_rank, 2, sizes, repeats, tuple(kinds), backend="gloo", threads=1)[0]
     out = {"cpu_fraction": min(1.0, statistics.median(timings.pop("cpu_fraction")))}
     for kind, seconds in timings.items():
         sent = [ring_bytes_per_rank(kind, 4 * n, 2) for n in sizes]
@@ -220,10 +221,14 @@ def measure_meeting_overhead(iterations: int = 8, repeats: int = 3, per_core: in
 
 
 def collective_keys(collectives: dict) -> dict:
-    """The hardware keys of :func:`measure_collectives`' fit: alpha and bandwidth per kind, the all-reduce's as
-    the links' (one host: intra- and inter-node alike), and the comm CPU fraction."""
-    ar = collectives["all_reduce"]
-    return {"intra_node_gbps": ar["gbps"], "inter_node_gbps": ar["gbps"], "intra_latency_us": ar["alpha_us"],
-            "inter_latency_us": ar["alpha_us"], "comm_cpu_fraction": collectives["cpu_fraction"],
+    """The hardware keys of :func:`measure_collectives`' fit: alpha and bandwidth per kind measured, the
+    all-reduce's (where measured) as the links' (one host: intra- and inter-node alike), and the comm CPU
+    fraction."""
+    keys = {"comm_cpu_fraction": collectives["cpu_fraction"],
             "collectives": {k: {"alpha_us": v["alpha_us"], "gbps": v["gbps"]} for k, v in collectives.items()
                             if k != "cpu_fraction"}}
+    ar = collectives.get("all_reduce")
+    if ar:
+        keys.update(intra_node_gbps=ar["gbps"], inter_node_gbps=ar["gbps"], intra_latency_us=ar["alpha_us"],
+                    inter_latency_us=ar["alpha_us"])
+    return keys

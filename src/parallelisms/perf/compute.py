@@ -47,7 +47,7 @@ FUSED_LOSS_BYTES = (3 * 4, 3 * 4)  # a fused cross-entropy reads and writes the 
 # Operators one block dispatches (forward, backward), counted with TorchDispatchMode on model/transformer.py's
 # Block; the embedding, final norm, head and loss add HEAD_OPS. Each costs the host ``op_overhead_us``, hidden
 # behind a GPU's kernels unless they are shorter (launch-bound models; on a CPU: perf.cpu.dispatched). A CPU's
-# tensor parallelism adds this runtime's comm-layer operators (perf.cpu.TP_BLOCK_OPS).
+# tensor parallelism adds this runtime's comm-layer operators, an MoE block its routing's (perf.cpu.block_ops).
 BLOCK_OPS = {"swiglu": (92, 148), "gelu": (87, 136)}
 HEAD_OPS = (21, 34)
 # On a GPU the collectives are NCCL calls on device buffers, Megatron-LM's f and g (Shoeybi et al. 2019): tensor
@@ -61,12 +61,14 @@ GPU_TP_HEAD_OPS = {"tp": (4, 2), "sp": (5, 4)}
 
 def block_ops(mlp: str, tp: int = 1, sp: bool = False, device: bool = False, moe: bool = False) -> tuple[int, int]:
     """Operators one block dispatches forward and backward (BLOCK_OPS, with tensor parallelism's: this runtime's
-    on a CPU, counted on a dense block; the collective calls alone on a ``device``, an ``moe`` block's fewer)."""
+    on a CPU, an ``moe`` block's routing too, perf.cpu.block_ops; the collective calls alone on a ``device``, an
+    ``moe`` block's fewer)."""
+    if not device:
+        return cpu.block_ops(BLOCK_OPS[mlp], tp, sp, moe)
     forward, backward = BLOCK_OPS[mlp]
     if tp == 1:
         return forward, backward
-    extra = (GPU_TP_MOE_BLOCK_OPS if moe else GPU_TP_BLOCK_OPS) if device else cpu.TP_BLOCK_OPS
-    extra = extra["sp" if sp else "tp"]
+    extra = (GPU_TP_MOE_BLOCK_OPS if moe else GPU_TP_BLOCK_OPS)["sp" if sp else "tp"]
     return forward + extra[0], backward + extra[1]
 
 

@@ -5,7 +5,8 @@ them where the hardware kind is ``cpu``; a GPU's step reads without them.
 
 * Operators (:func:`dispatched`): the host dispatches each operator and then runs it on the same core, so its
   dispatch adds to its work (a GPU runs ahead of the host: the longer of the two). Tensor parallelism adds the
-  comm layer's and the sharded modules' own operators (:data:`TP_BLOCK_OPS`, :data:`TP_HEAD_OPS`).
+  comm layer's and the sharded modules' own operators, an MoE block its routing's (:func:`block_ops`,
+  :data:`TP_HEAD_OPS`).
 * Cold operands (:func:`cold_load`): a GEMM's weight, evicted since its last pass, comes from memory first.
 * The loss (:data:`LOSS_BYTES`): the fp32 logits read and written about three times each pass (calibrated).
 * Gradients (:func:`accumulation_time`, :func:`gradient_copies_time`): autograd adds each later microbatch's
@@ -31,7 +32,25 @@ from parallelisms.perf.model import grad_norm_volumes, rank0_params
 # tokens, on a dense block.
 TP_BLOCK_OPS = {"tp": (38, 28), "sp": (62, 98)}
 TP_HEAD_OPS = {"tp": (109, 51), "sp": (120, 86)}
+# An MoE block's operators beyond a dense one's (model/moe.py: the router's top-k, softmaxes and auxiliary loss,
+# the capacity's running count, the sort, counts and scatter into the grouped GEMM's padded batch and the
+# weighted gather back; as many whatever the experts), and tensor parallelism's beyond those (the attention's
+# comm-layer operators; under SP also the MoE layer's all-gather of its input and its output's split,
+# parallel/moe_sequence.py): counted the same way on `small` with 8 experts of top 2, backward with the
+# auxiliary loss's gradient.
+MOE_BLOCK_OPS = (50, 31)
+TP_MOE_BLOCK_OPS = {"tp": (19, 12), "sp": (48, 84)}
 LOSS_BYTES = (3 * 4, 3 * 4)  # per logit, forward and backward
+
+
+def block_ops(dense: tuple[int, int], tp: int, sp: bool, moe: bool) -> tuple[int, int]:
+    """Operators one block of this runtime dispatches on a CPU, forward and backward: a dense block's
+    (``dense``), an MoE block's beyond them, and tensor parallelism's for the block's kind."""
+    forward, backward = dense
+    extras = [MOE_BLOCK_OPS] if moe else []
+    if tp > 1:
+        extras.append((TP_MOE_BLOCK_OPS if moe else TP_BLOCK_OPS)["sp" if sp else "tp"])
+    return forward + sum(f for f, _ in extras), backward + sum(b for _, b in extras)
 
 
 def dispatched(hw: Hardware, seconds: float, ops: int) -> float:

@@ -81,12 +81,14 @@ CASES = {
 
 
 def bench_predict(args) -> dict:
-    """Run every case ``args.rounds`` times, predict it, and report each case's error at its median round
-    (``bench predict``). Each round runs the cases in a rotated order, so no case always comes first. The
-    hardware is this machine measured at the start of the run, its compute rates measured again after every
-    case and its collectives after every round (``--hardware calibrate``, the default: each case is predicted
-    with the compute rates around it, :func:`_bracketed`, and the collectives' median over the run,
-    :func:`_pooled_links`), a preset or a ``parallelisms calibrate`` file."""
+    """Run every case ``args.rounds`` times and report each case's error as the median over its rounds of each
+    round's own error (``bench predict``). Each round runs the cases in a rotated order, so no case always comes
+    first. With ``--hardware calibrate`` (the default) this machine is measured at the start, and every round of
+    every case is paired with a calibration taken around it, so that a slow minute slows both sides: the link
+    rates the case depends on (:func:`link_groups`: its collective kinds, the meeting and the overlap overheads)
+    measured just before it, the compute rates measured after every case and taken at the median of the three
+    around it (:func:`_around`); the rest stay the start's. A preset or a ``parallelisms calibrate`` file is
+    taken as given."""
     from parallelisms.device import choose
     from parallelisms.config import preset
     from parallelisms.support import validate_layout
@@ -94,45 +96,95 @@ def bench_predict(args) -> dict:
     from parallelisms.training import RunSpec, run_layout
 
     spec = getattr(args, "hardware", None) or "calibrate"
-    hw = _hardware(spec)
+    start = _hardware(spec)
     cfg = preset(args.preset)
     train = TrainConfig(steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
     layouts = {name: validate_layout(cfg, train, ParallelConfig(dims, **options)) for name, (dims, options) in CASES.items()}
-    runs = {name: [] for name in CASES}
-    names, done, links = list(layouts), [], [hw]
-    with calibration_pool() if spec == "calibrate" else contextlib.nullcontext() as pool:
+    calibrating = spec == "calibrate"
+    depends = {name: link_groups(cfg, parallel, train, start) if calibrating else ()
+               for name, parallel in layouts.items()}
+    rounds = {name: [] for name in CASES}
+    names, computed = list(layouts), [start]  # the compute calibrations: the start's, then one after each case
+    with calibration_pool() if calibrating else contextlib.nullcontext() as pool:
         for round_ in range(args.rounds):
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                parallel, before = layouts[name], hw
+                parallel = layouts[name]
+                links = _measured_links(start, depends[name])
                 report = run_layout(RunSpec(cfg, train, parallel), choose("cpu", parallel.dims.world_size), trace=True)
-                hw = _recalibrated(hw, collectives=False, pool=pool) if pool else hw
-                done.append((name, report, before, hw))
-            if pool:
-                hw = _recalibrated(hw, collectives=True)
-                links.append(hw)
-    pooled = _pooled_links(links)
-    print(f"collectives, median of {len(links)} calibration(s): meeting overhead {pooled.meeting_overhead_us:.0f} us, "
-          f"overlapped +{pooled.overlap_overhead_us:.0f} us; "
-          + ", ".join(f"{k} alpha {v['alpha_us']:.0f} us, {v['gbps']:.2f} GB/s" for k, v in pooled.collectives.items()),
-          flush=True)
-    for name, report, before, after in done:  # compute rates around the case, collectives pooled over the run
-        measured = _links_of(pooled, _bracketed(before, after))
-        runs[name].append(compare(cfg, layouts[name], train, report, measured, report["spans"][0]))
-    cases = []
-    for name, comparisons in runs.items():
-        c = sorted(comparisons, key=lambda c: c["measured_s"])[(len(comparisons) - 1) // 2]  # the median round
-        rounds = ", ".join(f"{r['measured_s'] * 1e3:.1f}" for r in comparisons)
-        print(f"{name}: {format_comparison(c)} (rounds: {rounds} ms)", flush=True)
-        cases.append({"layout": name, "predicted_s": c["predicted_s"], "measured_s": c["measured_s"], "error": c["error"],
-                      "measured_rounds_s": [r["measured_s"] for r in comparisons]})
+                computed.append(_recalibrated(start, pool) if pool else start)
+                hw = _links_of(links, _around(computed[-3:]))
+                c = compare(cfg, parallel, train, report, hw, report["spans"][0])
+                with_start = predict_step(cfg, parallel, train, _links_of(start, hw))["step_s"]
+                c["start_links_error"] = with_start / c["measured_s"] - 1
+                rounds[name].append({**c, "calibration": calibration_figures(hw, depends[name])})
+                print(f"round {round_ + 1} {name}: {_round_line(rounds[name][-1])}", flush=True)
+    cases = [case_verdict(name, runs) for name, runs in rounds.items()]
+    for case, runs in zip(cases, rounds.values()):
+        shown = ", ".join(f"{r['predicted_s'] * 1e3:.1f}/{r['measured_s'] * 1e3:.1f} ({r['error']:+.1%})" for r in runs)
+        print(f"{case['layout']}: {format_comparison(runs[case['median_round']])} (rounds, predicted/measured ms: "
+              f"{shown}; links measured beside it: {', '.join(depends[case['layout']]) or 'none'})", flush=True)
     errors = [abs(c["error"]) for c in cases]
-    mean = statistics.mean(errors)
-    return {"bench": "predict", "hardware": hw.name, "cases": cases,
-            "collectives": {"meeting_overhead_us": pooled.meeting_overhead_us,
-                            "overlap_overhead_us": pooled.overlap_overhead_us, **pooled.collectives}, "mean_error": mean, "max_error": max(errors),
-            "ours_s": statistics.mean(c["predicted_s"] for c in cases), "peer": "measured step times",
-            "peer_s": statistics.mean(c["measured_s"] for c in cases),
-            "ratio": statistics.mean(c["predicted_s"] for c in cases) / statistics.mean(c["measured_s"] for c in cases)}
+    ours, peer = (statistics.mean(c[k] for c in cases) for k in ("predicted_s", "measured_s"))
+    return {"bench": "predict", "hardware": start.name, "cases": cases,
+            "start": calibration_figures(start, tuple(start.collectives)),
+            "compute_calibrations": [{k: calibration_figures(c, ())[k] for k in COMPUTE_FIGURES} for c in computed],
+            "mean_error": statistics.mean(errors), "max_error": max(errors),
+            "start_links_mean_error": statistics.mean(abs(c["start_links_error"]) for c in cases),
+            "ours_s": ours, "peer": "measured step times", "peer_s": peer, "ratio": ours / peer}
+
+
+def case_verdict(name: str, runs: list[dict]) -> dict:
+    """A case's verdict from its rounds, each predicted with its own calibration: the error is the median of the
+    rounds' errors (a round measured in a slow minute is predicted with that minute's rates), the step times
+    the medians of each side; ``median_round`` is the round whose error is the (lower) median."""
+    median = statistics.median
+    by_error = sorted(range(len(runs)), key=lambda i: runs[i]["error"])
+    return {"layout": name, "error": median(r["error"] for r in runs),
+            "predicted_s": median(r["predicted_s"] for r in runs), "measured_s": median(r["measured_s"] for r in runs),
+            "start_links_error": median(r["start_links_error"] for r in runs),
+            "median_round": by_error[(len(runs) - 1) // 2],
+            "rounds": [{k: r[k] for k in ("predicted_s", "measured_s", "error", "start_links_error", "calibration")}
+                       for r in runs]}
+
+
+def calibration_figures(hw: Hardware, groups: tuple[str, ...]) -> dict:
+    """What a round was predicted with, in the units the calibration prints: the compute rates, the overheads
+    and the collectives ``groups`` names (those measured beside the case)."""
+    return {"gflops_per_thread": hw.peak_tflops * 1e3, "memory_gbps": hw.hbm_tbps * 1e3,
+            "op_overhead_us": hw.op_overhead_us, "optimizer_gbps": hw.optimizer_tbps * 1e3,
+            "meeting_overhead_us": hw.meeting_overhead_us, "overlap_overhead_us": hw.overlap_overhead_us,
+            "comm_cpu_fraction": hw.comm_cpu_fraction, "links_measured": list(groups),
+            "collectives": {k: dict(v) for k, v in hw.collectives.items() if k in groups}}
+
+
+def _round_line(r: dict) -> str:
+    """One round of a case as it is measured: its step times and error, and the calibration beside it."""
+    cal = r["calibration"]
+    links = "".join(f", {k} alpha {v['alpha_us']:.0f} us {v['gbps']:.2f} GB/s" for k, v in cal["collectives"].items())
+    return (f"predicted/measured {r['predicted_s'] * 1e3:.1f}/{r['measured_s'] * 1e3:.1f} ms ({r['error']:+.1%}); "
+            f"{cal['gflops_per_thread']:.1f} GFLOP/s per thread, memory {cal['memory_gbps']:.1f} GB/s, "
+            f"{cal['op_overhead_us']:.2f} us per operator, meeting {cal['meeting_overhead_us']:.0f} us, "
+            f"overlapped +{cal['overlap_overhead_us']:.0f} us{links}")
+
+
+COMPUTE_FIGURES = ("gflops_per_thread", "memory_gbps", "op_overhead_us", "optimizer_gbps")
+# a link group is worth measuring beside a case when doubling its cost moves the case's prediction by this much
+LINK_SENSITIVITY = 0.02
+
+
+def link_groups(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware) -> tuple[str, ...]:
+    """The link rates a case's prediction depends on: each collective kind of ``hw.collectives`` (its alpha
+    doubled and bandwidth halved), ``meeting`` (``meeting_overhead_us``) and ``overlap``
+    (``overlap_overhead_us``) whose doubled cost moves the predicted step by :data:`LINK_SENSITIVITY` or more."""
+    base = predict_step(cfg, parallel, train, hw)["step_s"]
+    slowed = {kind: {"collectives": {**hw.collectives,
+                                     kind: {"alpha_us": 2 * row["alpha_us"], "gbps": row["gbps"] / 2}}}
+              for kind, row in hw.collectives.items()}
+    slowed["meeting"] = {"meeting_overhead_us": 2 * hw.meeting_overhead_us}
+    slowed["overlap"] = {"overlap_overhead_us": 2 * hw.overlap_overhead_us}
+    moved = {group: predict_step(cfg, parallel, train, dataclasses.replace(hw, **keys))["step_s"] / base - 1
+             for group, keys in slowed.items()}
+    return tuple(group for group, change in moved.items() if change >= LINK_SENSITIVITY)
 
 
 RATES = ("peak_tflops", "hbm_tbps", "gemm_k_half", "op_overhead_us", "attention_fraction", "attention_backward",
@@ -146,40 +198,40 @@ def _links_of(source: Hardware, hw: Hardware) -> Hardware:
     return dataclasses.replace(hw, **{k: getattr(source, k) for k in (*LINKS, "collectives")})
 
 
-def _pooled_links(measured: list[Hardware]) -> Hardware:
-    """The first of ``measured`` with every link key (:data:`LINKS`) and each collective kind's alpha and
-    bandwidth at their median over all of them: these measurements scatter from one launch to the next (an
-    all-reduce's alpha 1.5-2x, the meeting overhead 270-580 us) more than the machine drifts, so the run's
-    median (the start's and one per round) describes every case better than the two around it."""
-    median = statistics.median
-    out = {k: median(getattr(hw, k) for hw in measured) for k in LINKS}
-    out["collectives"] = {kind: {k: median(hw.collectives[kind][k] for hw in measured) for k in row}
-                          for kind, row in measured[0].collectives.items()}
-    return dataclasses.replace(measured[0], **out)
+def _around(measured: list[Hardware]) -> Hardware:
+    """The last of ``measured`` (the calibrations nearest a case: the one before the previous case's, the one
+    just before it and the one just after it) with every compute rate (:data:`RATES`) at their median: a shared
+    machine's speed drifts within a minute, and a three-repeat calibration now and then misfits a rate (the
+    memory line's slope lost in the noise: a bandwidth many times the machine's), so the median of the three
+    around the case follows the drift and drops such a one."""
+    return dataclasses.replace(measured[-1], **{k: statistics.median(getattr(hw, k) for hw in measured) for k in RATES})
 
 
-def _bracketed(before: Hardware, after: Hardware) -> Hardware:
-    """``before`` with every compute rate (:data:`RATES`) at the geometric mean of the measurements just before
-    and just after a run: a shared machine's speed drifts within seconds (consecutive calibrations here: GEMMs
-    78-92 GFLOP/s, memory 10-17 GB/s), and two measurements around the run describe it better than one before
-    it. The collectives are pooled over the whole run instead (:func:`_pooled_links`)."""
-    return dataclasses.replace(before, **{k: (getattr(before, k) * getattr(after, k)) ** 0.5 for k in RATES})
-
-
-def _recalibrated(hw: Hardware, collectives: bool, pool=None) -> Hardware:
+def _recalibrated(hw: Hardware, pool) -> Hardware:
     """``hw`` with each rank's own rates measured again (GEMMs, memory, attention, optimizer, dispatch, with
-    every core measuring at once; three repeats, about 4 s), or with the collectives measured again (two ranks,
-    about 10 s), the meetings of ranks outnumbering the cores (about 15 s) and the overlapped calls' worker
-    overhead (about 6 s)."""
+    every core measuring at once in ``pool``; three repeats, about 4 s)."""
     from parallelisms.perf.calibrate import calibrate_shared
-    from parallelisms.perf.calibrate_comm import (collective_keys, measure_collectives, measure_meeting_overhead,
-                                                 measure_overlap_overhead)
 
-    if collectives:
-        return dataclasses.replace(hw, **collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9)),
-                                   meeting_overhead_us=measure_meeting_overhead() * 1e6,
-                                   overlap_overhead_us=measure_overlap_overhead() * 1e6)
     return dataclasses.replace(hw, **calibrate_shared(3, pool)[0])
+
+
+def _measured_links(hw: Hardware, groups: tuple[str, ...]) -> Hardware:
+    """``hw`` with the link ``groups`` (:func:`link_groups`) measured again: the collective kinds named (two
+    ranks, 2-3 s a kind and the launch), the meetings of ranks outnumbering the cores (about 15 s), the
+    overlapped calls' worker overhead (about 6 s)."""
+    from parallelisms.perf.calibrate_comm import (KINDS, collective_keys, measure_collectives,
+                                                 measure_meeting_overhead, measure_overlap_overhead)
+
+    keys = {}
+    kinds = [kind for kind in KINDS if kind in groups]
+    if kinds:
+        keys = collective_keys(measure_collectives([2**k for k in range(8, 23, 2)], 9, kinds))
+        keys["collectives"] = {**hw.collectives, **keys["collectives"]}
+    if "meeting" in groups:
+        keys["meeting_overhead_us"] = measure_meeting_overhead() * 1e6
+    if "overlap" in groups:
+        keys["overlap_overhead_us"] = measure_overlap_overhead() * 1e6
+    return dataclasses.replace(hw, **keys)
 
 
 def _hardware(spec: str) -> Hardware:
