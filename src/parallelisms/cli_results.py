@@ -170,7 +170,8 @@ def reference_for(model, train, parallel):
 
     if parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM:  # asynchronous: its own delayed-update reference
         from parallelisms.parallel.pipeline.pipedream import pipedream_reference
-        return Run(*pipedream_reference(model, train, parallel.dims.pp, parallel.microbatches or 2 * parallel.dims.pp,
+        from parallelisms.parallel.pipeline.schedules import pipeline_microbatches
+        return Run(*pipedream_reference(model, train, parallel.dims.pp, pipeline_microbatches(parallel),
                                         parallel.dims.dp, torch.bfloat16 if parallel.mixed_precision is Precision.BF16 else None))
     if parallel.mixed_precision is Precision.BF16:  # the same arithmetic in one process: bf16 grads of each batch slice
         return reference_train_bf16(model, train, splits=batch_slices(parallel, train))

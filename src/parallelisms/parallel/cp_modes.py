@@ -87,6 +87,7 @@ def gathered(e: int, q: float, kv: float, heads: float, cp: int) -> float:
 
 
 def no_masks(seq: float, cp: int, e: int) -> float:
+    """Nothing a layer beyond the per-token bytes: a core whose SDPA takes no mask tensor."""
     return 0.0
 
 
