@@ -162,6 +162,8 @@ def _train_rank(info: RankInfo, spec: RunSpec, trace: bool = False) -> dict | No
         if len(first_starts) < 2:
             first_starts.append(start)
         loss = trainer.train_step(inputs, targets)
+        if info.device.type == "cuda":  # the step's kernels run asynchronously: its time ends when they do
+            torch.cuda.synchronize(info.device)
         end = Timeline.now()
         # rank 0: the straggler figures of the steps handed over now (all, before a checkpoint)
         late = watch.end_step((start, end), exchange=saver is not None and saver.due(step + 1))
