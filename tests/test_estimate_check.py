@@ -295,6 +295,21 @@ def test_dualpipe_redundant_experts_bytes_agree(schedule):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+@pytest.mark.parametrize("engine", ["", "--zero 1", "--fsdp full_shard --fsdp-style per_param",
+                                    "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard"])
+def test_dualpipe_bytes_agree(engine):
+    """DualPipe's rank 0 runs the forward direction's first stage (the embedding) and the reverse direction's last
+    (the head), half the microbatches each, so half the ends' tensor-parallel collectives each (perf/model.py:
+    rank0_end_shares); the two copies of a stage exchange the fp32 gradients their engine holds: the shard under a
+    sharded engine."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    dp, batch = ("", 32) if "--dp-shard" in engine else ("--dp 2", 16)
+    out = _checked(shape + f"{dp} {engine} --pp 4 --tp 2 --sp --schedule dualpipe --mixed-precision bf16 "
+                           f"--global-batch {batch} --microbatches 8".split())
+    assert out["collectives"]["send/pp"]["dry_run"] > 0 and out["collectives"]["all_gather/tp"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
 def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
     """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's

@@ -223,6 +223,16 @@ def rank0_holds_head(parallel: ParallelConfig) -> bool:
     return parallel.dims.pp == 1 or parallel.schedule in V_SHAPED
 
 
+def rank0_end_shares(parallel: ParallelConfig) -> tuple[float, float]:
+    """The shares of rank 0's microbatches that run through the embedding and through the head: both for every
+    microbatch on one stage or a V-shaped schedule, the embedding only on a pipeline's first rank, and half each
+    under DualPipe, whose rank 0 holds the first stage of the forward direction and the last of the reverse one
+    (each direction carries half the microbatches)."""
+    if parallel.dims.pp > 1 and parallel.schedule is Schedule.DUALPIPE:
+        return 0.5, 0.5
+    return 1.0, float(rank0_holds_head(parallel))
+
+
 def block_params(cfg: ModelConfig, tp: int) -> float:
     """Parameters one block holds on a rank: its matrices split over ``tp``, its two norm weights whole."""
     d = cfg.dim
@@ -239,6 +249,28 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
     return layers * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
+
+
+def rank0_held_params(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, float]:
+    """The layers rank 0 holds (every stage on it: DualPipe's two copies) and their parameters with its ends, the
+    experts' and the router's split over ep (rank0_params splits them over tp instead)."""
+    layers = rank0_held(cfg, parallel)[0]
+    return layers, rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel)
+
+
+def mirror_gradient_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes of the fp32 gradients DualPipe's two copies of a stage exchange after the step's reductions: what
+    the engine holds on the rank, the dense weights' shard over the sharding ranks (the replicas' under HSDP) and
+    the experts' over the ranks holding the same experts where the engine shards them, else whole."""
+    dims = parallel.dims
+    layers, local_params = rank0_held_params(cfg, parallel)
+    experts = layers * expert_slot_params(cfg, parallel)
+    if not sharding_stage(parallel):
+        return 4 * local_params
+    hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
+    shards = dims.span("dp_shard_cp" if hybrid else "dp_cp")[0]
+    dense = local_params - experts + sum(per_param_padding(cfg, parallel, shards))
+    return 4 * (dense / shards + experts / dims.span("ep_replicate")[0])
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

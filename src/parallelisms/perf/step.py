@@ -49,8 +49,8 @@ from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, La
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.parallel.wrap import merged_units
-from parallelisms.perf.model import (block_params, comm_per_step, sharding_stage, microbatches_per_step, model_flops_per_token,
-                                     model_state_bytes, rank0_holds_head)
+from parallelisms.perf.model import (block_params, comm_per_step, mirror_gradient_bytes, sharding_stage,
+                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
@@ -173,6 +173,8 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     units = ([(table, 0.0, 0.0)] + [(block_params(cfg, dims.tp), layer.forward + comm_f, layer_b + layer.weight_grad)] * n
              + [(table + cfg.dim, head.forward + head_f, head.input_grad + head_b + head.weight_grad)])
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw, dims.pp, units, parallel.fsdp_prefetch))
+    if dims.pp > 1 and parallel.schedule is Schedule.DUALPIPE:  # the two copies' gradients, summed after the step
+        exposed["send/pp"] = comm_time(hw, parallel, "send", "pp", mirror_gradient_bytes(cfg, parallel))
     optimizer_s = _optimizer_time(cfg, parallel, train, hw, kernels)
     step_s = pipeline_s + sum(v for k, v in exposed.items() if not k.endswith(("/tp", "/cp", "/ep"))) + optimizer_s
     compute_s = lay.m * (t_f + t_b + t_w) - sum(v for k, v in exposed.items() if k.endswith(("/tp", "/cp", "/ep")))

@@ -14,10 +14,10 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
-from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
-                                     microbatches_per_step, per_param_padding, rank0_holds_head, rank0_params,
-                                     redundant_expert_grads, sharding_stage)
-from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
+from parallelisms.perf.model import (CommVolume, block_params, expert_slot_params, expert_slots, microbatches_per_step,
+                                     mirror_gradient_bytes, per_param_padding, rank0_end_shares, rank0_held_params,
+                                     rank0_params, redundant_expert_grads, sharding_stage)
+from parallelisms.perf.stages import rank0_layers, schedule_of
 
 
 # -- data parallelism: one gradient sync engine, DDP's, ZeRO's or FSDP's ---------------------------------------
@@ -45,7 +45,7 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     over ep (and over the replicas where the engine shards the slots)."""
     dims = parallel.dims
     out = []
-    layers, local_params = _held(cfg, parallel)
+    layers, local_params = rank0_held_params(cfg, parallel)
     expert_params = layers * expert_slot_params(cfg, parallel)
     dp = dims.span("dp_cp")[0]
     if dp > 1:
@@ -68,13 +68,6 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
             if replicas > 1 and sharding_stage(parallel):
                 out.append(CommVolume("all_reduce", "ep_replicate", 2 * (replicas - 1) / replicas * copies * 4))
     return out
-
-
-def _held(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, float]:
-    """The layers rank 0 holds (every stage on it: DualPipe's two copies) and their parameters with its ends, the
-    experts' and the router's split over ep (rank0_params splits them over tp instead)."""
-    layers = rank0_held(cfg, parallel)[0]
-    return layers, rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel)
 
 
 def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shards: int, params: float,
@@ -125,9 +118,9 @@ def tensor_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     of A (forward g, backward f); under sequence parallelism (Korthikanti et al. 2023) all-gathers and
     reduce-scatters of A instead, the backward re-gathering each column layer's input for its weight gradient,
     and the two norm weights' gradients all-reduced per microbatch. A full recompute repeats the forward's.
-    The ends: the vocabulary-parallel embedding (an all-reduce of its output, or a reduce-scatter into the
-    sequence shards and an all-gather back), and on the rank holding the head (one stage, or rank 0 of a
-    V-shaped schedule) the cross-entropy's two all-reduces (row maxima; sums of exponentials and target
+    The ends, for the microbatches that pass them on rank 0 (:func:`rank0_end_shares`): the vocabulary-parallel
+    embedding (an all-reduce of its output, or a reduce-scatter into the sequence shards and an all-gather back),
+    and the head's: the cross-entropy's two all-reduces (row maxima; sums of exponentials and target
     logits), the head input's f (or, under SP, the final norm's output gathered, re-gathered, its gradient
     reduce-scattered, and the final norm weight's gradient all-reduced). Sequence parallelism's are these."""
     dims, t, sp = parallel.dims, parallel.dims.tp, parallel.sequence_parallel
@@ -135,7 +128,8 @@ def tensor_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
         return []
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp
     elem = train.dtype.bytes
-    layers, head = rank0_layers(cfg, parallel), rank0_holds_head(parallel)
+    layers = rank0_layers(cfg, parallel)
+    embedding, head = rank0_end_shares(parallel)
     gather = (t - 1) / t * tokens * cfg.dim * dtype_bytes  # one all-gather or reduce-scatter of A
     forward = layers * (2 if parallel.recompute is Recompute.FULL else 1)  # blocks' forwards run
     small = head * tokens * 3 * elem  # the cross-entropy: one value per token, then two
@@ -146,12 +140,12 @@ def tensor_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     mlp = 0 if cfg.n_experts else 1  # an MoE layer is whole on every rank; under SP it gathers its input and the
     # output's gradient (parallel/moe_sequence.py), reduce-scattering nothing
     if not sp:  # the blocks' f and g; the embedding's output; the head input's f
-        reduces = (forward + layers) * (1 + mlp) + 1 + head
+        reduces = (forward + layers) * (1 + mlp) + embedding + head
         out = [CommVolume("all_reduce", "tp", reduces * 2 * gather + 2 * (t - 1) / t * small)]
         return out + ([CommVolume("all_gather", "tp", m * forward * kv_weights),
                        CommVolume("reduce_scatter", "tp", m * layers * kv_weights)] if kv_weights else [])
-    gathers = (forward * 2 + layers * (3 + mlp) + 1 + 2 * head) * gather + m * forward * kv_weights  # the embedding's
-    scatters = ((forward + layers) * (1 + mlp) + 1 + head) * gather + m * layers * kv_weights  # gradient; the head's
+    gathers = (forward * 2 + layers * (3 + mlp) + embedding + 2 * head) * gather + m * forward * kv_weights  # the embedding's
+    scatters = ((forward + layers) * (1 + mlp) + embedding + head) * gather + m * layers * kv_weights  # gradient; the head's
     norm_bytes = 2 if parallel.mixed_precision is Precision.BF16 else elem  # the compute dtype's gradients
     norms = m * (2 * layers + head) * cfg.dim * norm_bytes  # per microbatch
     return [CommVolume("all_gather", "tp", gathers), CommVolume("reduce_scatter", "tp", scatters),
@@ -215,5 +209,6 @@ def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
         activation //= dims.tp
     out = [CommVolume("send", "pp", sends * activation)]
     if parallel.schedule is Schedule.DUALPIPE:
-        out.append(CommVolume("send", "pp", 4 * _held(cfg, parallel)[1]))
+        out.append(CommVolume("send", "pp", mirror_gradient_bytes(cfg, parallel)))
     return out
+
