@@ -126,6 +126,9 @@ def _checked(argv: list[str]) -> dict:
     "--schedule 1f1b --zero 1",  # fp32: the flat gradient held once
     "--schedule zb-h1 --zero 1",  # fp32: the input pass forms the merged unit's gradient beside the loss's tensors
     "--schedule dualpipev --zero 1",  # fp32: its loss's backward is mostly a full one, which does not
+    "--schedule 1f1b --zero 3 --mixed-precision bf16",  # full sharding holds one fp32 main gradient, as ZeRO-1
+    "--schedule zb-h1 --fsdp full_shard --fsdp-style per_param --mixed-precision bf16",  # and the deposits
+    "--schedule interleaved --chunks 2 --zero 3",  # fp32 full sharding: the stages' accumulated gradients
 ])
 def test_pipeline_gradients_by_stage(flags):
     """A pipeline rank's gradients stage by stage, from the walk of its actions (perf/memory.py: StageGradients):

@@ -429,17 +429,17 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         """A pipeline rank's gradients by stage (:class:`StageGradients`), held through the step: DDP in fp32 the
         parameters' own gradients (its buckets), every stage's from the rank's first backward; a flat engine in
         fp32 each unit's accumulated gradient, in bf16 the fp32 main gradient each microbatch's gradient is added
-        into unit by unit (two under full sharding), a stage's from its first backward; with a split backward's
+        into unit by unit, a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
         linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time."""
         last, bf16 = len(sizes) - 1, parallel.mixed_precision is Precision.BF16
         full_shard = sharding_stage(parallel) == 3
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
-        split = bf16 and not full_shard and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
+        split = bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
         for s in stages:
             units = _stage_units(cfg, parallel, train, sizes[s], s == 0, s == last)
-            made[s] = (8 if full_shard else 4) * sum(units)
+            made[s] = 4 * sum(units)
             deposited[s] = 2 * (sum(units) - (units[0] if s == 0 and units[0] == table - cfg.dim else 0)) * split
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
