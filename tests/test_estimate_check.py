@@ -129,6 +129,8 @@ def _checked(argv: list[str]) -> dict:
     "--schedule 1f1b --zero 3 --mixed-precision bf16",  # full sharding holds one fp32 main gradient, as ZeRO-1
     "--schedule zb-h1 --fsdp full_shard --fsdp-style per_param --mixed-precision bf16",  # and the deposits
     "--schedule interleaved --chunks 2 --zero 3",  # fp32 full sharding: the stages' accumulated gradients
+    "--schedule gpipe --fsdp full_shard --fsdp-style reuse --mixed-precision bf16",  # buffer reuse: every unit's
+    "--schedule dualpipe --fsdp full_shard --fsdp-style reuse",  # fp32 gradient buffer, from the first forward on
 ])
 def test_pipeline_gradients_by_stage(flags):
     """A pipeline rank's gradients stage by stage, from the walk of its actions (perf/memory.py: StageGradients):

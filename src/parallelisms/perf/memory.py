@@ -208,15 +208,18 @@ class StageGradients:
     flat engine's unit hook adds them into the fp32 main gradient there), and ``transient`` the unit gradient a
     backward forms (a flat unit's gradient, the unit's size, before it is added to the held one), and ``at_loss`` the
     same beside the loss where the loss's backward is an input pass, which forms it while the loss's tensors live
-    (fp32, as the dry run shows it)."""
+    (fp32, as the dry run shows it); ``kept``: every stage's gradients at every moment (buffer reuse gives each unit of
+    a stage its own fp32 gradient buffer, zeroed at the step's first forward and kept for the next step)."""
     made: tuple[float, ...]
     deposited: tuple[float, ...]
     transient: float = 0.0
     whole: bool = False
     at_loss: float = 0.0
+    kept: bool = False  # every stage's at every moment: buffer reuse's gradient buffers outlive the step
 
     def held(self, made: tuple, deposited: tuple) -> float:
-        grads = sum(self.made) * any(made) if self.whole else sum(n * b for n, b in zip(made, self.made))
+        grads = sum(self.made) * (self.kept or any(made)) if self.whole or self.kept else \
+            sum(n * b for n, b in zip(made, self.made))
         return grads + sum(n * b for n, b in zip(deposited, self.deposited))
 
 
@@ -446,7 +449,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
-        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp, at_loss=at_loss)
+        kept = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp, at_loss=at_loss, kept=kept)
 
     best = None
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
