@@ -161,6 +161,23 @@ def test_fully_sharded_in_a_blocks_backward(vocab, flags):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+@pytest.mark.parametrize("flags", ["--dp 2 --tp 4 --global-batch 2",
+                                   "--dp 2 --tp 4 --sp --zero 1 --mixed-precision bf16 --global-batch 2"])
+def test_a_vocabulary_tensor_parallelism_does_not_divide(flags):
+    """4,099 rows over tp 4: the runtime pads the embedding and the head to 1,025 rows a rank
+    (parallel/row_split.py), and the estimate prices those rows (perf/model.py: vocab_rows) in the model states and
+    in the data-parallel traffic of the padded tables."""
+    shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", "4099", "--layers", "2", "--seq-len", "128"]
+    out = _checked(shape + flags.split())
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert any(k.endswith("/dp") and v["dry_run"] > 0 for k, v in out["collectives"].items())
+    for kind in ("params", "grads"):
+        assert out["memory"][kind]["difference"] == 0, kind
+    assert out["memory"]["optimizer"]["difference"] == pytest.approx(0, abs=1024)
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
 @pytest.mark.parametrize("flags", ["--dp 2 --cp 2 --pp 2 --zero 1 --global-batch 8 --microbatches 4",
                                    "--dp 2 --cp 2 --fsdp full_shard --fsdp-style per_param --global-batch 4"])
 def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):

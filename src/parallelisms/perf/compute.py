@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig
 from parallelisms.perf import cpu
 from parallelisms.perf.hardware import Hardware
+from parallelisms.perf.model import vocab_rows
 
 ATTENTION_KERNELS = ("flash", "fused-softmax")
 # How a GPU runs the non-GEMM work: ``eager``, one kernel per operator as this runtime (and torchtitan without
@@ -292,7 +293,7 @@ def layer_times(hw: Hardware, shape: LayerShape) -> PassTimes:
 
 def head_gemms(cfg: ModelConfig, tokens: float, tp: int) -> tuple[tuple, tuple, tuple]:
     """The output projection's forward, input-gradient and weight-gradient GEMMs, as :func:`layer_gemms`."""
-    v = cfg.vocab_size / tp
+    v = vocab_rows(cfg, tp)
     return (tokens, v, cfg.dim, 1, v * cfg.dim), (tokens, cfg.dim, v, 1, v * cfg.dim), (cfg.dim, v, tokens, 1, tokens * cfg.dim)
 
 
@@ -301,7 +302,7 @@ def head_times(hw: Hardware, cfg: ModelConfig, tokens: float, tp: int, sp: bool 
     """The output projection and the fp32 cross-entropy over the (vocabulary-parallel) logits: a fused kernel
     (and the CPU's, as calibrated) reads and writes the fp32 logits about three times each pass; a GPU's eager
     operators move :data:`EAGER_LOSS_BYTES` per logit."""
-    v = cfg.vocab_size / tp
+    v = vocab_rows(cfg, tp)
     forward, input_grad, weight_grad = (gemm_time(hw, *g) for g in head_gemms(cfg, tokens, tp))
     per_logit = cpu.LOSS_BYTES if hw.kind == "cpu" else EAGER_LOSS_BYTES if kernels == "eager" else FUSED_LOSS_BYTES
     loss_f, loss_b = (tokens * v * b / hw.memory_bytes_per_s for b in per_logit)

@@ -24,7 +24,7 @@ from parallelisms.config import ModelConfig, ParallelConfig
 from parallelisms.options import FsdpStyle, Recompute
 from parallelisms.perf.context import context_calls
 from parallelisms.perf.hardware import Hardware
-from parallelisms.perf.model import grad_norm_volumes, rank0_params
+from parallelisms.perf.model import grad_norm_volumes, rank0_params, vocab_rows
 
 # Tensor parallelism's operators beyond a block's own (output buffers, contiguous copies, views; under SP the
 # sequence shards' and the norms' gradient reductions) and the ends' instead of theirs (the loss's maxima through
@@ -72,7 +72,7 @@ def accumulation_time(hw: Hardware, shape, layers: int, tables: int = 1) -> floa
     and the output layer) and ``tables - 1`` more vocabulary tables (the embedding, where the rank holds both
     ends) of a compute.LayerShape ``shape``; the first microbatch of a step only hands its gradients over."""
     cfg = shape.cfg  # a block: its linears' shards and its two norms' weights (whole on every tp rank)
-    weights = (layers * (shape.linear_params + 2 * cfg.dim) + tables * cfg.vocab_size / shape.tp * cfg.dim + cfg.dim)
+    weights = (layers * (shape.linear_params + 2 * cfg.dim) + tables * vocab_rows(cfg, shape.tp) * cfg.dim + cfg.dim)
     return 3 * weights * hw.bytes_per_element / hw.memory_bytes_per_s
 
 

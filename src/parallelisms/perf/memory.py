@@ -33,14 +33,13 @@ first backward on (with as many microbatches as stages, the first stage peaks at
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.parallel.cp_modes import MODES
-from parallelisms.perf.model import sharding_stage
+from parallelisms.perf.model import sharding_stage, vocab_rows
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
@@ -109,7 +108,7 @@ def head_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int
     """The loss's peak over the logits of ``tokens`` tokens and the final norm's kept tensors (module docstring);
     ``kept``: what a microbatch waiting for its backward keeps instead (the fp32 log-probabilities or softmax)."""
     t = parallel.dims.tp
-    vocab = math.ceil(cfg.vocab_size / t) * t / t
+    vocab = vocab_rows(cfg, t)
     per_logit = max(4, e) if kept else 3 * max(4, e) + (e if t > 1 and e < 4 else 0)
     norm = (max(4, e) + 2 * e) * cfg.dim / (t if parallel.sequence_parallel else 1)
     return tokens * (per_logit * vocab + norm)
@@ -120,7 +119,7 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
     from parallelisms.perf.model import block_params, expert_block_change
 
     block = block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel)
-    table = math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim
+    table = vocab_rows(cfg, parallel.dims.tp) * cfg.dim
     return layers * block + embedding * table + head * (table + cfg.dim)
 
 
@@ -247,7 +246,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     sizes = stage_sizes(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
     weight_pass = weight_pass_bytes(cfg, tokens, parallel, e)
     partial = ([n * weight_pass for n in sizes],
-               e * tokens * (cfg.dim + math.ceil(cfg.vocab_size / dims.tp)))  # the head's linear
+               e * tokens * (cfg.dim + vocab_rows(cfg, dims.tp)))  # the head's linear
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
@@ -352,7 +351,7 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
     compute = 2 if bf16 else 4
     first = _stage_units(cfg, parallel, train, cfg.n_layers, True, True)[0]
-    largest = max(first, math.ceil(cfg.vocab_size / parallel.dims.tp) * cfg.dim + cfg.dim,
+    largest = max(first, vocab_rows(cfg, parallel.dims.tp) * cfg.dim + cfg.dim,
                   block_params(cfg, parallel.dims.tp))
     in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
     held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
@@ -370,7 +369,7 @@ def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     from parallelisms.perf.model import block_params, expert_block_change
 
     t, pbytes = parallel.dims.tp, train.dtype.bytes
-    table = math.ceil(cfg.vocab_size / t) * cfg.dim
+    table = vocab_rows(cfg, t) * cfg.dim
     units = [table] * embedding + [block_params(cfg, t) + expert_block_change(cfg, parallel)] * layers
     units += [table + cfg.dim] * head
     if parallel.zero not in (1, 2):
@@ -409,7 +408,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     seq = train.seq_len / dims.cp
     from parallelisms.perf.model import block_params, expert_slot_params
 
-    table = math.ceil(cfg.vocab_size / dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
+    table = vocab_rows(cfg, dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
     block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
     other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
     if parallel.recompute is Recompute.FULL:  # the block being recomputed, its activations all kept

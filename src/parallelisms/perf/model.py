@@ -204,7 +204,7 @@ def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -
         return padding_rows(rows, shards) * width
     layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    ends = tables * pad(rows_per_rank(cfg.vocab_size, t), d) + head * pad(d, 1)
+    ends = tables * pad(vocab_rows(cfg, t), d) + head * pad(d, 1)
     if cfg.n_experts or t > cfg.n_kv_heads:
         return float(ends), 0.0
     kv = cfg.n_kv_heads * cfg.head_dim // t
@@ -233,6 +233,12 @@ def rank0_end_shares(parallel: ParallelConfig) -> tuple[float, float]:
     return 1.0, float(rank0_holds_head(parallel))
 
 
+def vocab_rows(cfg: ModelConfig, tp: int) -> int:
+    """Vocabulary rows of the embedding and of the head on a tensor-parallel rank: the runtime's split
+    (:func:`parallelisms.parallel.row_split.rows_per_rank`), whose padding rows it holds, computes and reduces."""
+    return rows_per_rank(cfg.vocab_size, tp)
+
+
 def block_params(cfg: ModelConfig, tp: int) -> float:
     """Parameters one block holds on a rank: its matrices split over ``tp``, its two norm weights whole."""
     d = cfg.dim
@@ -245,10 +251,10 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     copies), the vocabulary-parallel embedding, and the head with the final norm where rank 0 holds the last layers
     too (one stage, a V-shaped schedule, DualPipe's second copy; a tied head is no table of its own where it is the
     embedding's parameter: :meth:`ParallelConfig.one_tied_parameter`)."""
-    dims, d, vocab = parallel.dims, cfg.dim, cfg.vocab_size
+    dims, d = parallel.dims, cfg.dim
     layers, head = rank0_held(cfg, parallel)
     tables = 1 + (head and not (cfg.tie_embeddings and parallel.one_tied_parameter()))
-    return layers * block_params(cfg, dims.tp) + vocab * d / dims.tp * tables + head * d
+    return layers * block_params(cfg, dims.tp) + vocab_rows(cfg, dims.tp) * d * tables + head * d
 
 
 def rank0_held_params(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, float]:

@@ -50,7 +50,8 @@ from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.model import (block_params, comm_per_step, mirror_gradient_bytes, sharding_stage,
-                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head)
+                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
+                                     vocab_rows)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
@@ -169,7 +170,7 @@ def predict_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     traffic = _cached(cache, ("dp", dims, parallel.zero, parallel.fsdp, parallel.fsdp_style, parallel.mixed_precision,
                               parallel.overlap_param_gather, train.bucket_mb, train.dtype),
                       lambda: _data_parallel_traffic(cfg, parallel, train, hw))
-    table = cfg.vocab_size * cfg.dim / dims.tp  # the wrapped units: the embedding, the blocks, the head
+    table = vocab_rows(cfg, dims.tp) * cfg.dim  # the wrapped units: the embedding, the blocks, the head
     units = ([(table, 0.0, 0.0)] + [(block_params(cfg, dims.tp), layer.forward + comm_f, layer_b + layer.weight_grad)] * n
              + [(table + cfg.dim, head.forward + head_f, head.input_grad + head_b + head.weight_grad)])
     exposed.update(_data_parallel_exposed(traffic, cfg, lay, t_f, t_b + t_w, hw, dims.pp, units, parallel.fsdp_prefetch))
@@ -316,7 +317,7 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
         per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
         head = rank0_holds_head(parallel)  # a tied head on the embedding's rank is stepped as the embedding
         return per_block * layers + 2 + (head and not cfg.tie_embeddings)
-    table = cfg.vocab_size * cfg.dim / dims.tp  # (fp32 bytes, holds a block) of each unit
+    table = vocab_rows(cfg, dims.tp) * cfg.dim  # (fp32 bytes, holds a block) of each unit
     block, embedding, head = (4 * block_params(cfg, dims.tp), True), (4 * table, False), (4 * (table + cfg.dim), False)
     if dims.pp == 1:
         stages = [[embedding] + [block] * layers + [head]]
