@@ -189,26 +189,25 @@ def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
 
 
-# The data-parallel engines' calls per step: the step model prices each call's latency, and no plan object of the
-# runtime counts them (DDP's and ZeRO's buckets are cut by the parameters' sizes in backward's order), so the
-# counts of perf/step.py are held against the dry run's ledger, engine by engine. Strict xfails: layouts whose
-# count the step model approximates (docs/performance-model.md, "What is still a formula").
+# The data-parallel engines' calls per step: the step model prices each call's latency, counting them over the
+# runtime's wrapped units (parallel/wrap.py's merged_units) as the engines' hooks issue them (perf/step.py:
+# _engine_calls), held here against the dry run's ledger, engine by engine. Strict xfail: DDP's buckets, cut by the
+# parameters' sizes in backward's order, which the step model approximates (docs/performance-model.md, "What is
+# still a formula").
 ENGINE_CALLS = {
     "ddp, grad-accum 2": "--dp 4 --grad-accum 2 --global-batch 16",
     "zero1": "--dp 4 --zero 1 --global-batch 8",
+    "zero2, grad-accum 2": "--dp 4 --zero 2 --grad-accum 2 --global-batch 16",
     "zero3": "--dp 4 --zero 3 --global-batch 8",
     "fsdp full_shard flat": "--dp 4 --fsdp full_shard --global-batch 8",
+    "fsdp shard_grad_op": "--dp 4 --fsdp shard_grad_op --global-batch 8",
+    "fsdp per_param": "--dp 4 --fsdp full_shard --fsdp-style per_param --global-batch 8",
+    "fsdp reuse": "--dp 4 --fsdp full_shard --fsdp-style reuse --global-batch 8",
+    "hsdp": "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard --global-batch 8",
+    "bf16 ddp (the flat engine's NO_SHARD plan)": "--dp 4 --mixed-precision bf16 --global-batch 8",
+    "fsdp no_shard": "--dp 4 --fsdp no_shard --global-batch 8",
 }
 APPROXIMATED_CALLS = {  # name: (flags, what the step model counts instead)
-    "zero2, grad-accum 2": ("--dp 4 --zero 2 --grad-accum 2 --global-batch 16",
-                            "one reduce-scatter per bucket of the step's gradients, not one per microbatch"),
-    "fsdp shard_grad_op": ("--dp 4 --fsdp shard_grad_op --global-batch 8", "one call per bucket, not per unit"),
-    "fsdp per_param": ("--dp 4 --fsdp full_shard --fsdp-style per_param --global-batch 8",
-                       "two gathers per unit, where the head's backward and the embedding's need none"),
-    "fsdp reuse": ("--dp 4 --fsdp full_shard --fsdp-style reuse --global-batch 8",
-                   "two gathers per unit, where the last block's backward finds it in its buffer"),
-    "hsdp": ("--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard --global-batch 8",
-             "one all-reduce across the replicas per bucket, not one per unit"),
     "ddp, 0.5 MB buckets": ("--dp 4 --global-batch 8 --bucket-mb 0.5",
                             "ceil(gradient bytes / bucket), where the runtime cuts buckets at parameters"),
 }

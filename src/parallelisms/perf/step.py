@@ -224,14 +224,13 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     ledger-exact volumes; role: ``scalar`` (the gradient norm), ``gather`` (ZeRO-3/FSDP parameters),
     ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
     (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward) or ``copies``
-    (EPLB's redundant experts summing their gradients over ep, one blocking call after the reduction)."""
+    (EPLB's redundant experts summing their gradients over ep, one blocking call after the reduction). The
+    calls are the engine's (:func:`_engine_calls`), else one per ``--bucket-mb`` of gradients."""
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = sharding_stage(parallel) == 3
-    pp = parallel.dims.pp  # wrapped units on a stage: its blocks, the embedding and the head (one each at the ends)
-    units = math.ceil(cfg.n_layers / pp) + (2 if pp == 1 else 1)
-    # without a pipeline the flat engine gathers sharded parameters and reduces sharded gradients per microbatch
-    m = microbatches_per_step(parallel, train) if pp == 1 and parallel.fsdp_style is FsdpStyle.FLAT else 1
+    engine = _engine_calls(cfg, parallel, train)
+    m = _microbatches_reduced(parallel, train)
     for v in comm_per_step(cfg, parallel, train, parallel.mixed_precision.compute_bytes, pipeline=False):
         # EPLB's copies' gradients: one call after the layout's reduction, exposed whole (the norm's scalar is not)
         copies = v.dim == "ep" and v.kind == "all_reduce" and v.bytes_per_rank >= 64
@@ -242,13 +241,46 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        per_unit = v.kind in ("all_gather", "reduce_scatter") and sharded_params  # one call per unit and pass
-        calls = 1 if full < 64 or copies else m * units * (2 if v.kind == "all_gather" else 1) if per_unit \
-            else max(1, math.ceil(full / bucket))
+        calls = 1 if full < 64 or copies else (v.dim.startswith("dp") and engine.get(v.kind)) or max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "copies" if copies else "gather" if v.kind == "all_gather" and sharded_params
                 else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
                 else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
         out.append((f"{v.kind}/{v.dim}", role, collective_time(hw, v.kind, full, n, stride, calls), calls))
+    return out
+
+
+def _microbatches_reduced(parallel: ParallelConfig, train: TrainConfig) -> int:
+    """Microbatches whose backward a flat engine reduces (and whose forward gathers) without a pipeline; under
+    one a stage's engine holds its units through the step (``hold_through_step``): once per step."""
+    return microbatches_per_step(parallel, train) if parallel.dims.pp == 1 and parallel.fsdp_style is FsdpStyle.FLAT else 1
+
+
+def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict[str, int]:
+    """The data-parallel calls per step of a sharding engine over its wrapped units (:func:`_stage_units`,
+    ZeRO-1/2's merged under ``--bucket-mb`` by :func:`merged_units`), by collective kind, as its hooks issue
+    them (parallel/flat.py, fsdp2.py, yafsdp.py): a reduce-scatter per unit and reduced microbatch (gradients
+    sharded: every microbatch; else the last), and under HSDP an all-reduce of each reduced shard across the
+    replicas; sharded parameters gathered per unit before each forward, and again before each backward where
+    the forward freed them (FULL_SHARD, ZeRO-3: not the head, whose backward follows its forward, nor the
+    embedding, whose backward reads no weight, in the per-parameter styles; under buffer reuse not the last
+    block either, still in its buffer); ZeRO-1/2's updated parameters gathered per unit after the optimizer.
+    Empty for DDP (its buckets: ``--bucket-mb``)."""
+    flat = parallel.zero or parallel.fsdp or parallel.mixed_precision is Precision.BF16
+    if not flat:
+        return {}
+    held = parallel.dims.pp > 1
+    units = sum(len(merged) for _, merged in _merged_stage_units(cfg, parallel, train))
+    shard_grads = (parallel.zero or 0) >= 2 or (parallel.fsdp is not None and parallel.fsdp.stage >= 2)
+    m = _microbatches_reduced(parallel, train) if shard_grads else 1
+    out = {"reduce_scatter": m * units}
+    if parallel.fsdp and parallel.fsdp.hybrid or parallel.fsdp is FsdpStrategy.NO_SHARD or (
+            not parallel.zero and not parallel.fsdp):
+        out["all_reduce"] = m * units  # the reduced shard over the replicas (NO_SHARD: the whole gradient)
+    if (parallel.zero or 0) in (1, 2) or (parallel.fsdp and parallel.fsdp.stage == 2):
+        out["all_gather"] = m * units if parallel.fsdp else units
+    elif sharding_stage(parallel) == 3:
+        again = 0 if held else units - {FsdpStyle.FLAT: 0, FsdpStyle.PER_PARAM: 2, FsdpStyle.REUSE: 3}[parallel.fsdp_style]
+        out["all_gather"] = m * (units + again)
     return out
 
 
@@ -309,29 +341,40 @@ def _optimizer_tensors(cfg: ModelConfig, parallel: ParallelConfig, train: TrainC
     schedule, the head on the last stage otherwise). Under ZeRO, flat FSDP and bf16 data parallelism, one flat
     shard per wrapped unit of each stage (:func:`module_units`: the embedding, each block, the head), ZeRO-1/2's
     merged while they fit under ``--bucket-mb``, a unit's expert weights a shard of their own."""
-    dims = parallel.dims
-    layers = math.ceil(cfg.n_layers / dims.pp)
+    dims, layers = parallel.dims, math.ceil(cfg.n_layers / parallel.dims.pp)
     flat = parallel.zero or (parallel.fsdp and parallel.fsdp_style is FsdpStyle.FLAT) or (
         not parallel.fsdp and parallel.mixed_precision is Precision.BF16)
     if not flat:
         per_block = 6 + (1 + cfg.mlp_matrices * cfg.n_experts if cfg.n_experts else cfg.mlp_matrices)
         head = rank0_holds_head(parallel)  # a tied head on the embedding's rank is stepped as the embedding
         return per_block * layers + 2 + (head and not cfg.tie_embeddings)
-    table = vocab_rows(cfg, dims.tp) * cfg.dim  # (fp32 bytes, holds a block) of each unit
-    block, embedding, head = (4 * block_params(cfg, dims.tp), True), (4 * table, False), (4 * (table + cfg.dim), False)
-    if dims.pp == 1:
-        stages = [[embedding] + [block] * layers + [head]]
-    elif rank0_holds_head(parallel):  # a V-shaped schedule's first rank: chunk 0 (the embedding) and the last chunk
-        stages = [[embedding] + [block] * (layers // 2), [block] * (layers - layers // 2) + [head]]
-    else:  # the last stage
-        stages = [[block] * layers + [head]]
-    cap = train.bucket_mb * 2**20 if parallel.zero in (1, 2) else 0.0
     count = 0
-    for units in stages:  # merged as the runtime merges them (parallel/wrap.py)
-        merged = merged_units([size for size, _ in units], cap, [False] * len(units))
+    for units, merged in _merged_stage_units(cfg, parallel, train):
         experts = sum(any(units[i][1] for i in g) for g in merged) if dims.ep > 1 and cfg.n_experts else 0
         count += len(merged) + experts  # a merged unit holding a block: its expert weights a shard of their own
     return count
+
+
+def _stage_units(cfg: ModelConfig, parallel: ParallelConfig) -> list[list[tuple[float, bool]]]:
+    """(fp32 bytes, holds a block) of each wrapped unit (:func:`module_units`: the embedding, each block, the
+    head) on each stage of the busiest rank: the one stage, a V-shaped schedule's first rank's two (chunk 0 with
+    the embedding, the last chunk with the head), else the last stage."""
+    dims, layers = parallel.dims, math.ceil(cfg.n_layers / parallel.dims.pp)
+    table = vocab_rows(cfg, dims.tp) * cfg.dim
+    block, embedding, head = (4 * block_params(cfg, dims.tp), True), (4 * table, False), (4 * (table + cfg.dim), False)
+    if dims.pp == 1:
+        return [[embedding] + [block] * layers + [head]]
+    if rank0_holds_head(parallel):
+        return [[embedding] + [block] * (layers // 2), [block] * (layers - layers // 2) + [head]]
+    return [[block] * layers + [head]]
+
+
+def _merged_stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[tuple[list, list]]:
+    """Each stage's units (:func:`_stage_units`) with the indices of each unit the engine communicates, merged
+    as the runtime merges them (parallel/wrap.py; ZeRO-1/2 under ``--bucket-mb``, parallel/zero.py)."""
+    cap = train.bucket_mb * 2**20 if parallel.zero in (1, 2) else 0.0
+    return [(units, merged_units([size for size, _ in units], cap, [False] * len(units)))
+            for units in _stage_units(cfg, parallel)]
 
 
 def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware,
