@@ -28,10 +28,9 @@ from parallelisms.perf.shapes import add_hardware_args
 from parallelisms.export import add_export_parser
 from parallelisms.cli_args import (DEFAULT_TRAIN, Parser, add_device_args, add_layout_args, add_model_args,
                                    add_train_args)
-from parallelisms.cli_configs import build_configs, prepare
+from parallelisms.cli_configs import model_from_args, build_configs, prepare
 from parallelisms.cli_results import (TRAIN_RUN_FLAGS, VERIFY_RUN_FLAGS, TrainRun, VerifyRun, estimate_result,
-                                      estimate_run, plan_result, plan_run, run_layout, train_report, train_run,
-                                      verify_result, verify_run)
+                                      estimate_run, run_layout, train_report, train_run, verify_result, verify_run)
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
@@ -126,17 +125,6 @@ def cmd_verify_resume(args) -> int:
     return verify_resume(args, lambda argv: prepare(build_parser().parse_args(["verify", *argv])), run_layout)
 
 
-def cmd_plan(args) -> int:
-    """Search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
-    plans = plan_result(plan_run(args))["plans"]
-    for i, p in enumerate(plans):
-        print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
-              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU; bound: {p['reason']}")
-    if args.json:
-        print(json_line({"plans": plans}))
-    return 0
-
-
 def cmd_estimate(args) -> int:
     from parallelisms.perf.estimate import explain
 
@@ -202,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_args(p)
     add_train_args(p, steps=1)
     add_hardware_args(p)
-    from parallelisms.perf.plan import add_plan_args
+    from parallelisms.perf.plan import add_plan_args, run_plan
     add_plan_args(p)
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=lambda args: run_plan(args, model_from_args(args)))
 
     add_calibrate_parser(sub)
     add_verify_resume_parser(sub)

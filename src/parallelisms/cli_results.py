@@ -1,12 +1,11 @@
 """The verbs' typed configurations and their results, the dicts that ``--json`` prints and the Python API
 returns: train, verify, estimate and plan.
 
-Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`,
-:class:`PlanRun`)
+Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`)
 of the validated configs (:class:`~parallelisms.config.ModelConfig`, ``TrainConfig``, ``ParallelConfig``) and the
 verb's own options, built once, with every check, before any process starts: from the command line's parsed
 flags or the Python API's keyword settings (:func:`parallelisms.flags.settings`) by :func:`train_run`,
-:func:`verify_run`, :func:`estimate_run` and :func:`plan_run`. The result functions take that configuration; the code that needs
+:func:`verify_run` and :func:`estimate_run`. The result functions take that configuration; the code that needs
 torch is imported inside the function that runs it.
 
 Torch-free at load, as :mod:`parallelisms.cli` and everything it imports (``tests/test_cli_light.py``).
@@ -259,49 +258,11 @@ def estimate_result(run: EstimateRun) -> dict:
     return estimate(run.model, run.parallel, run.train, run.hardware, run.attention, fp8=run.fp8, kernels=run.kernels)
 
 
-@dataclass(frozen=True)
-class PlanRun:
-    """``parallelisms plan``'s configuration: the model and training settings, the ``gpus`` to lay out, the
-    layout flags given (``fixed``; the rest searched), the options every plan is priced with (``base``), the
-    hardware and how it runs the work, and how many plans to return (``top``)."""
+def plan_result(args) -> dict:
+    """The plans ``args`` (parsed flags or the API's settings) ask for (the ``--json`` object of ``parallelisms
+    plan``); :func:`parallelisms.perf.plan.plan_result` reads its own options from them."""
+    import argparse
 
-    model: ModelConfig
-    train: TrainConfig
-    gpus: int
-    fixed: Any                     # parallelisms.perf.plan.Fixed
-    base: ParallelConfig
-    hardware: Any                  # parallelisms.perf.hardware.Hardware
-    top: int = 5
-    attention: str = "flash"
-    kernels: str = "eager"
-    fp8: bool = False
+    from parallelisms.perf.plan import plan_result as plans
 
-
-def plan_run(args) -> PlanRun:
-    """The :class:`PlanRun` of ``args`` (parsed flags or the API's settings), checked before any search."""
-    from parallelisms.errors import require
-    from parallelisms.perf.hardware import load_hardware
-    from parallelisms.perf.plan import Fixed, check_degrees
-
-    args = settings(args)
-    model = model_from_args(args)
-    hardware = load_hardware(args["hardware"])
-    require(args["fsdp"] is None, f"--fsdp {args['fsdp']}: plan searches ZeRO stages (--zero 3 is --fsdp "
-                                  f"full_shard); drop --fsdp or give --zero")
-    train = TrainConfig(global_batch=args["global_batch"], seq_len=args["seq_len"], bucket_mb=args["bucket_mb"],
-                        grad_accum=args["grad_accum"] or 1).validate(model)
-    fixed = Fixed(**{f.name: args[f.name] for f in dataclasses.fields(Fixed)})
-    check_degrees(args["gpus"], fixed)
-    base = ParallelConfig(tp_overlap=args["tp_overlap"], tp_overlap_chunks=args["tp_overlap_chunks"],
-                          mixed_precision=args["mixed_precision"], cp_attention=args["cp_attention"] or "ring",
-                          fsdp_style=args["fsdp_style"])
-    return PlanRun(model, train, args["gpus"], fixed, base, hardware, args["top"], args["attention"],
-                   args["kernels"], args["fp8"])
-
-
-def plan_result(run: PlanRun) -> dict:
-    """The plans of ``run``: ``{"plans": [...]}``, best first (the ``--json`` object of ``parallelisms plan``)."""
-    from parallelisms.perf.plan import plan
-
-    return {"plans": plan(run.model, run.train, run.base, run.hardware, run.gpus, run.fixed, run.attention, run.top,
-                          run.fp8, run.kernels)}
+    return plans(argparse.Namespace(**settings(args)), model_from_args(args))

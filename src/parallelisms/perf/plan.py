@@ -227,3 +227,35 @@ def add_plan_args(p) -> None:
     p.add_argument("--top", type=integer(1, 1000), default=5, help="plans to print (and in --json), best first")
     p.set_defaults(tp=None, pp=None, cp=None, ep=None, sp=None, zero=None, recompute=None, grad_accum=None,
                    mixed_precision="bf16")
+
+
+def plan_result(args, model: ModelConfig) -> dict:
+    """The plans ``args`` ask for: ``{"plans": [...]}``, best first (the ``--json`` object)."""
+    from parallelisms.perf.hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    require(args.fsdp is None, f"--fsdp {args.fsdp}: plan searches ZeRO stages (--zero 3 is --fsdp full_shard); "
+                               f"drop --fsdp or give --zero")
+    train = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb,
+                        grad_accum=args.grad_accum or 1).validate(model)
+    fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
+                                                   "chunks", "microbatches", "grad_accum")})
+    check_degrees(args.gpus, fixed)
+    base = ParallelConfig(tp_overlap=args.tp_overlap, tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
+                          mixed_precision=args.mixed_precision,
+                          cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
+    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False),
+                          getattr(args, "kernels", "eager"))}
+
+
+def run_plan(args, model: ModelConfig) -> int:
+    """The plan verb: search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
+    from parallelisms.flags import json_line
+
+    plans = plan_result(args, model)["plans"]
+    for i, p in enumerate(plans):
+        print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
+              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU; bound: {p['reason']}")
+    if args.json:
+        print(json_line({"plans": plans}))
+    return 0
