@@ -22,6 +22,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data.options import RunFiles, check_run_files, run_files
 from parallelisms.flags import Flag, check_writable, given_fields, number, settings
 from parallelisms.options import Dtype, Precision, Schedule
+from parallelisms.perf.shapes import PRICING_FLAGS, Pricing
 
 
 def run_layout(spec, placement, trace: bool = False):
@@ -245,10 +246,10 @@ def estimate_run(args) -> EstimateRun:
     this runtime does not run yet are estimated all the same."""
     from parallelisms.perf.hardware import load_hardware
 
-    args = settings(args)
-    hardware = load_hardware(args["hardware"])
+    pricing = Pricing(**given_fields(PRICING_FLAGS, args))
+    hardware = load_hardware(pricing.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return EstimateRun(model, train, parallel, hardware, args["attention"], args["kernels"], args["fp8"])
+    return EstimateRun(model, train, parallel, hardware, pricing.attention, pricing.kernels, pricing.fp8)
 
 
 def estimate_result(run: EstimateRun) -> dict:
