@@ -60,9 +60,9 @@ def estimate(**options) -> dict:
 def plan(**options) -> dict:
     """The fastest layouts of ``gpus=N`` GPUs that fit, best first, as ``parallelisms plan`` (the layout options
     given stay fixed): ``{"plans": [...]}``."""
-    from parallelisms.cli_results import plan_result
+    from parallelisms.cli_results import plan_result, plan_run
 
-    return plan_result(_settings("plan", options))
+    return plan_result(plan_run(_settings("plan", options)))
 
 
 def simulate(**options) -> dict:
