@@ -67,9 +67,9 @@ def plan(**options) -> dict:
 
 def simulate(**options) -> dict:
     """Simulate a pipeline schedule as ``parallelisms simulate`` (``schedule="zb-v", pp=4, microbatches=8``)."""
-    from parallelisms.parallel.pipeline.cli import simulate_result
+    from parallelisms.parallel.pipeline.cli import simulate_result, simulate_run
 
-    return simulate_result(_settings("simulate", options))
+    return simulate_result(simulate_run(_settings("simulate", options)))
 
 
 class Configs(NamedTuple):
