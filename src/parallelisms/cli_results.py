@@ -1,12 +1,13 @@
 """The verbs' typed configurations and their results, the dicts that ``--json`` prints and the Python API
 returns: train, verify, estimate and plan.
 
-Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`)
-of the validated configs (:class:`~parallelisms.config.ModelConfig`, ``TrainConfig``, ``ParallelConfig``) and the
-verb's own options, built once, with every check, before any process starts: from the command line's parsed
-flags or the Python API's keyword settings (:func:`parallelisms.flags.settings`) by :func:`train_run`,
-:func:`verify_run` and :func:`estimate_run`. The result functions take that configuration; the code that needs
-torch is imported inside the function that runs it.
+Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`,
+:class:`~parallelisms.perf.plan.PlanRun`) of the validated configs (:class:`~parallelisms.config.ModelConfig`,
+``TrainConfig``, ``ParallelConfig``) and the verb's own options, built once, with every check, before any process
+starts: from the command line's parsed flags or the Python API's keyword settings
+(:func:`parallelisms.flags.settings`) by :func:`train_run`, :func:`verify_run`, :func:`estimate_run` and
+:func:`plan_run`. The result functions take that configuration; the code that needs torch is imported inside the
+function that runs it.
 
 Torch-free at load, as :mod:`parallelisms.cli` and everything it imports (``tests/test_cli_light.py``).
 """
