@@ -240,6 +240,9 @@ def test_dryrun_command_json_and_summary(capsys):
 def test_dryrun_bad_input_is_one_line(capsys, tmp_path):
     code, _, err = _main(["dryrun", "--dp", "2", "--tp", "2", "--gpus", "8"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "4 ranks, but --gpus is 8" in err, err
+    code, _, err = _main(["dryrun", "--gpus", "0"], capsys)  # a count of GPUs, before any config is built
+    assert code == 2 and err.strip() == ("error: argument --gpus: must be an integer from 1 to 1,048,576, got 0 "
+                                         "(see parallelisms dryrun --help)"), err
     from parallelisms.perf.hardware import PRESETS
 
     tiny = {**dataclasses.asdict(PRESETS["h100"]), "name": "tiny", "hbm_gb": 0.001}

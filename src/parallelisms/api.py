@@ -60,16 +60,16 @@ def estimate(**options) -> dict:
 def plan(**options) -> dict:
     """The fastest layouts of ``gpus=N`` GPUs that fit, best first, as ``parallelisms plan`` (the layout options
     given stay fixed): ``{"plans": [...]}``."""
-    from parallelisms.cli_results import plan_result
+    from parallelisms.cli_results import plan_result, plan_run
 
-    return plan_result(_settings("plan", options))
+    return plan_result(plan_run(_settings("plan", options)))
 
 
 def simulate(**options) -> dict:
     """Simulate a pipeline schedule as ``parallelisms simulate`` (``schedule="zb-v", pp=4, microbatches=8``)."""
-    from parallelisms.parallel.pipeline.cli import simulate_result
+    from parallelisms.parallel.pipeline.cli import simulate_result, simulate_run
 
-    return simulate_result(_settings("simulate", options))
+    return simulate_result(simulate_run(_settings("simulate", options)))
 
 
 class Configs(NamedTuple):

@@ -28,9 +28,10 @@ from parallelisms.perf.shapes import add_hardware_args
 from parallelisms.export import add_export_parser
 from parallelisms.cli_args import (DEFAULT_TRAIN, Parser, add_device_args, add_layout_args, add_model_args,
                                    add_train_args)
-from parallelisms.cli_configs import model_from_args, build_configs, prepare
+from parallelisms.cli_configs import build_configs, prepare
 from parallelisms.cli_results import (TRAIN_RUN_FLAGS, VERIFY_RUN_FLAGS, TrainRun, VerifyRun, estimate_result,
-                                      estimate_run, run_layout, train_report, train_run, verify_result, verify_run)
+                                      estimate_run, plan_result, plan_run, run_layout, train_report, train_run,
+                                      verify_result, verify_run)
 from parallelisms.cli_verbs import add_bench_parser, add_calibrate_parser
 from parallelisms.resume import add_checkpoint_args, add_verify_resume_parser
 
@@ -141,6 +142,17 @@ def cmd_estimate(args) -> int:
     return 0 if not args.check or result["check"]["ok"] else 1
 
 
+def cmd_plan(args) -> int:
+    from parallelisms.perf.plan import plan_lines
+
+    result = plan_result(plan_run(args))
+    for line in plan_lines(result["plans"]):
+        print(line)
+    if args.json:
+        print(json_line(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from parallelisms import __version__
     from parallelisms.dryrun.cli import add_dryrun_parser, add_precheck_arg
@@ -190,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_args(p)
     add_train_args(p, steps=1)
     add_hardware_args(p)
-    from parallelisms.perf.plan import add_plan_args, run_plan
+    from parallelisms.perf.plan import add_plan_args
     add_plan_args(p)
-    p.set_defaults(func=lambda args: run_plan(args, model_from_args(args)))
+    p.set_defaults(func=cmd_plan)
 
     add_calibrate_parser(sub)
     add_verify_resume_parser(sub)

@@ -7,8 +7,10 @@ Torch-free, as :mod:`parallelisms.cli` and everything it imports at load (``test
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from parallelisms.cli_configs import LAUNCH_FLAGS, MODEL_SOURCE_FLAGS, Launch, ModelSource
+from parallelisms.cli_configs import (DP_FLAGS, LAUNCH_FLAGS, MODEL_SOURCE_FLAGS, DataParallelDegrees, Launch,
+                                      ModelSource)
 from parallelisms.config import COUNT, MODEL_FLAGS, TRAIN_FLAGS, ModelConfig, TrainConfig
 from parallelisms.config_file import CONFIG_FILE, CONFIG_FLAG, expand
 from parallelisms.errors import ConfigError
@@ -68,11 +70,9 @@ def add_layout_args(p: argparse.ArgumentParser, dp_default: int = 1) -> None:
     group: flags, parsers, defaults and choices from the descriptors and the config's fields."""
     g = p.add_argument_group(LAYOUT)
     when = f"{dp_default} when --tp, --pp and --cp are 1, else 1" if dp_default > 1 else str(dp_default)
-    g.add_argument("--dp", type=DEGREE, help=f"data-parallel degree (replicas for DDP; the shard group for "
-                                              f"--zero/--fsdp); default {when}")
+    dp, *sides = DP_FLAGS
+    add_flags(g, (dataclasses.replace(dp, help=f"{dp.help}; default {when}"), *sides), DataParallelDegrees)
     p.set_defaults(dp_default=dp_default)
-    g.add_argument("--dp-replicate", type=DEGREE, help="replicate degree of a 2-D data-parallel mesh (hybrid FSDP)")
-    g.add_argument("--dp-shard", type=DEGREE, help="shard degree of a 2-D data-parallel mesh (hybrid FSDP)")
     for par in PARALLELISMS.values():
         if par.degree:
             g.add_argument(f"--{par.dim}", type=DEGREE, default=1, help=f"{par.degree}-parallel degree")

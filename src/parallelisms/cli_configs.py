@@ -14,7 +14,7 @@ from parallelisms.support import validate_layout
 from parallelisms.config import (PRESETS, TRAIN_FLAGS, ModelConfig, ParallelConfig, TrainConfig, load_hf_config,
                                  preset, with_positions)
 from parallelisms.errors import require
-from parallelisms.flags import Flag, given_fields, settings
+from parallelisms.flags import DEGREE, Flag, given_fields, settings
 from parallelisms.data.options import check_data_args, data_settings
 from parallelisms.device import DEVICES, under_torchrun
 from parallelisms.perf.shapes import shape_from_args
@@ -49,6 +49,23 @@ LAUNCH_FLAGS = (
     Flag("device", f"{', '.join(DEVICES)}: auto is cuda (NCCL) when every rank on this machine has a GPU of its own, "
                    f"else cpu (gloo)"),
     Flag("force", "launch even where the layout's memory per rank (as estimate predicts it) exceeds this machine's"),
+)
+
+@dataclass(frozen=True)
+class DataParallelDegrees:
+    """The data-parallel degrees as given (None: not given): ``dp`` (the replicas for DDP, the shard group for
+    ZeRO/FSDP) or the two sides of a 2-D mesh (hybrid FSDP), which become
+    :class:`~parallelisms.mesh.ParallelDims`' ``dp_replicate`` and ``dp_shard``."""
+
+    dp: int | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+
+
+DP_FLAGS = (  # --dp's help ends with the verb's default (parallelisms.cli_args.add_layout_args)
+    Flag("dp", "data-parallel degree (replicas for DDP; the shard group for --zero/--fsdp)", parse=DEGREE),
+    Flag("dp_replicate", "replicate degree of a 2-D data-parallel mesh (hybrid FSDP)", parse=DEGREE),
+    Flag("dp_shard", "shard degree of a 2-D data-parallel mesh (hybrid FSDP)", parse=DEGREE),
 )
 
 # Options that mean something only with a degree above 1 (default None: given or not is known); given without
@@ -114,7 +131,8 @@ def _degree_options(args: Mapping) -> dict:
 
 def _data_parallel_degrees(args: Mapping) -> dict:
     """--dp is the replica count for DDP and the shard group for ZeRO/FSDP; --dp-replicate/--dp-shard set both."""
-    dp, replicate, shard = args["dp"], args["dp_replicate"], args["dp_shard"]
+    given = DataParallelDegrees(**given_fields(DP_FLAGS, args))
+    dp, replicate, shard = given.dp, given.dp_replicate, given.dp_shard
     if replicate is not None or shard is not None:
         require(dp is None, f"--dp {dp} with --dp-replicate/--dp-shard: the data-parallel degree is "
                             f"dp_replicate x dp_shard; drop --dp")

@@ -1,12 +1,13 @@
 """The verbs' typed configurations and their results, the dicts that ``--json`` prints and the Python API
 returns: train, verify, estimate and plan.
 
-Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`)
-of the validated configs (:class:`~parallelisms.config.ModelConfig`, ``TrainConfig``, ``ParallelConfig``) and the
-verb's own options, built once, with every check, before any process starts: from the command line's parsed
-flags or the Python API's keyword settings (:func:`parallelisms.flags.settings`) by :func:`train_run`,
-:func:`verify_run` and :func:`estimate_run`. The result functions take that configuration; the code that needs
-torch is imported inside the function that runs it.
+Each verb's configuration is a frozen dataclass (:class:`TrainRun`, :class:`VerifyRun`, :class:`EstimateRun`,
+:class:`~parallelisms.perf.plan.PlanRun`) of the validated configs (:class:`~parallelisms.config.ModelConfig`,
+``TrainConfig``, ``ParallelConfig``) and the verb's own options, built once, with every check, before any process
+starts: from the command line's parsed flags or the Python API's keyword settings
+(:func:`parallelisms.flags.settings`) by :func:`train_run`, :func:`verify_run`, :func:`estimate_run` and
+:func:`plan_run`. The result functions take that configuration; the code that needs torch is imported inside the
+function that runs it.
 
 Torch-free at load, as :mod:`parallelisms.cli` and everything it imports (``tests/test_cli_light.py``).
 """
@@ -15,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parallelisms.cli_configs import model_from_args, build_configs, prepare
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.data.options import RunFiles, check_run_files, run_files
 from parallelisms.flags import Flag, check_writable, given_fields, number, settings
 from parallelisms.options import Dtype, Precision, Schedule
+from parallelisms.errors import require
+from parallelisms.perf.shapes import PRICING_FLAGS, Pricing
+
+if TYPE_CHECKING:
+    from parallelisms.perf.plan import PlanRun
 
 
 def run_layout(spec, placement, trace: bool = False):
@@ -245,10 +251,10 @@ def estimate_run(args) -> EstimateRun:
     this runtime does not run yet are estimated all the same."""
     from parallelisms.perf.hardware import load_hardware
 
-    args = settings(args)
-    hardware = load_hardware(args["hardware"])
+    pricing = Pricing(**given_fields(PRICING_FLAGS, args))
+    hardware = load_hardware(pricing.hardware)
     model, train, parallel = build_configs(args, runtime=False)
-    return EstimateRun(model, train, parallel, hardware, args["attention"], args["kernels"], args["fp8"])
+    return EstimateRun(model, train, parallel, hardware, pricing.attention, pricing.kernels, pricing.fp8)
 
 
 def estimate_result(run: EstimateRun) -> dict:
@@ -258,11 +264,32 @@ def estimate_result(run: EstimateRun) -> dict:
     return estimate(run.model, run.parallel, run.train, run.hardware, run.attention, fp8=run.fp8, kernels=run.kernels)
 
 
-def plan_result(args) -> dict:
-    """The plans ``args`` (parsed flags or the API's settings) ask for (the ``--json`` object of ``parallelisms
-    plan``); :func:`parallelisms.perf.plan.plan_result` reads its own options from them."""
-    import argparse
+def plan_run(args) -> PlanRun:
+    """The :class:`~parallelisms.perf.plan.PlanRun` of ``args`` (parsed flags or the API's settings), every value
+    checked before the search: the layout flags given are fixed, the rest searched."""
+    from parallelisms.perf.hardware import load_hardware
+    from parallelisms.perf.plan import PLAN_FLAGS, Fixed, PlanRun, check_degrees
 
+    args = settings(args)
+    model = model_from_args(args)
+    pricing = Pricing(**given_fields(PRICING_FLAGS, args))
+    hardware = load_hardware(pricing.hardware)
+    require(args["fsdp"] is None, f"--fsdp {args['fsdp']}: plan searches ZeRO stages (--zero 3 is --fsdp full_shard); "
+                                  f"drop --fsdp or give --zero")
+    train = TrainConfig(global_batch=args["global_batch"], seq_len=args["seq_len"], bucket_mb=args["bucket_mb"],
+                        grad_accum=args["grad_accum"] or 1).validate(model)
+    fixed = Fixed(**{f.name: args[f.name] for f in dataclasses.fields(Fixed)})
+    own = given_fields(PLAN_FLAGS, args)
+    check_degrees(own["gpus"], fixed)
+    base = ParallelConfig(tp_overlap=args["tp_overlap"], tp_overlap_chunks=args.get("tp_overlap_chunks", 0),
+                          mixed_precision=args["mixed_precision"], cp_attention=args["cp_attention"] or "ring",
+                          fsdp_style=args["fsdp_style"])
+    return PlanRun(model, train, base, fixed, hardware, **own, attention=pricing.attention, kernels=pricing.kernels,
+                   fp8=pricing.fp8)
+
+
+def plan_result(run: PlanRun) -> dict:
+    """The plans ``run`` asks for (the ``--json`` object of ``parallelisms plan``)."""
     from parallelisms.perf.plan import plan_result as plans
 
-    return plans(argparse.Namespace(**settings(args)), model_from_args(args))
+    return plans(run)

@@ -164,7 +164,8 @@ class Flag(FlagName):
     """A config dataclass's field as a command-line flag (``TrainConfig``'s and ``ModelConfig``'s tables in
     :mod:`parallelisms.config`): its name (default ``--the-field-name``), help, parser, metavar and choices;
     ``unset``: the flag's default is None, so whether it was given is known (a shape flag over a preset);
-    ``alone``: the value of the flag given without one (its value is then optional: ``--predict``)."""
+    ``alone``: the value of the flag given without one (its value is then optional: ``--predict``);
+    ``required``: the flag must be given (its field has no default: ``plan --gpus``)."""
     field: str
     help: str
     flag: str = ""
@@ -173,20 +174,22 @@ class Flag(FlagName):
     choices: tuple[str, ...] | None = None
     unset: bool = False
     alone: str | None = None
+    required: bool = False
 
 
 def add_flags(group, flags: tuple[Flag, ...], config: type, defaults: dict | None = None) -> None:
     """Each flag's argument: a switch for a bool field, else its parser and default (the verb's in
-    ``defaults``, else None where ``unset``, else ``config``'s field's), its value optional where ``alone``."""
+    ``defaults``, else None where ``unset`` or ``required``, else ``config``'s field's), its value optional where
+    ``alone``."""
     fields = config.__dataclass_fields__
     for flag in flags:
-        default = (defaults or {}).get(flag.field, None if flag.unset else fields[flag.field].default)
+        default = (defaults or {}).get(flag.field, None if flag.unset or flag.required else fields[flag.field].default)
         optional = {} if flag.alone is None else {"nargs": "?", "const": flag.alone}
         if isinstance(default, bool):
             group.add_argument(flag.name, action="store_true", help=flag.help)
         else:
             group.add_argument(flag.name, type=flag.parse, default=default, help=flag.help, metavar=flag.metavar,
-                               choices=flag.choices, **optional)
+                               choices=flag.choices, required=flag.required, **optional)
 
 
 def settings(args) -> Mapping:

@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from parallelisms.errors import require
+from parallelisms.flags import Flag, add_flags, given_fields, integer
+
+
+@dataclass(frozen=True)
+class DryrunOptions:
+    """``dryrun``'s own options beside the configs and the hardware: the ``gpus`` the layout must use (None: any),
+    whether ``every_rank`` runs (else one per rank class) and whether the memory accounting is left out."""
+
+    gpus: int | None = None
+    every_rank: bool = False
+    no_memory: bool = False
+
+
+DRYRUN_FLAGS = (
+    Flag("gpus", "the number of GPUs the layout must use (its product)", parse=integer(1, 2**20)),
+    Flag("every_rank", "run every rank, not one per rank class"),
+    Flag("no_memory", "leave out the memory accounting (faster)"),
+)
 
 
 def add_dryrun_parser(sub, add_model_args, add_layout_args, add_train_args, build_configs) -> None:
@@ -18,9 +37,7 @@ def add_dryrun_parser(sub, add_model_args, add_layout_args, add_train_args, buil
     add_layout_args(p)
     add_train_args(p, steps=1)
     add_hardware_args(p)
-    p.add_argument("--gpus", type=int, help="the number of GPUs the layout must use (its product)")
-    p.add_argument("--every-rank", action="store_true", help="run every rank, not one per rank class")
-    p.add_argument("--no-memory", action="store_true", help="leave out the memory accounting (faster)")
+    add_flags(p, DRYRUN_FLAGS, DryrunOptions)
     p.set_defaults(func=cmd_dryrun, build_configs=build_configs)
 
 
@@ -29,13 +46,14 @@ def dryrun_result(args) -> dict:
     from parallelisms.dryrun.report import dryrun_result as result_of
     from parallelisms.perf.hardware import load_hardware
 
+    own = DryrunOptions(**given_fields(DRYRUN_FLAGS, args))
     model, train, parallel = args.build_configs(args, runtime=True)
     world = parallel.dims.world_size
-    require(args.gpus is None or args.gpus == world,
-            f"layout {parallel.dims.describe()} has pp x dp x cp x tp = {world} ranks, but --gpus is {args.gpus}; "
-            f"change a degree so that the product is {args.gpus}, or use --gpus {world}")
+    require(own.gpus is None or own.gpus == world,
+            f"layout {parallel.dims.describe()} has pp x dp x cp x tp = {world} ranks, but --gpus is {own.gpus}; "
+            f"change a degree so that the product is {own.gpus}, or use --gpus {world}")
     hardware = load_hardware(args.hardware)
-    return result_of(dry_run(model, train, parallel, every_rank=args.every_rank, memory=not args.no_memory),
+    return result_of(dry_run(model, train, parallel, every_rank=own.every_rank, memory=not own.no_memory),
                      hardware.hbm_gb * 1e9)
 
 

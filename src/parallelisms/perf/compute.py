@@ -26,14 +26,9 @@ from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig
 from parallelisms.perf import cpu
-from parallelisms.perf.hardware import Hardware
+from parallelisms.perf.hardware import ATTENTION_KERNELS, KERNELS, Hardware  # noqa: F401 -- the kernels' names
 from parallelisms.perf.model import vocab_rows
 
-ATTENTION_KERNELS = ("flash", "fused-softmax")
-# How a GPU runs the non-GEMM work: ``eager``, one kernel per operator as this runtime (and torchtitan without
-# torch.compile) dispatches it; ``fused``, the fused kernels of Megatron-LM and Transformer Engine. A CPU runs
-# this runtime's eager operators either way.
-KERNELS = ("eager", "fused")
 # Bytes per parameter torch.optim.AdamW's multi-tensor (foreach) step moves, its default on a GPU: decay
 # (read, write the fp32 weight), the first moment's lerp (read two, write one), the second's scale and addcmul,
 # the denominator's sqrt, division and epsilon, and addcdiv into the weight; counted with TorchDispatchMode

@@ -172,6 +172,13 @@ PRESETS = {
 }
 
 
+ATTENTION_KERNELS = ("flash", "fused-softmax")
+# How a GPU runs the non-GEMM work: ``eager``, one kernel per operator as this runtime (and torchtitan without
+# torch.compile) dispatches it; ``fused``, the fused kernels of Megatron-LM and Transformer Engine. A CPU runs
+# this runtime's eager operators either way.
+KERNELS = ("eager", "fused")
+
+
 def load_hardware(spec: str, flag: str = "--hardware") -> Hardware:
     """A preset name, or a JSON file with the keys in the module docstring (one line naming ``flag`` when it is
     not)."""

@@ -20,6 +20,7 @@ import math
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.errors import ConfigError, divisors, require
+from parallelisms.flags import Flag, add_flags, integer
 from parallelisms.mesh import ParallelDims
 from parallelisms.options import FsdpStyle, Precision
 from parallelisms.perf.estimate import bottleneck, estimate
@@ -219,43 +220,45 @@ def _flags(dims, v: dict, base: ParallelConfig) -> str:
     return " ".join(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanRun:
+    """``parallelisms plan``'s configuration: the model, the batch (``train``), the options every plan keeps
+    (``base``), the layout flags given (``fixed``, the rest searched), the hardware and how it runs the work
+    (:class:`~parallelisms.perf.shapes.Pricing`'s fields), the ``gpus`` to lay out and the ``top`` plans to keep."""
+
+    model: ModelConfig
+    train: TrainConfig
+    base: ParallelConfig
+    fixed: Fixed
+    hardware: Hardware
+    gpus: int
+    top: int = 5
+    attention: str = "flash"
+    kernels: str = "eager"
+    fp8: bool = False
+
+
+PLAN_FLAGS = (
+    Flag("gpus", "GPUs to lay the run out on", parse=integer(1, 2**20), required=True),
+    Flag("top", "plans to print (and in --json), best first", parse=integer(1, 1000)),
+)
+SEARCHED = dict(tp=None, pp=None, cp=None, ep=None, sp=None, zero=None, recompute=None, grad_accum=None,
+                mixed_precision="bf16")  # the layout flags' defaults under plan: None is searched
+
+
 def add_plan_args(p) -> None:
     """plan's own flags; the layout flags it shares default to None (searched) and bf16 mixed precision."""
-    from parallelisms.flags import integer
-
-    p.add_argument("--gpus", type=integer(1, 2**20), required=True, help="GPUs to lay the run out on")
-    p.add_argument("--top", type=integer(1, 1000), default=5, help="plans to print (and in --json), best first")
-    p.set_defaults(tp=None, pp=None, cp=None, ep=None, sp=None, zero=None, recompute=None, grad_accum=None,
-                   mixed_precision="bf16")
+    add_flags(p, PLAN_FLAGS, PlanRun)
+    p.set_defaults(**SEARCHED)
 
 
-def plan_result(args, model: ModelConfig) -> dict:
-    """The plans ``args`` ask for: ``{"plans": [...]}``, best first (the ``--json`` object)."""
-    from parallelisms.perf.hardware import load_hardware
-
-    hw = load_hardware(args.hardware)
-    require(args.fsdp is None, f"--fsdp {args.fsdp}: plan searches ZeRO stages (--zero 3 is --fsdp full_shard); "
-                               f"drop --fsdp or give --zero")
-    train = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb,
-                        grad_accum=args.grad_accum or 1).validate(model)
-    fixed = Fixed(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "recompute", "schedule",
-                                                   "chunks", "microbatches", "grad_accum")})
-    check_degrees(args.gpus, fixed)
-    base = ParallelConfig(tp_overlap=args.tp_overlap, tp_overlap_chunks=getattr(args, "tp_overlap_chunks", 0),
-                          mixed_precision=args.mixed_precision,
-                          cp_attention=args.cp_attention or "ring", fsdp_style=args.fsdp_style)
-    return {"plans": plan(model, train, base, hw, args.gpus, fixed, args.attention, args.top, getattr(args, "fp8", False),
-                          getattr(args, "kernels", "eager"))}
+def plan_result(run: PlanRun) -> dict:
+    """The plans ``run`` asks for: ``{"plans": [...]}``, best first (the ``--json`` object)."""
+    return {"plans": plan(run.model, run.train, run.base, run.hardware, run.gpus, run.fixed, run.attention, run.top,
+                          run.fp8, run.kernels)}
 
 
-def run_plan(args, model: ModelConfig) -> int:
-    """The plan verb: search, print one line per plan (and ``{"plans": [...]}`` with --json)."""
-    from parallelisms.flags import json_line
-
-    plans = plan_result(args, model)["plans"]
-    for i, p in enumerate(plans):
-        print(f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
-              f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU; bound: {p['reason']}")
-    if args.json:
-        print(json_line({"plans": plans}))
-    return 0
+def plan_lines(plans: list[dict]) -> list[str]:
+    """One line per plan, as the plan verb prints them."""
+    return [f"{i + 1}. {p['flags']}: step {p['step_s']:.3f} s, MFU {p['mfu']:.1%}, bubble {p['bubble_fraction']:.3f}, "
+            f"{p['memory_per_rank']['total'] / 2**30:.1f} GiB per GPU; bound: {p['reason']}" for i, p in enumerate(plans)]

@@ -10,7 +10,8 @@ import re
 
 from parallelisms.config import MODEL_FLAGS, ModelConfig, with_shape
 from parallelisms.errors import ConfigError
-from parallelisms.flags import given_fields, settings
+from parallelisms.flags import Flag, add_flags, given_fields, settings
+from parallelisms.perf.hardware import ATTENTION_KERNELS, KERNELS, PRESETS
 
 # the model's field names, as a message about them says them, and the flag that sets each
 _FIELD_FLAGS = {"model dim": "--hidden", "head_dim": "--head-dim",
@@ -30,19 +31,31 @@ def shape_from_args(base: ModelConfig, args) -> ModelConfig:
     return dataclasses.replace(shaped, tie_embeddings=True) if tie else shaped
 
 
-def add_hardware_args(p: argparse.ArgumentParser) -> None:
-    """--hardware, --attention, --kernels and --fp8, for estimate and plan."""
-    from parallelisms.perf.compute import ATTENTION_KERNELS, KERNELS
-    from parallelisms.perf.hardware import PRESETS
+@dataclasses.dataclass(frozen=True)
+class Pricing:
+    """What a prediction prices a layout on (``estimate``, ``plan``, ``dryrun``): the ``hardware`` (a preset or
+    a calibrate file, :func:`~parallelisms.perf.hardware.load_hardware`), the attention kernel, how the non-GEMM work runs (``kernels``) and
+    whether the blocks' linear layers run in FP8."""
 
-    p.add_argument("--hardware", default="h100", help=f"{', '.join(PRESETS)} (this machine, calibrated) or a JSON "
-                                                      f"file with the keys of `parallelisms calibrate`'s output")
-    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
-                   help="attention kernel: flash, or fused-softmax (scores materialised: Megatron-LM 2021-22)")
-    p.add_argument("--kernels", choices=KERNELS, default="eager",
-                   help="how a GPU runs the non-GEMM work (norms, rotary, activation, loss, optimizer): eager, one "
-                        "kernel per operator as this runtime runs it, or fused as Megatron-LM and Transformer "
-                        "Engine run it (default: eager)")
-    p.add_argument("--fp8", action="store_true",
-                   help="price the blocks' linear layers in FP8 (Transformer Engine's recipe; Hopper or later): "
-                        "predicted only, this runtime does not train in FP8")
+    hardware: str = "h100"
+    attention: str = "flash"
+    kernels: str = "eager"
+    fp8: bool = False
+
+
+PRICING_FLAGS = (
+    Flag("hardware", f"{', '.join(PRESETS)} (this machine, calibrated) or a JSON file with the keys of "
+                     f"`parallelisms calibrate`'s output"),
+    Flag("attention", "attention kernel: flash, or fused-softmax (scores materialised: Megatron-LM 2021-22)",
+         choices=ATTENTION_KERNELS),
+    Flag("kernels", "how a GPU runs the non-GEMM work (norms, rotary, activation, loss, optimizer): eager, one "
+                    "kernel per operator as this runtime runs it, or fused as Megatron-LM and Transformer Engine run "
+                    "it", choices=KERNELS),
+    Flag("fp8", "price the blocks' linear layers in FP8 (Transformer Engine's recipe; Hopper or later): predicted "
+                "only, this runtime does not train in FP8"),
+)
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    """--hardware, --attention, --kernels and --fp8, for estimate, plan and dryrun: :class:`Pricing`'s fields."""
+    add_flags(p, PRICING_FLAGS, Pricing)
