@@ -348,6 +348,18 @@ def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
     assert out["ok"], out
 
 
+@pytest.mark.parametrize("engine", ["--dp 8 --zero 3", "--dp 8 --fsdp full_shard --fsdp-style per_param",
+                                    "--dp-replicate 2 --dp-shard 4 --fsdp hybrid_shard"])
+def test_fully_sharded_experts_gather_over_their_replicas(engine):
+    """A fully sharded engine with expert parallelism gathers the dense weights over dp and the experts over the
+    ranks holding the same experts (one here: none), not the experts over dp as well."""
+    out = _checked(MOE_SHAPE + f"{engine} --ep 8 --tp 2 --sp --recompute full --mixed-precision bf16 "
+                               "--global-batch 8".split())
+    assert out["collectives"]["all_gather/dp"]["dry_run"] > 0
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+
+
 def test_expert_weights_are_sharded_over_their_replicas():
     """ZeRO-1 with expert parallelism: the expert weights' master, optimizer state, reduce-scatter and all-gather are
     over the ranks holding the same experts (ep_replicate, here one rank), the other weights' over dp; the router

@@ -14,9 +14,9 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
-from parallelisms.perf.model import (CommVolume, block_params, expert_slot_params, expert_slots, microbatches_per_step,
-                                     mirror_gradient_bytes, per_param_padding, rank0_end_shares, rank0_held_params,
-                                     rank0_params, redundant_expert_grads, sharding_stage)
+from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
+                                     microbatches_per_step, mirror_gradient_bytes, per_param_padding, rank0_end_shares,
+                                     rank0_held_params, redundant_expert_grads, sharding_stage)
 from parallelisms.perf.stages import rank0_layers, schedule_of
 
 
@@ -96,13 +96,16 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     engine every unit for forward and again for backward; the per-parameter one (FSDP2) every unit for forward
     and the blocks again for backward (the head stays gathered after its forward, the embedding's backward needs
     no weights); buffer reuse (YaFSDP) the same less the last block, still in its buffer when backward starts.
-    A pipeline stage holds its units through the step: one gather a step."""
-    params = rank0_params(cfg, parallel) * dtype_bytes
+    A pipeline stage holds its units through the step: one gather a step. The dense weights only: the experts
+    gather over the ranks holding the same experts (:func:`_gradient_sync`)."""
+    layers, local = rank0_held_params(cfg, parallel)
+    experts = expert_slot_params(cfg, parallel)
+    params = (local - layers * experts) * dtype_bytes
     if parallel.dims.pp > 1:
         return params
     if parallel.fsdp_style is FsdpStyle.FLAT or parallel.zero:
         return 2 * params
-    block = block_params(cfg, parallel.dims.tp) * dtype_bytes
+    block = (block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel) - experts) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
     padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
     reused = block if parallel.fsdp_style is FsdpStyle.REUSE else 0
