@@ -331,6 +331,20 @@ def test_dualpipe_bytes_agree(engine):
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
 
 
+@pytest.mark.parametrize("balance", ["", "--ep-balance measured --ep-redundant 1"])
+def test_dualpipev_backward_runs_inside_a_paused_forward(balance):
+    """DualPipeV's F&B chunk runs the other chunk's backward while the forward's first expert dispatch is in flight
+    (``executor._compute_pair``): the forward holds only its first block up to the dispatch (the rows sent and the
+    receive buffer) while the backward, the loss's on the last stage, runs; the forward's whole stage-microbatch
+    only once the backward has freed its own (perf/memory.py: dispatch_bytes); experts as wide as the dense MLP."""
+    shape = MOE_SHAPE[:MOE_SHAPE.index("--ffn")] + ["--ffn", "448", "--vocab", "4096", "--layers", "4"]
+    shape += MOE_SHAPE[MOE_SHAPE.index("--seq-len"):]
+    out = _checked(shape + f"--dp 4 --ep 4 --pp 2 --schedule dualpipev --global-batch 16 --microbatches 4 "
+                           f"{balance}".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.02, out["memory"]
+    assert out["ok"], out
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
 def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
     """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's

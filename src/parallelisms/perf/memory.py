@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
+from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
 from parallelisms.parallel.cp_modes import MODES
 from parallelisms.perf.model import sharding_stage, vocab_rows
 from parallelisms.perf.stages import schedule_of, stage_sizes
@@ -86,10 +86,25 @@ def mlp_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> 
     n/ep + r slots each as full as an uncopied expert (:func:`padded_slots`)."""
     if not cfg.n_experts:
         return e * cfg.ffn_dim / parallel.dims.tp * (4 if cfg.mlp == "swiglu" else 2)
-    ep = parallel.dims.ep > 1
     padded = padded_slots(cfg, parallel) * (4 * e * cfg.ffn_dim + e * cfg.dim)
-    row = padded + 2 * e * cfg.dim + 8 * (4 + ep) + e + 4 + 8
-    return cfg.top_k * row + 4 * cfg.n_experts
+    return cfg.top_k * (padded + 2 * e * cfg.dim + _routing_bytes(parallel, e)) + 4 * cfg.n_experts
+
+
+def _routing_bytes(parallel: ParallelConfig, e: int) -> float:
+    """Per routed row, what an MoE layer keeps of its routing: four int64 indices (five under expert parallelism),
+    its weight and the top-k's index and softmax."""
+    return 8 * (4 + (parallel.dims.ep > 1)) + e + 4 + 8
+
+
+def dispatch_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int, block: float) -> float:
+    """What a forward holds when it pauses at its stage's first expert dispatch (DualPipe's F&B chunk runs the
+    other chunk's backward there: ``executor._compute_pair``): the first block's kept bytes before its MoE layer
+    (``block``, a whole block's, less :func:`mlp_activation_bytes`), and the layer's so far, per routed row the
+    rows gathered for the dispatch and its receive buffer (placed experts, ``--ep-balance measured``, also the
+    rows re-sorted by slot) and the routing, per token the router's fp32 probabilities."""
+    rows = 2 + (parallel.ep_balance is Balance.MEASURED)
+    moe = cfg.top_k * (rows * e * cfg.dim + _routing_bytes(parallel, e)) + 4 * cfg.n_experts
+    return block - tokens * (mlp_activation_bytes(cfg, parallel, e) - moe)
 
 
 def padded_slots(cfg: ModelConfig, parallel: ParallelConfig) -> float:
@@ -124,34 +139,47 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
 
 
 @lru_cache(maxsize=4096)
-def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple[tuple, ...]:
+def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: bool = False) -> tuple[tuple, ...]:
     """The distinct moments at which a rank's memory may peak, from one walk of its actions in order (``plan``
     prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
     stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
-    gradients (a weight pass ran since the stage's last backward), the moment: 0 a forward off the last stage, 1 a
-    forward on it (4 where its backward is an input pass), 2 a backward, 3 between actions). A forward holds its
-    stage-microbatch until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the
-    weight pass reads, which the weight pass frees."""
+    gradients (a weight pass ran since the stage's last backward), forwards paused per stage, the moment: 0 a
+    forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
+    last stage, whose backward begins with the loss's), 3 between actions). A forward holds its stage-microbatch
+    until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the weight pass reads,
+    which the weight pass frees. ``inside``: a DualPipe F&B chunk's
+    backward runs inside its forward, paused at its stage's first expert dispatch (``executor._compute_pair``), so
+    the forward's stage-microbatch is whole only once the backward has freed its own."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     schedule = schedule_of(name, pp, m, chunks)
     last = schedule.num_stages - 1
     flying, weighing = [0] * schedule.num_stages, [0] * schedule.num_stages
     made, deposited = [0] * schedule.num_stages, [0] * schedule.num_stages
+    paused = [0] * schedule.num_stages
     seen = set()
 
     def note(when: int) -> None:
-        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), when))
+        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), tuple(paused), when))
+
+    def forward(a) -> None:
+        flying[a.stage] += 1
+        note((4 if a.mb in split else 1) if a.stage == last else 0)
 
     actions = schedule.compute(rank)
     split = {a.mb for a in actions if a.kind is Kind.BACKWARD_INPUT and a.stage == last}
-    for a in actions:
+    chunk = None  # the forward of the F&B chunk whose backward runs now
+    for i, a in enumerate(actions):
         if a.kind is Kind.FORWARD:
-            flying[a.stage] += 1
-            note((4 if a.mb in split else 1) if a.stage == last else 0)
+            if inside and a.overlap and i + 1 < len(actions) and actions[i + 1].kind in (
+                    Kind.BACKWARD, Kind.BACKWARD_INPUT):
+                chunk = a
+                paused[a.stage] += 1
+            else:
+                forward(a)
             continue
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            note(2)  # its microbatch still held, a unit's gradient being formed
+            note(5 if a.stage == last else 2)  # its microbatch still held, a unit's gradient being formed
             flying[a.stage] -= 1
             weighing[a.stage] += a.kind is Kind.BACKWARD_INPUT
             deposited[a.stage] = 0  # the unit hooks take the deposits into the stage's gradients
@@ -163,6 +191,10 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int) -> tuple
             continue
         made[a.stage] = 1
         note(3)
+        if chunk is not None:  # the chunk's forward goes on past its dispatch
+            paused[chunk.stage] -= 1
+            forward(chunk)
+            chunk = None
     return tuple(_undominated(seen))
 
 
@@ -170,31 +202,35 @@ def _undominated(states: set[tuple]) -> list[tuple]:
     """The states no other state of the same moment holds at least as much of, in every count: every byte figure
     is non-negative, so only these can be the peak."""
     def covers(a: tuple, b: tuple) -> bool:
-        return all(x >= y for x, y in zip(a[0] + a[1] + a[2] + a[3], b[0] + b[1] + b[2] + b[3]))
+        return all(x >= y for x, y in zip(sum(a[:-1], ()), sum(b[:-1], ())))
 
-    ordered = sorted(states, key=lambda st: -(sum(st[0]) + sum(st[1]) + sum(st[2]) + sum(st[3])))
+    ordered = sorted(states, key=lambda st: -sum(sum(counts) for counts in st[:-1]))
     kept: list[tuple] = []
     for state in ordered:
-        if not any(k[4] == state[4] and covers(k, state) for k in kept):
+        if not any(k[-1] == state[-1] and covers(k, state) for k in kept):
             kept.append(state)
     return kept
 
 
 def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tuple[list[float], float],
-                 moment: tuple[float, float], head_kept: float, grads: "StageGradients | None" = None) -> float:
+                 moment: tuple[float, float], head_kept: float, grads: "StageGradients | None" = None,
+                 paused: float = 0.0) -> float:
     """The most bytes a rank holds over its :func:`peak_candidates` beyond its model states: a stage-microbatch in
     flight holds ``full[stage]`` bytes (on the last stage also the head's ``head_kept``), a split backward's
-    remainder ``partial`` ((per stage, the last stage's head)); a forward peaks at ``moment`` beyond what is held
+    remainder ``partial`` ((per stage, the last stage's head)), a forward paused at its first expert dispatch
+    ``paused`` (:func:`dispatch_bytes`); a forward peaks at ``moment`` beyond what is held
     (the loss's on the last stage, a block's backward elsewhere: (other, last)), a backward at a block's backward
-    and the unit gradient it forms; and the stages' gradients (:class:`StageGradients`) from their first backward."""
+    (on the last stage, or the loss's backward) and the unit gradient it forms; and the stages' gradients
+    (:class:`StageGradients`) from their first backward."""
     best = 0.0
-    for flying, weighing, made, deposited, when in candidates:
-        held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1]
+    for flying, weighing, made, deposited, pausing, when in candidates:
+        held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1] + paused * sum(pausing)
                 + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1])
         if grads is not None:
             held += grads.held(made, deposited)
-        forming = (grads.at_loss if when == 4 else grads.transient if when == 2 else 0.0) if grads else 0.0
-        extra = forming + (moment[1] - head_kept if when in (1, 4) else moment[0] if when in (0, 2) else 0.0)
+        at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)
+        loss, block = moment[1] - head_kept, transient + moment[0]
+        extra = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}.get(when, 0.0)
         best = max(best, held + extra)
     return best
 
@@ -202,23 +238,21 @@ def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tupl
 @dataclass(frozen=True)
 class StageGradients:
     """A pipeline rank's gradients by stage (bytes): ``made`` those a stage holds from its first backward on (every
-    stage's from the rank's first backward where ``whole``: DDP's buckets), ``deposited`` a split backward's weight
-    passes' compute-dtype gradients, held from a weight pass to the stage's next backward (mixed precision: the
-    flat engine's unit hook adds them into the fp32 main gradient there), and ``transient`` the unit gradient a
+    stage's through the whole step where ``whole``: DDP's buckets, made with the engine and zeroed each step, and
+    buffer reuse's gradient buffers, each unit's own, zeroed at the step's first forward and kept for the next),
+    ``deposited`` a split backward's weight passes' compute-dtype gradients, held from a weight pass to the stage's
+    next backward (mixed precision: the flat engine's unit hook adds them into the fp32 main gradient there), and ``transient`` the unit gradient a
     backward forms (a flat unit's gradient, the unit's size, before it is added to the held one), and ``at_loss`` the
     same beside the loss where the loss's backward is an input pass, which forms it while the loss's tensors live
-    (fp32, as the dry run shows it); ``kept``: every stage's gradients at every moment (buffer reuse gives each unit of
-    a stage its own fp32 gradient buffer, zeroed at the step's first forward and kept for the next step)."""
+    (fp32, as the dry run shows it)."""
     made: tuple[float, ...]
     deposited: tuple[float, ...]
     transient: float = 0.0
     whole: bool = False
     at_loss: float = 0.0
-    kept: bool = False  # every stage's at every moment: buffer reuse's gradient buffers outlive the step
 
     def held(self, made: tuple, deposited: tuple) -> float:
-        grads = sum(self.made) * (self.kept or any(made)) if self.whole or self.kept else \
-            sum(n * b for n, b in zip(made, self.made))
+        grads = sum(self.made) if self.whole else sum(n * b for n, b in zip(made, self.made))
         return grads + sum(n * b for n, b in zip(deposited, self.deposited))
 
 
@@ -231,10 +265,11 @@ def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig,
 
 
 def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
-           moment: tuple[float, float], head_kept: float, grads_of=None) -> list[dict]:
+           moment: tuple[float, float], head_kept: float, grads_of=None, paused: float = 0.0) -> list[dict]:
     """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
     microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
-    stages' gradients (``grads_of(stages, layers per stage)``: :class:`StageGradients`)."""
+    stages' gradients (``grads_of(stages, layers per stage)``: :class:`StageGradients`) and ``paused`` the bytes of a
+    forward paused at its first expert dispatch where DualPipe's F&B chunks run a backward there (else 0)."""
     from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
@@ -253,9 +288,9 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
         held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
                 "head": schedule.num_stages - 1 in stages}
         grads = grads_of(stages, sizes) if grads_of else None
-        candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r)
+        candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r, bool(paused))
         out.append({**held, "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept,
-                                                 grads)})
+                                                 grads, paused)})
     return out
 
 
@@ -273,8 +308,8 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
     per_shard = _per_shard(params, experts, shard, dims.ep)
     master = 4 * (per_shard if (parallel.fsdp and parallel.fsdp.stage) or full_shard or (bf16 and sharded) else params)
     held_grads = 0.0
-    if dims.pp > 1 and not (full_shard or bf16) and parallel.schedule is not Schedule.GPIPE:  # (GPipe peaks before the first
-        held_grads = 4 * params  # backward makes the stage's gradient buffers)
+    if dims.pp > 1 and not (full_shard or bf16):
+        held_grads = 4 * params  # the stage's gradient buffers
     elif not (sharded or bf16) and dims.dp * dims.cp > 1:
         held_grads = 4 * params  # DDP's buckets
     compute_copy = 0.0
@@ -429,7 +464,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
 
     def stage_gradients(stages: list[int], sizes: list[int]) -> StageGradients:
         """A pipeline rank's gradients by stage (:class:`StageGradients`), held through the step: DDP in fp32 the
-        parameters' own gradients (its buckets), every stage's from the rank's first backward; a flat engine in
+        parameters' own gradients (its buckets), every stage's through the step; a flat engine in
         fp32 each unit's accumulated gradient, in bf16 the fp32 main gradient each microbatch's gradient is added
         into unit by unit, a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
@@ -448,12 +483,13 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
-        kept = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
-        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp, at_loss=at_loss, kept=kept)
+        reuse = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss)
 
     best = None
+    paused = dispatch_bytes(cfg, tokens, parallel, e, block) if cfg.n_experts and dims.ep > 1 else 0.0
     for rank in _ranks(cfg, parallel, train, block, tokens, e, moment, head_bytes(cfg, tokens, parallel, e, True),
-                       stage_gradients if dims.pp > 1 else None):
+                       stage_gradients if dims.pp > 1 else None, paused):
         params, experts, states = states_of(rank["layers"], rank["embedding"], rank["head"], rank["stages"])
         if dims.pp > 1:  # the stage's gradients are in the walk's peak (:func:`held_at_peak`)
             states["grads"] = 0.0
