@@ -60,13 +60,18 @@ LATE_PEAKS = {  # name: (flags, the estimate's grads at the peak: the fp32 shard
         "--dp 4 --tp 2 --sp --zero 1 --recompute full --global-batch 4",
     "dp4 tp2 sp no_shard bf16 full recompute: the optimizer's temporaries":
         "--dp 4 --tp 2 --sp --recompute full --mixed-precision bf16 --global-batch 4",
+    "dp4 tp2 sp zero2 bf16 full recompute: end of backward, the first unit's gradient and its fp32 copy":
+        "--dp 4 --tp 2 --sp --zero 2 --recompute full --mixed-precision bf16 --global-batch 4",
+    "dp4 tp2 sp zero2 fp32 full recompute: end of backward, the first unit's gradient being reduced":
+        "--dp 4 --tp 2 --sp --zero 2 --recompute full --global-batch 4",
 }
 
 
 @pytest.mark.parametrize("name", LATE_PEAKS)
 def test_engines_holding_the_full_gradient_peak_after_the_loss(name):
-    """ZeRO-1 and NO_SHARD keep every unit's full gradient until the optimizer: with few activations their peak is
-    at the end of backward or in the optimizer, not at the loss (perf/memory.py: end_of_backward)."""
+    """ZeRO-1 and NO_SHARD keep every unit's full gradient until the optimizer, ZeRO-2 the first unit's as it is
+    reduced: with few activations their peak is at the end of backward or in the optimizer, not at the loss
+    (perf/memory.py: end_of_backward)."""
     from parallelisms.api import configure
     from parallelisms.estimate_check import check
     from parallelisms.perf.estimate import estimate

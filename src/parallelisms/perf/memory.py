@@ -365,7 +365,8 @@ def backward_buffers(parallel: ParallelConfig, train: TrainConfig, block: float)
 def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
                     experts: float = 0.0) -> dict | None:
     """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
-    precision over plain data parallelism, ``--fsdp no_shard``) without a pipeline, the higher of two
+    precision over plain data parallelism, ``--fsdp no_shard``) or reduces it unit by unit into shards (ZeRO-2:
+    the first unit's gradient, concatenated, beside its fp32 copy being reduced) without a pipeline, the higher of two
     (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``); the activations are gone by then:
 
     * the end of backward, as the first unit's gradient (the embedding's, reduced last) is made and
@@ -374,13 +375,13 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
       gradients as they are concatenated, or its fp32 copy being reduced and its reduced shard;
     * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard.
 
-    ``None`` where the engine frees gradients as it reduces them (ZeRO-2/3, FSDP) or a pipeline holds them."""
+    ``None`` for ZeRO-3 and FSDP (their gathered blocks: :func:`backward_buffers`) and under a pipeline."""
     from parallelisms.perf.model import block_params
 
-    bf16, n = parallel.mixed_precision is Precision.BF16, (_shard_degree(parallel) if parallel.zero == 1 else 1)
+    bf16, n = parallel.mixed_precision is Precision.BF16, (_shard_degree(parallel) if parallel.zero in (1, 2) else 1)
     plain = not parallel.zero and (parallel.fsdp is FsdpStrategy.NO_SHARD or (not parallel.fsdp and bf16))
-    keeps_full = parallel.zero == 1 or plain
-    if parallel.dims.pp > 1 or not keeps_full:
+    keeps_full, frees = parallel.zero == 1 or plain, parallel.zero == 2
+    if parallel.dims.pp > 1 or not (keeps_full or frees):
         return None
     if n == 1 and not bf16:
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
@@ -388,8 +389,11 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     first = _stage_units(cfg, parallel, train, cfg.n_layers, True, True)[0]
     largest = max(first, vocab_rows(cfg, parallel.dims.tp) * cfg.dim + cfg.dim,
                   block_params(cfg, parallel.dims.tp))
-    in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
-    held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
+    if frees:  # ZeRO-2: the first unit's gradient, concatenated, and its fp32 copy being reduced into the shard's
+        in_flight, held = compute * first + (4 * first if bf16 else 0), 2 * params if bf16 else 0.0
+    else:
+        in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
+        held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
     per_shard = _per_shard(params, experts, n, parallel.dims.ep)
     return {"params": 4 * per_shard if bf16 else 4 * params, "grads": 4 * per_shard if bf16 else 4 * params,
             "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
