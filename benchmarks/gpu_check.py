@@ -19,6 +19,7 @@ prints the errors.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -79,7 +80,7 @@ def _timed(fn, reps: int, torch) -> float:
     return statistics.median(times)
 
 
-def _rotating(make, bytes_each: int, torch, floor: int = 256 << 20) -> list:
+def _rotating(make, bytes_each: int, floor: int = 256 << 20) -> list:
     """Enough copies of an operand set that cycling through them overruns the L2 (``floor`` bytes in all)."""
     return [make() for _ in range(max(1, min(16, -(-floor // max(bytes_each, 1)))))]
 
@@ -92,14 +93,14 @@ def measure_gemms(torch, dtype, deadline: float) -> list[dict]:
         size = (m * k + n * k) * 2
         if layout == "fwd":  # y[m, n] = x[m, k] w[n, k]^T, as nn.Linear
             sets = _rotating(lambda: (torch.randn(m, k, device="cuda", dtype=dtype),
-                                      torch.randn(n, k, device="cuda", dtype=dtype)), size, torch)
+                                      torch.randn(n, k, device="cuda", dtype=dtype)), size)
             op = torch.nn.functional.linear
         else:  # dW[m, n] = g[k, m]^T x[k, n]: the reduction runs over the tokens
             sets = _rotating(lambda: (torch.randn(k, m, device="cuda", dtype=dtype).t(),
-                                      torch.randn(k, n, device="cuda", dtype=dtype)), size, torch)
+                                      torch.randn(k, n, device="cuda", dtype=dtype)), size)
             op = torch.matmul
-        it = iter(range(1 << 30))
-        seconds = _timed(lambda: op(*sets[next(it) % len(sets)]), 20, torch)
+        turn = itertools.cycle(sets)
+        seconds = _timed(lambda: op(*next(turn)), 20, torch)
         rows.append({"layout": layout, "m": m, "n": n, "k": k, "seconds": seconds,
                      "tflops": 2 * m * n * k / seconds / 1e12})
     return rows

@@ -80,7 +80,8 @@ STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelis
               "parallelisms.perf.network", "parallelisms.perf.hardware", "parallelisms.perf.estimate",
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
               "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu",
-              "parallelisms.perf.volumes", "parallelisms.perf.context", "parallelisms.perf.memory")
+              "parallelisms.perf.volumes", "parallelisms.perf.context", "parallelisms.perf.memory",
+              "parallelisms.perf.pipeline_walk")
 CONFIGS = {"parallelisms.config", "parallelisms.errors", "parallelisms.options", "parallelisms.units"}
 PLAN_OBJECTS = {
     "parallelisms.mesh": "each dimension's groups, sizes and strides (ParallelDims.span)",

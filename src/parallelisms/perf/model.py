@@ -257,26 +257,32 @@ def rank0_params(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     return layers * block_params(cfg, dims.tp) + vocab_rows(cfg, dims.tp) * d * tables + head * d
 
 
-def rank0_held_params(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[int, float]:
-    """The layers rank 0 holds (every stage on it: DualPipe's two copies) and their parameters with its ends, the
-    experts' and the router's split over ep (rank0_params splits them over tp instead)."""
+def rank0_dense_and_experts(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[float, float]:
+    """The parameters of the layers rank 0 holds (every stage on it: DualPipe's two copies) and its ends, as (the
+    dense weights, the expert weights of its slots, split over ep where rank0_params splits them over tp): a
+    sharding engine splits the first over :func:`dense_shards`, the second over the ranks holding the same experts
+    (``ep_replicate``)."""
     layers = rank0_held(cfg, parallel)[0]
-    return layers, rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel)
+    experts = layers * expert_slot_params(cfg, parallel)
+    return rank0_params(cfg, parallel) + layers * expert_block_change(cfg, parallel) - experts, experts
+
+
+def dense_shards(parallel: ParallelConfig) -> int:
+    """The ranks a data-parallel engine splits the dense weights over: HSDP's shard group, else every rank that saw
+    different tokens (dp x cp)."""
+    return parallel.dims.span("dp_shard_cp" if parallel.fsdp and parallel.fsdp.hybrid else "dp_cp")[0]
 
 
 def mirror_gradient_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Bytes of the fp32 gradients DualPipe's two copies of a stage exchange after the step's reductions: what
     the engine holds on the rank, the dense weights' shard over the sharding ranks (the replicas' under HSDP) and
     the experts' over the ranks holding the same experts where the engine shards them, else whole."""
-    dims = parallel.dims
-    layers, local_params = rank0_held_params(cfg, parallel)
-    experts = layers * expert_slot_params(cfg, parallel)
+    dense, experts = rank0_dense_and_experts(cfg, parallel)
     if not sharding_stage(parallel):
-        return 4 * local_params
-    hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
-    shards = dims.span("dp_shard_cp" if hybrid else "dp_cp")[0]
-    dense = local_params - experts + sum(per_param_padding(cfg, parallel, shards))
-    return 4 * (dense / shards + experts / dims.span("ep_replicate")[0])
+        return 4 * (dense + experts)
+    shards = dense_shards(parallel)
+    padded = dense + sum(per_param_padding(cfg, parallel, shards))
+    return 4 * (padded / shards + experts / parallel.dims.span("ep_replicate")[0])
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
-from parallelisms.perf.model import (CommVolume, block_params, expert_block_change, expert_slot_params, expert_slots,
-                                     microbatches_per_step, mirror_gradient_bytes, per_param_padding, rank0_end_shares,
-                                     rank0_held_params, redundant_expert_grads, sharding_stage)
-from parallelisms.perf.stages import rank0_layers, schedule_of
+from parallelisms.perf.model import (CommVolume, block_params, dense_shards, expert_block_change, expert_slot_params,
+                                     expert_slots, microbatches_per_step, mirror_gradient_bytes, per_param_padding,
+                                     rank0_dense_and_experts, rank0_end_shares, redundant_expert_grads, sharding_stage)
+from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
 
 
 # -- data parallelism: one gradient sync engine, DDP's, ZeRO's or FSDP's ---------------------------------------
@@ -45,13 +45,11 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     over ep (and over the replicas where the engine shards the slots)."""
     dims = parallel.dims
     out = []
-    layers, local_params = rank0_held_params(cfg, parallel)
-    expert_params = layers * expert_slot_params(cfg, parallel)
-    dp = dims.span("dp_cp")[0]
-    if dp > 1:
+    dense, expert_params = rank0_dense_and_experts(cfg, parallel)
+    if dims.span("dp_cp")[0] > 1:
         hybrid = bool(parallel.fsdp and parallel.fsdp.hybrid)
-        shards = dims.span("dp_shard_cp")[0] if hybrid else dp  # HSDP shards within dp_shard, replicates across
-        dense = local_params - expert_params + sum(per_param_padding(cfg, parallel, shards))
+        shards = dense_shards(parallel)  # HSDP shards within dp_shard, replicates across
+        dense += sum(per_param_padding(cfg, parallel, shards))
         if hybrid and dims.dp_replicate > 1:  # each shard's reduced gradient all-reduced over the replicas
             replicas = dims.span("dp_replicate")[0]
             m_reduce = microbatches_per_step(parallel, train) if dims.pp == 1 else 1
@@ -62,7 +60,7 @@ def _gradient_sync(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         replicas = dims.span("ep_replicate")[0]
         out += _engine_volumes(parallel, train, "ep_replicate", replicas, expert_params, dtype_bytes,
                                expert_params * dtype_bytes * (1 if dims.pp > 1 else 2))
-        copies = redundant_expert_grads(cfg, parallel, layers)
+        copies = redundant_expert_grads(cfg, parallel, rank0_held(cfg, parallel)[0])
         if copies:
             out.append(CommVolume("all_reduce", "ep", 2 * (dims.ep - 1) / dims.ep * copies * 4))
             if replicas > 1 and sharding_stage(parallel):
@@ -98,13 +96,12 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     no weights); buffer reuse (YaFSDP) the same less the last block, still in its buffer when backward starts.
     A pipeline stage holds its units through the step: one gather a step. The dense weights only: the experts
     gather over the ranks holding the same experts (:func:`_gradient_sync`)."""
-    layers, local = rank0_held_params(cfg, parallel)
-    experts = expert_slot_params(cfg, parallel)
-    params = (local - layers * experts) * dtype_bytes
+    params = rank0_dense_and_experts(cfg, parallel)[0] * dtype_bytes
     if parallel.dims.pp > 1:
         return params
     if parallel.fsdp_style is FsdpStyle.FLAT or parallel.zero:
         return 2 * params
+    experts = expert_slot_params(cfg, parallel)  # a block's, on this rank
     block = (block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel) - experts) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
     padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
