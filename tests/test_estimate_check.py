@@ -199,6 +199,7 @@ def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):
 # _engine_calls), held here against the dry run's ledger, engine by engine. Strict xfail: DDP's buckets, cut by the
 # parameters' sizes in backward's order, which the step model approximates (docs/performance-model.md, "What is
 # still a formula").
+MOE = "--experts 16 --ffn 64 --topk 4"
 ENGINE_CALLS = {
     "ddp, grad-accum 2": "--dp 4 --grad-accum 2 --global-batch 16",
     "zero1": "--dp 4 --zero 1 --global-batch 8",
@@ -211,6 +212,13 @@ ENGINE_CALLS = {
     "hsdp": "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard --global-batch 8",
     "bf16 ddp (the flat engine's NO_SHARD plan)": "--dp 4 --mixed-precision bf16 --global-batch 8",
     "fsdp no_shard": "--dp 4 --fsdp no_shard --global-batch 8",
+    # expert weights, a shard of their own per block, over ep_replicate
+    "ep2 zero2, grad-accum 2": f"--dp 4 --ep 2 {MOE} --zero 2 --grad-accum 2 --global-batch 16",
+    "ep2 zero3": f"--dp 4 --ep 2 {MOE} --zero 3 --global-batch 8",
+    "ep2 fsdp per_param": f"--dp 4 --ep 2 {MOE} --fsdp full_shard --fsdp-style per_param --global-batch 8",
+    "ep2 fsdp reuse": f"--dp 4 --ep 2 {MOE} --fsdp full_shard --fsdp-style reuse --global-batch 8",
+    "ep2 hsdp": f"--dp-replicate 2 --dp-shard 2 --ep 2 {MOE} --fsdp hybrid_shard --global-batch 8",
+    "ep2 bf16 ddp": f"--dp 4 --ep 2 {MOE} --mixed-precision bf16 --global-batch 8",
 }
 APPROXIMATED_CALLS = {  # name: (flags, what the step model counts instead)
     "ddp, 0.5 MB buckets": ("--dp 4 --global-batch 8 --bucket-mb 0.5",
@@ -235,7 +243,7 @@ def _engine_calls(flags: str) -> tuple[dict, dict]:
         kind, dim = name.split("/")
         ours[f"{kind}/{dim_family(dim)}"] += calls
     events = [e for e in dry_run(cfg.model, cfg.train, cfg.layout)["runs"][0].events
-              if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and e.dim.startswith("dp")]
+              if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and (e.dim.startswith("dp") or e.dim == "ep_replicate")]
     theirs = Counter(f"{e.kind}/{dim_family(e.dim)}" for e in events)
     return dict(ours), dict(theirs)
 

@@ -229,7 +229,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     out = []
     bucket = train.bucket_mb * 2**20
     sharded_params = sharding_stage(parallel) == 3
-    engine = _engine_calls(cfg, parallel, train)
+    engine = {"dp": _engine_calls(cfg, parallel, train), "ep_replicate": _engine_calls(cfg, parallel, train, True)}
     m = _microbatches_reduced(parallel, train)
     for v in comm_per_step(cfg, parallel, train, parallel.mixed_precision.compute_bytes, pipeline=False):
         # EPLB's copies' gradients: one call after the layout's reduction, exposed whole (the norm's scalar is not)
@@ -241,7 +241,7 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        calls = 1 if full < 64 or copies else (v.dim.startswith("dp") and engine.get(v.kind)) or max(1, math.ceil(full / bucket))
+        calls = 1 if full < 64 or copies else engine.get("dp" if v.dim.startswith("dp") else v.dim, {}).get(v.kind) or max(1, math.ceil(full / bucket))
         role = ("scalar" if full < 64 else "copies" if copies else "gather" if v.kind == "all_gather" and sharded_params
                 else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
                 else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
@@ -255,7 +255,8 @@ def _microbatches_reduced(parallel: ParallelConfig, train: TrainConfig) -> int:
     return microbatches_per_step(parallel, train) if parallel.dims.pp == 1 and parallel.fsdp_style is FsdpStyle.FLAT else 1
 
 
-def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict[str, int]:
+def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                  experts: bool = False) -> dict[str, int]:
     """The data-parallel calls per step of a sharding engine over its wrapped units (:func:`_stage_units`,
     ZeRO-1/2's merged under ``--bucket-mb`` by :func:`merged_units`), by collective kind, as its hooks issue
     them (parallel/flat.py, fsdp2.py, yafsdp.py): a reduce-scatter per unit and reduced microbatch (gradients
@@ -264,12 +265,16 @@ def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     the forward freed them (FULL_SHARD, ZeRO-3: not the head, whose backward follows its forward, nor the
     embedding, whose backward reads no weight, in the per-parameter styles; under buffer reuse not the last
     block either, still in its buffer); ZeRO-1/2's updated parameters gathered per unit after the optimizer.
+    With ``experts``, the calls over ``ep_replicate`` of the units' expert weights, a shard of their own in
+    each unit holding a block (neither end: the per-parameter style gathers every one again for backward,
+    buffer reuse all but the last two blocks', still in its two buffers).
     Empty for DDP (its buckets: ``--bucket-mb``)."""
     flat = parallel.zero or parallel.fsdp or parallel.mixed_precision is Precision.BF16
     if not flat:
         return {}
     held = parallel.dims.pp > 1
-    units = sum(len(merged) for _, merged in _merged_stage_units(cfg, parallel, train))
+    stages = _merged_stage_units(cfg, parallel, train)
+    units = sum(sum(any(units[i][1] for i in g) for g in merged) if experts else len(merged) for units, merged in stages)
     shard_grads = (parallel.zero or 0) >= 2 or (parallel.fsdp is not None and parallel.fsdp.stage >= 2)
     m = _microbatches_reduced(parallel, train) if shard_grads else 1
     out = {"reduce_scatter": m * units}
@@ -279,7 +284,8 @@ def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     if (parallel.zero or 0) in (1, 2) or (parallel.fsdp and parallel.fsdp.stage == 2):
         out["all_gather"] = m * units if parallel.fsdp else units
     elif sharding_stage(parallel) == 3:
-        again = 0 if held else units - {FsdpStyle.FLAT: 0, FsdpStyle.PER_PARAM: 2, FsdpStyle.REUSE: 3}[parallel.fsdp_style]
+        not_again = {FsdpStyle.FLAT: 0, FsdpStyle.PER_PARAM: 0 if experts else 2, FsdpStyle.REUSE: 2 if experts else 3}
+        again = 0 if held else units - not_again[parallel.fsdp_style]
         out["all_gather"] = m * (units + again)
     return out
 
