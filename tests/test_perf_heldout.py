@@ -11,6 +11,7 @@ import pytest
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.mesh import ParallelDims
+from parallelisms.options import FsdpStrategy
 from parallelisms.perf.hardware import PRESETS as HARDWARE
 from parallelisms.perf.step import predict_step
 
@@ -62,7 +63,10 @@ ROWS = [
 # Rows priced more than 10% fast, the mechanism not located (docs/performance-model.md, "Held-out published
 # H100 runs"): each runs its linears at tp 1 or 2 on a model of hidden 4,096-6,144, where FP8 GEMMs are the
 # largest share of the step, while the rows of 70B and more at tp 4-8 agree; and GPT-3 175B at one sequence a
-# microbatch (128 GPUs) is measured well below the same layout at two (512 GPUs), which the model prices alike.
+# microbatch (128 GPUs) is measured below the same layout at two (512 GPUs), which the model prices alike. What
+# public figures rule out (a lower sustained FP8 GEMM rate, Transformer Engine's casts, the unfused loss) is in
+# that section, and the same Llama 3 8B on the same eight GPUs under Megatron-Bridge 25.09 (the last test) is
+# priced within 10%.
 UNLOCATED = {
     "NeMo 24.07 GPT3-5B": "tp 1, FP8 linears, hidden 4,096: priced more than 10% fast",
     "NeMo 24.07 GPT3-175B, 128 GPUs": "one sequence a microbatch: priced more than 10% fast",
@@ -70,7 +74,8 @@ UNLOCATED = {
     "NeMo 24.07 Llama 2 13B": "tp 1, FP8 linears, hidden 5,120: priced more than 10% fast",
     "NeMo 24.07 Nemotron-8B": "tp 2, FP8 linears, hidden 4,096: priced more than 10% fast",
     "NeMo 24.07 Nemotron-22B": "tp 2, FP8 linears, hidden 6,144: priced more than 10% fast",
-    "NeMo 24.07 Llama 3 8B": "tp 1, FP8 linears, hidden 4,096: priced more than 10% fast",
+    "NeMo 24.07 Llama 3 8B": "tp 1 x cp 2, FP8 linears, hidden 4,096: priced more than 10% fast (at cp 1 under "
+                             "Megatron-Bridge 25.09, within 1%)",
 }
 
 
@@ -103,3 +108,15 @@ def test_nemo_h100_rows_mean_error_within_10_percent():
     """Issue 37's goal on held-out published runs: a mean absolute error within 10% over every row."""
     errors = [abs(tokens_per_gpu_s(row) / row[-1] - 1) for row in ROWS]
     assert sum(errors) / len(errors) < 0.10
+
+
+def test_megatron_bridge_llama3_8b_within_10_percent():
+    """The NeMo 24.07 Llama 3 8B row's model on the same eight H100s under Megatron-Bridge 25.09 (its performance
+    summary, DGX-H100: global batch 128, one sequence of 8,192 a microbatch, tp 1, cp 1, Megatron-FSDP over the
+    eight GPUs, FP8 with current scaling, as scripts/performance/configs/llama3/llama3_8b_llm_pretrain.py sets the
+    H100 FP8 recipe): 14,079 tokens/s/GPU, where NeMo 24.07 ran the model at cp 2 and measured 12,273. Held out as
+    the rows above are, and outside their mean."""
+    parallel = ParallelConfig(ParallelDims(dp_shard=8), fsdp=FsdpStrategy.FULL_SHARD, mixed_precision="bf16")
+    train = TrainConfig(global_batch=128, seq_len=8192, grad_accum=16)
+    step = predict_step(MODELS["llama3-8b"], parallel, train, HARDWARE["h100"], kernels="fused", fp8=True)["step_s"]
+    assert 128 * 8192 / step / 8 == pytest.approx(14079, rel=0.10)
