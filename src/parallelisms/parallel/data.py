@@ -104,9 +104,12 @@ class DataParallel(LocalGradients):
         self._rebuild = module.register_forward_pre_hook(lambda *_: self._rebuild_in_observed_order())
 
     def _install(self, ready_order: list[tuple[str, nn.Parameter]]) -> None:
-        """Buckets in ``ready_order`` and one hook per parameter; gradients move into the new buckets."""
+        """Buckets in ``ready_order`` and one hook per parameter; gradients move into the new buckets. The old
+        buckets are dropped first: without gradients (after ``zero_grad``, as the rebuild finds them) their
+        buffers are freed before the new ones exist, so the rebuild never holds the gradients twice."""
         for handle in self._hooks:
             handle.remove()
+        self.buckets = []
         self.buckets = self._bucketing(ready_order)
         self._next_to_launch = 0
         self._hooks = []
