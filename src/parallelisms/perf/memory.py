@@ -37,6 +37,7 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
 from parallelisms.parallel.cp_modes import MODES
+from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.model import sharding_stage, vocab_rows
 from parallelisms.perf.pipeline_walk import StageGradients, held_at_peak, peak_candidates
 from parallelisms.perf.stages import schedule_of, stage_sizes
@@ -294,14 +295,9 @@ def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     units += [table + cfg.dim] * head
     if parallel.zero not in (1, 2):
         return units
-    cap, merged = train.bucket_mb * 2**20, []
-    for i, size in enumerate(units):
-        alone = cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1))
-        if merged and not alone and not merged[-1][1] and (merged[-1][0] + size) * pbytes <= cap:
-            merged[-1] = (merged[-1][0] + size, False)
-        else:
-            merged.append((size, alone))
-    return [size for size, _ in merged]
+    alone = [cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1)) for i in range(len(units))]
+    return [sum(units[i] for i in group)
+            for group in merged_units([size * pbytes for size in units], train.bucket_mb * 2**20, alone)]
 
 
 def _per_shard(params: float, experts: float, shard: int, ep: int) -> float:
