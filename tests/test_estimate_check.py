@@ -124,6 +124,25 @@ def _checked(argv: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("flags", [
+    "--zero 2 --mixed-precision bf16",  # a block's gradient made while the head's is reduced
+    "--zero 2 --mixed-precision bf16 --recompute full",
+    "--zero 2",  # fp32: the head's gradient made beside every block's activations
+    "--zero 2 --recompute full",  # fp32: the embedding's gradient made beside the first block's in flight
+    "--zero 2 --mixed-precision bf16 --grad-accum 2 --global-batch 16",  # every unit's shard from the first microbatch
+    "",  # DDP: its buckets, rebuilt once after the first step (the old ones dropped first)
+    "--recompute full",  # DDP: the optimizer's temporaries of the largest parameter beside the buckets
+])
+def test_small_gradient_buckets(flags):
+    """0.5 MB buckets at 64 positions, where the model states weigh as much as the activations: ZeRO-2's every unit
+    (a block: 0.8 MB in fp32) is a bucket of its own, reduced one at a time in backward, one in flight, and the peak
+    comes as a unit's gradient is made or launched (perf/memory.py: reduced_unit_by_unit); DDP holds its buckets."""
+    batch = [] if "--global-batch" in flags else ["--global-batch", "8"]
+    out = _checked(SHAPE[:SHAPE.index("--seq-len")] + f"--seq-len 64 --dp 8 --bucket-mb 0.5 {flags}".split() + batch)
+    assert abs(out["memory"]["total"]["relative"]) <= 0.02, out["memory"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", [
     "--schedule zb-v --mixed-precision bf16",  # the weight passes' deposited bf16 gradients
     "--schedule zb-v --mixed-precision bf16 --zero 1",  # units merged: the whole stage deposits
     "--schedule dualpipev --mixed-precision bf16",  # the second stage's main gradient only after its backward
