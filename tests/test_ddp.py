@@ -170,3 +170,31 @@ def test_bucket_cut_in_ready_order_with_an_optional_smaller_first_bucket():
     assert names(_buckets_in_ready_order(params, 2400, lambda p: one_rank)) == [["p0", "p1", "p2"], ["p3", "p4"]]
     assert names(_buckets_in_ready_order(params, 2400, lambda p: one_rank, first_cap_bytes=800)) == [
         ["p0", "p1"], ["p2", "p3"], ["p4"]]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("shape", [
+    {},
+    {"qkv_bias": True, "out_bias": True, "qk_norm": True, "mlp": "gelu"},
+    {"tie_embeddings": True},
+    {"n_experts": 4, "top_k": 2},
+])
+@pytest.mark.parametrize("bucket_mb", [0.005, 0.02, 25.0])
+def test_the_performance_models_buckets_are_the_runtimes(shape, bucket_mb):
+    """DDP's buckets and the ones the step model counts come from one plan, ``wrap.gradient_buckets``, over the
+    parameters in reverse registration order: the step model's parameter sizes (perf/buckets.py), cut by it, are
+    the buckets DataParallel builds over the real model."""
+    import dataclasses
+
+    from parallelisms.model import build_model
+    from parallelisms.parallel.wrap import gradient_buckets
+    from parallelisms.perf.buckets import module_parameters
+
+    cfg = dataclasses.replace(MODEL, **shape)
+    ddp = DataParallel(build_model(cfg), Comms(), "dp", bucket_cap_mb=bucket_mb)
+    runtime = [[p.numel() for p in bucket.params] for bucket in ddp.buckets]
+    ddp.remove()
+    params = module_parameters(cfg, ParallelConfig(), cfg.n_layers, True, True)[::-1]
+    cut = gradient_buckets([4 * n for n, _ in params], int(bucket_mb * 2**20), [group for _, group in params])
+    assert len(runtime) > (1 if bucket_mb < 1 else 0)
+    assert [[params[i][0] for i in bucket] for bucket in cut] == runtime

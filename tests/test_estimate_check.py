@@ -124,6 +124,25 @@ def _checked(argv: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("flags", [
+    "--zero 2 --mixed-precision bf16",  # a block's gradient made while the head's is reduced
+    "--zero 2 --mixed-precision bf16 --recompute full",
+    "--zero 2",  # fp32: the head's gradient made beside every block's activations
+    "--zero 2 --recompute full",  # fp32: the embedding's gradient made beside the first block's in flight
+    "--zero 2 --mixed-precision bf16 --grad-accum 2 --global-batch 16",  # every unit's shard from the first microbatch
+    "",  # DDP: its buckets, rebuilt once after the first step (the old ones dropped first)
+    "--recompute full",  # DDP: the optimizer's temporaries of the largest parameter beside the buckets
+])
+def test_small_gradient_buckets(flags):
+    """0.5 MB buckets at 64 positions, where the model states weigh as much as the activations: ZeRO-2's every unit
+    (a block: 0.8 MB in fp32) is a bucket of its own, reduced one at a time in backward, one in flight, and the peak
+    comes as a unit's gradient is made or launched (perf/memory.py: reduced_unit_by_unit); DDP holds its buckets."""
+    batch = [] if "--global-batch" in flags else ["--global-batch", "8"]
+    out = _checked(SHAPE[:SHAPE.index("--seq-len")] + f"--seq-len 64 --dp 8 --bucket-mb 0.5 {flags}".split() + batch)
+    assert abs(out["memory"]["total"]["relative"]) <= 0.02, out["memory"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", [
     "--schedule zb-v --mixed-precision bf16",  # the weight passes' deposited bf16 gradients
     "--schedule zb-v --mixed-precision bf16 --zero 1",  # units merged: the whole stage deposits
     "--schedule dualpipev --mixed-precision bf16",  # the second stage's main gradient only after its backward
@@ -195,15 +214,26 @@ def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):
 
 
 # The data-parallel engines' calls per step: the step model prices each call's latency, counting them over the
-# runtime's wrapped units (parallel/wrap.py's merged_units) as the engines' hooks issue them (perf/step.py:
-# _engine_calls), held here against the dry run's ledger, engine by engine. Strict xfail: DDP's buckets, cut by the
-# parameters' sizes in backward's order, which the step model approximates (docs/performance-model.md, "What is
-# still a formula").
+# runtime's own cuts as the engines' hooks issue them, held here against the dry run's ledger, engine by engine: the
+# sharding engines' wrapped units (parallel/wrap.py's merged_units; perf/step.py: _engine_calls) and DDP's buckets,
+# its parameters cut in backward's order by the runtime's gradient_buckets (perf/buckets.py: ddp_buckets).
 MOE = "--experts 16 --ffn 64 --topk 4"
 ENGINE_CALLS = {
     "ddp, grad-accum 2": "--dp 4 --grad-accum 2 --global-batch 16",
+    "ddp, 0.1 MB buckets": "--dp 4 --global-batch 8 --bucket-mb 0.1",
+    "ddp, 0.5 MB buckets": "--dp 4 --global-batch 8 --bucket-mb 0.5",
+    "ddp, 1 MB buckets": "--dp 4 --global-batch 8 --bucket-mb 1",
+    "ddp, 25 MB buckets": "--dp 4 --global-batch 8 --bucket-mb 25",
+    "ddp tp2, 0.5 MB buckets": "--dp 4 --tp 2 --global-batch 8 --bucket-mb 0.5",
+    "ddp pp2, 0.5 MB buckets": "--dp 4 --pp 2 --global-batch 16 --bucket-mb 0.5",
+    "ddp dualpipe, 0.5 MB buckets": "--dp 2 --pp 2 --schedule dualpipe --global-batch 8 --bucket-mb 0.5",
+    "ddp cp2, 0.5 MB buckets": "--dp 2 --cp 2 --global-batch 4 --bucket-mb 0.5",
+    "ddp grad-accum 2, 0.5 MB buckets": "--dp 4 --grad-accum 2 --global-batch 16 --bucket-mb 0.5",
     "zero1": "--dp 4 --zero 1 --global-batch 8",
+    "zero1, 0.5 MB buckets": "--dp 4 --zero 1 --global-batch 8 --bucket-mb 0.5",
+    "zero1, 2 MB buckets": "--dp 4 --zero 1 --global-batch 8 --bucket-mb 2",
     "zero2, grad-accum 2": "--dp 4 --zero 2 --grad-accum 2 --global-batch 16",
+    "zero2, grad-accum 2, 0.5 MB buckets": "--dp 4 --zero 2 --grad-accum 2 --global-batch 16 --bucket-mb 0.5",
     "zero3": "--dp 4 --zero 3 --global-batch 8",
     "fsdp full_shard flat": "--dp 4 --fsdp full_shard --global-batch 8",
     "fsdp shard_grad_op": "--dp 4 --fsdp shard_grad_op --global-batch 8",
@@ -211,6 +241,7 @@ ENGINE_CALLS = {
     "fsdp reuse": "--dp 4 --fsdp full_shard --fsdp-style reuse --global-batch 8",
     "hsdp": "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard --global-batch 8",
     "bf16 ddp (the flat engine's NO_SHARD plan)": "--dp 4 --mixed-precision bf16 --global-batch 8",
+    "bf16 ddp, 0.5 MB buckets (units: no cap)": "--dp 4 --mixed-precision bf16 --global-batch 8 --bucket-mb 0.5",
     "fsdp no_shard": "--dp 4 --fsdp no_shard --global-batch 8",
     # expert weights, a shard of their own per block, over ep_replicate
     "ep2 zero2, grad-accum 2": f"--dp 4 --ep 2 {MOE} --zero 2 --grad-accum 2 --global-batch 16",
@@ -220,14 +251,11 @@ ENGINE_CALLS = {
     "ep2 hsdp": f"--dp-replicate 2 --dp-shard 2 --ep 2 {MOE} --fsdp hybrid_shard --global-batch 8",
     "ep2 bf16 ddp": f"--dp 4 --ep 2 {MOE} --mixed-precision bf16 --global-batch 8",
 }
-APPROXIMATED_CALLS = {  # name: (flags, what the step model counts instead)
-    "ddp, 0.5 MB buckets": ("--dp 4 --global-batch 8 --bucket-mb 0.5",
-                            "ceil(gradient bytes / bucket), where the runtime cuts buckets at parameters"),
-}
 
 
-def _engine_calls(flags: str) -> tuple[dict, dict]:
-    """(the step model's, the dry run's) data-parallel calls per step, per ``kind/dp``."""
+def _engine_calls(flags: str, shape: list[str] = SHAPE) -> tuple[dict, dict]:
+    """(the step model's, the dry run's) data-parallel calls per step, per ``kind/dp`` (and ``kind/ep_replicate``:
+    the expert weights' over the ranks holding the same experts)."""
     from collections import Counter
 
     from parallelisms.api import configure
@@ -236,22 +264,21 @@ def _engine_calls(flags: str) -> tuple[dict, dict]:
     from parallelisms.perf.hardware import load_hardware
     from parallelisms.perf.step import _data_parallel_traffic
 
-    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    shape = shape[:shape.index("--seq-len")] + ["--seq-len", "128"]
     cfg = configure(shape + flags.split())
     ours = Counter()
     for name, _, _, calls in _data_parallel_traffic(cfg.model, cfg.layout, cfg.train, load_hardware("h100")):
         kind, dim = name.split("/")
         ours[f"{kind}/{dim_family(dim)}"] += calls
     events = [e for e in dry_run(cfg.model, cfg.train, cfg.layout)["runs"][0].events
-              if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and (e.dim.startswith("dp") or e.dim == "ep_replicate")]
+              if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and e.dim.startswith(("dp", "ep_replicate"))]
     theirs = Counter(f"{e.kind}/{dim_family(e.dim)}" for e in events)
     return dict(ours), dict(theirs)
 
 
-@pytest.mark.parametrize("name", [*ENGINE_CALLS, *(pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why))
-                                                   for name, (_, why) in APPROXIMATED_CALLS.items())])
+@pytest.mark.parametrize("name", ENGINE_CALLS)
 def test_data_parallel_calls_per_step_agree_with_the_dry_run(name):
-    ours, theirs = _engine_calls(ENGINE_CALLS.get(name) or APPROXIMATED_CALLS[name][0])
+    ours, theirs = _engine_calls(ENGINE_CALLS[name])
     assert theirs and ours == theirs
 
 
@@ -269,6 +296,16 @@ def test_fully_sharded_fp32_in_a_blocks_backward(style):
 
 MOE_SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
              "--seq-len", "256", "--experts", "16", "--topk", "4"]
+
+
+@pytest.mark.parametrize("flags", ["--dp 8 --ep 4 --global-batch 8 --bucket-mb 0.5", "--dp 4 --global-batch 4 --bucket-mb 0.2"])
+def test_ddp_buckets_of_expert_layouts_agree_with_the_dry_run(flags):
+    """DDP closes a bucket where the reducing group changes: under expert parallelism the expert weights are summed
+    over the ranks holding the same experts (``ep_replicate``), the others over dp (perf/buckets.py)."""
+    seq = MOE_SHAPE.index("--seq-len")
+    ours, theirs = _engine_calls(flags, MOE_SHAPE[:seq] + MOE_SHAPE[seq + 2:] + MOE_SHAPE[seq:seq + 2])
+    assert theirs["all_reduce/dp"] > 1 and ours == theirs
+    assert "--ep" not in flags or theirs["all_reduce/ep_replicate"] > 1
 
 
 @pytest.mark.parametrize("flags", [

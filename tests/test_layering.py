@@ -81,7 +81,7 @@ STEP_MODEL = ("parallelisms.perf.compute", "parallelisms.perf.step", "parallelis
               "parallelisms.perf.collectives", "parallelisms.perf.vtrain", "parallelisms.perf.stages",
               "parallelisms.perf.prefetch", "parallelisms.perf.overlap", "parallelisms.perf.cpu",
               "parallelisms.perf.volumes", "parallelisms.perf.context", "parallelisms.perf.memory",
-              "parallelisms.perf.pipeline_walk")
+              "parallelisms.perf.pipeline_walk", "parallelisms.perf.buckets")
 CONFIGS = {"parallelisms.config", "parallelisms.errors", "parallelisms.options", "parallelisms.units"}
 PLAN_OBJECTS = {
     "parallelisms.mesh": "each dimension's groups, sizes and strides (ParallelDims.span)",
@@ -92,7 +92,7 @@ PLAN_OBJECTS = {
     "parallelisms.parallel.ep_placement": "the experts' placement before any measurement (slots, copies)",
     "parallelisms.parallel.row_split": "FSDP2's and the vocabulary's padded dim-0 rows",
     "parallelisms.parallel.shard_group": "the mesh dimension a sharding engine splits over",
-    "parallelisms.parallel.wrap": "how consecutive wrapping units merge under --bucket-mb",
+    "parallelisms.parallel.wrap": "how gradients cut into buckets and wrapping units merge under --bucket-mb",
     "parallelisms.parallel.pipeline.schedules": "the schedule a layout runs, its microbatches, stage placement",
     "parallelisms.parallel.pipeline.simulate": "the schedule's timing",
     "parallelisms.parallel.pipeline.partition": "the pipeline's layer cut",

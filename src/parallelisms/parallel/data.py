@@ -18,6 +18,7 @@ from torch import nn
 from parallelisms.comm import Comm, Comms
 from parallelisms.parallel.common import sharded_over
 from parallelisms.parallel.grad_sync import LocalGradients, syncing_off
+from parallelisms.parallel.wrap import gradient_buckets
 
 
 class Bucket:
@@ -43,22 +44,13 @@ class Bucket:
 def _buckets_in_ready_order(ready_order: list[tuple[str, nn.Parameter]], cap_bytes: int, comm_of,
                             first_cap_bytes: int | None = None) -> list[Bucket]:
     """Parameters in the order backward produces their gradients, cut at ``cap_bytes`` (the first bucket at
-    ``first_cap_bytes``, so communication starts early); a bucket holds one dtype, one device and one
-    reducing group (``comm_of(param)``)."""
-    buckets, current, names, size = [], [], [], 0
-    for name, p in ready_order:
-        nbytes = p.numel() * p.element_size()
-        cap = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
-        if current and (size + nbytes > cap or p.dtype != current[0].dtype or p.device != current[0].device
-                        or comm_of(p) is not comm_of(current[0])):
-            buckets.append(Bucket(current, names, comm_of(current[0])))
-            current, names, size = [], [], 0
-        current.append(p)
-        names.append(name)
-        size += nbytes
-    if current:
-        buckets.append(Bucket(current, names, comm_of(current[0])))
-    return buckets
+    ``first_cap_bytes``, so communication starts early) by :func:`~parallelisms.parallel.wrap.gradient_buckets`; a
+    bucket holds one dtype, one device and one reducing group (``comm_of(param)``)."""
+    params = [p for _, p in ready_order]
+    cut = gradient_buckets([p.numel() * p.element_size() for p in params], cap_bytes,
+                           [(p.dtype, p.device, id(comm_of(p))) for p in params], first_cap_bytes)
+    return [Bucket([params[i] for i in bucket], [ready_order[i][0] for i in bucket], comm_of(params[bucket[0]]))
+            for bucket in cut]
 
 
 class DataParallel(LocalGradients):
@@ -104,9 +96,12 @@ class DataParallel(LocalGradients):
         self._rebuild = module.register_forward_pre_hook(lambda *_: self._rebuild_in_observed_order())
 
     def _install(self, ready_order: list[tuple[str, nn.Parameter]]) -> None:
-        """Buckets in ``ready_order`` and one hook per parameter; gradients move into the new buckets."""
+        """Buckets in ``ready_order`` and one hook per parameter; gradients move into the new buckets. The old
+        buckets are dropped first: without gradients (after ``zero_grad``, as the rebuild finds them) their
+        buffers are freed before the new ones exist, so the rebuild never holds the gradients twice."""
         for handle in self._hooks:
             handle.remove()
+        self.buckets = []
         self.buckets = self._bucketing(ready_order)
         self._next_to_launch = 0
         self._hooks = []

@@ -36,16 +36,29 @@ def module_units(model: nn.Module, cap_bytes: int | None = None) -> list[tuple[s
 
 def merged_units(sizes: list[float], cap_bytes: float, alone: list[bool]) -> list[list[int]]:
     """Consecutive units of ``sizes`` bytes merged while the merged unit fits under ``cap_bytes`` (none merge with a
-    unit ``alone``), as the indices of each merged unit."""
-    merged, total = [], []
+    unit ``alone``), as the indices of each merged unit: :func:`gradient_buckets` over the units."""
+    return gradient_buckets(sizes, cap_bytes, [("alone", i) if one else None for i, one in enumerate(alone)])
+
+
+def gradient_buckets(sizes: list[float], cap_bytes: float, keys: list | None = None,
+                     first_cap_bytes: float | None = None) -> list[list[int]]:
+    """Gradients of ``sizes`` bytes, in the order backward makes them, cut into buckets of consecutive ones (the
+    indices of each): a bucket closes before a gradient that would take it over ``cap_bytes`` (the first bucket
+    over ``first_cap_bytes`` where that is smaller) or whose key differs (``keys``: what a bucket must share, DDP's
+    dtype, device and reducing group); a gradient larger than the cap is a bucket alone. DDP cuts its parameters
+    so (:mod:`parallelisms.parallel.data`, Li et al. 2020), ZeRO-1/2 their wrapping units (:func:`merged_units`), and
+    the performance model the parameter sizes it prices."""
+    keys = keys or [None] * len(sizes)
+    buckets, total = [], 0.0
     for i, size in enumerate(sizes):
-        if merged and total[-1] + size <= cap_bytes and not alone[i] and not alone[merged[-1][0]]:
-            merged[-1].append(i)
-            total[-1] += size
+        cap = cap_bytes if len(buckets) > 1 or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
+        if buckets and total + size <= cap and keys[i] == keys[buckets[-1][0]]:
+            buckets[-1].append(i)
+            total += size
         else:
-            merged.append([i])
-            total.append(size)
-    return merged
+            buckets.append([i])
+            total = size
+    return buckets
 
 
 def split_expert_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple]:

@@ -37,7 +37,9 @@ from __future__ import annotations
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
 from parallelisms.parallel.cp_modes import MODES
-from parallelisms.perf.model import sharding_stage, vocab_rows
+from parallelisms.parallel.wrap import merged_units
+from parallelisms.perf.buckets import module_parameters
+from parallelisms.perf.model import microbatches_per_step, sharding_stage, vocab_rows
 from parallelisms.perf.pipeline_walk import StageGradients, held_at_peak, peak_candidates
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
@@ -151,7 +153,6 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
     stages' gradients (``grads_of(stages, layers per stage)``: :class:`StageGradients`) and ``paused`` the bytes of a
     forward paused at its first expert dispatch where DualPipe's F&B chunks run a backward there (else 0)."""
-    from parallelisms.perf.model import microbatches_per_step
 
     dims = parallel.dims
     if dims.pp == 1:
@@ -244,17 +245,19 @@ def backward_buffers(parallel: ParallelConfig, train: TrainConfig, block: float)
 
 
 def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
-                    experts: float = 0.0) -> dict | None:
+                    experts: float = 0.0, block: float = 0.0, during: float = 0.0) -> dict | None:
     """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
     precision over plain data parallelism, ``--fsdp no_shard``) or reduces it unit by unit into shards (ZeRO-2:
-    the first unit's gradient, concatenated, beside its fp32 copy being reduced) without a pipeline, the higher of two
-    (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``); the activations are gone by then:
+    :func:`reduced_unit_by_unit`, with ``block`` and ``during`` its activations) without a pipeline, the highest
+    (``parallel/flat.py``: ``_launch_reduce``, ``_finish_reduce``):
 
-    * the end of backward, as the first unit's gradient (the embedding's, reduced last) is made and
-      reduce-scattered: every unit's full gradient is held (compute dtype; in fp32 the shards' gradients are
-      views of it) beside the fp32 shards' own gradients (mixed precision), and the last unit's per-parameter
-      gradients as they are concatenated, or its fp32 copy being reduced and its reduced shard;
-    * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard.
+    * the end of backward (ZeRO-1, NO_SHARD; the activations are gone by then), as the first unit's gradient (the
+      embedding's, reduced last) is made and reduce-scattered: every unit's full gradient is held (compute dtype;
+      in fp32 the shards' gradients are views of it) beside the fp32 shards' own gradients (mixed precision), and
+      the last unit's per-parameter gradients as they are concatenated, or its fp32 copy being reduced and its
+      reduced shard;
+    * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard (DDP: of the largest
+      parameter, ``perf/buckets.py: module_parameters``, beside its buckets).
 
     ``None`` for ZeRO-3 and FSDP (their gathered blocks: :func:`backward_buffers`) and under a pipeline."""
     from parallelisms.perf.model import block_params
@@ -262,46 +265,85 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     bf16, n = parallel.mixed_precision is Precision.BF16, (_shard_degree(parallel) if parallel.zero in (1, 2) else 1)
     plain = not parallel.zero and (parallel.fsdp is FsdpStrategy.NO_SHARD or (not parallel.fsdp and bf16))
     keeps_full, frees = parallel.zero == 1 or plain, parallel.zero == 2
-    if parallel.dims.pp > 1 or not (keeps_full or frees):
+    ddp = not (parallel.zero or parallel.fsdp or bf16) and parallel.dims.dp * parallel.dims.cp > 1
+    if parallel.dims.pp > 1 or not (keeps_full or frees or ddp):
         return None
+    if ddp:  # the optimizer beside DDP's buckets: per-tensor AdamW's two temporaries of the largest parameter
+        largest = max(size for size, _ in module_parameters(cfg, parallel, cfg.n_layers, True, True))
+        return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params, "activations": 8 * largest}
     if n == 1 and not bf16:
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
     compute = 2 if bf16 else 4
-    first = _stage_units(cfg, parallel, train, cfg.n_layers, True, True)[0]
-    largest = max(first, vocab_rows(cfg, parallel.dims.tp) * cfg.dim + cfg.dim,
+    units = _units_and_blocks(cfg, parallel, train, cfg.n_layers, True, True)
+    largest = max(max(size for size, _ in units), vocab_rows(cfg, parallel.dims.tp) * cfg.dim + cfg.dim,
                   block_params(cfg, parallel.dims.tp))
-    if frees:  # ZeRO-2: the first unit's gradient, concatenated, and its fp32 copy being reduced into the shard's
-        in_flight, held = compute * first + (4 * first if bf16 else 0), 2 * params if bf16 else 0.0
-    else:
-        in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
-        held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
     per_shard = _per_shard(params, experts, n, parallel.dims.ep)
-    return {"params": 4 * per_shard if bf16 else 4 * params, "grads": 4 * per_shard if bf16 else 4 * params,
-            "optimizer": 8 * per_shard, "activations": held + max(in_flight, 8 * largest / n)}
+    states = {"params": 4 * per_shard if bf16 else 4 * params, "optimizer": 8 * per_shard}
+    if frees:
+        held = 2 * params if bf16 else 0.0  # the compute copy
+        walk = reduced_unit_by_unit(parallel, train, units[::-1], n, block, during)
+        optimizer = {**states, "grads": 4 * per_shard, "activations": held + 8 * largest / n}
+        return max({**states, "grads": walk[0], "activations": held + walk[1]}, optimizer,
+                   key=lambda kinds: sum(kinds.values()))
+    first = units[0][0]
+    in_flight = max(compute * first, (4 * first if bf16 else 0) + (4 * first / n if n > 1 else 0))
+    held = 2 * params + compute * params if bf16 else 0.0  # the compute copy and the full gradient
+    return {**states, "grads": 4 * per_shard if bf16 else 4 * params,
+            "activations": held + max(in_flight, 8 * largest / n)}
+
+
+def reduced_unit_by_unit(parallel: ParallelConfig, train: TrainConfig, units: list[tuple[float, int]], n: int,
+                         block: float, during: float) -> tuple[float, float]:
+    """(gradient shards, other bytes) at the highest moment of ZeRO-2's backward without a pipeline, over its
+    ``units`` (parameters, blocks) in backward's order, the head's first (``parallel/flat.py``: a unit's hook
+    concatenates its parameters' gradients and reduce-scatters the result, one unit in flight, completed as the next
+    one launches). Beside the blocks not yet backpropagated (``block`` bytes each), the shards already reduced (in a
+    later microbatch of gradient accumulation: every unit's) and the previous unit in flight (its gradient in the
+    compute dtype, in bf16 its fp32 copy, and the shard the reduce-scatter makes), at each unit:
+
+    * its blocks' backward (``during``: a block's gradients, under full recompute the recomputed block's tensors);
+    * its gradient made: its parameters' gradients and their concatenation;
+    * its reduction launched (the previous unit's completed): its gradient, in bf16 its fp32 copy, its shard."""
+    bf16 = parallel.mixed_precision is Precision.BF16
+    compute, master = (2, 4) if bf16 else (train.dtype.bytes, train.dtype.bytes)
+    accumulated = microbatches_per_step(parallel, train) > 1
+    all_shards = master * sum(size for size, _ in units) / n
+    left, done, previous, highest = sum(blocks for _, blocks in units), 0.0, 0.0, (0.0, 0.0)
+    for size, blocks in units:
+        left -= blocks
+        flight = compute * previous + (4 * previous if bf16 else 0.0) + master * previous / n
+        made = max(blocks * block + during if blocks else 0.0, 2 * compute * size)
+        before = (all_shards if accumulated else done, left * block + made + flight)
+        done += master * previous / n
+        launched = compute * size + (4 * size if bf16 else 0.0) + master * size / n
+        highest = max(highest, before, (all_shards if accumulated else done, left * block + launched), key=sum)
+        previous = size
+    return highest
 
 
 def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
                  head: bool) -> list[float]:
-    """Parameters of each of the engine's units on a rank holding ``layers`` blocks and the ends it holds, in order
-    (``parallel/wrap.py: module_units``): the embedding, each block, the head (its table and the final norm); with
-    ZeRO-1/2 consecutive units merged while their parameters fit the gradient bucket (``--bucket-mb``; a tied
-    table stays alone)."""
+    """Parameters of each of the engine's units (:func:`_units_and_blocks`)."""
+    return [size for size, _ in _units_and_blocks(cfg, parallel, train, layers, embedding, head)]
+
+
+def _units_and_blocks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
+                      head: bool) -> list[tuple[float, int]]:
+    """(parameters, blocks) of each of the engine's units on a rank holding ``layers`` blocks and the ends it holds,
+    in order (``parallel/wrap.py: module_units``): the embedding, each block, the head (its table and the final
+    norm); with ZeRO-1/2 consecutive units merged while their parameters fit the gradient bucket (``--bucket-mb``; a
+    tied table stays alone: ``wrap.merged_units``)."""
     from parallelisms.perf.model import block_params, expert_block_change
 
     t, pbytes = parallel.dims.tp, train.dtype.bytes
     table = vocab_rows(cfg, t) * cfg.dim
-    units = [table] * embedding + [block_params(cfg, t) + expert_block_change(cfg, parallel)] * layers
-    units += [table + cfg.dim] * head
+    units = [(table, 0)] * embedding + [(block_params(cfg, t) + expert_block_change(cfg, parallel), 1)] * layers
+    units += [(table + cfg.dim, 0)] * head
     if parallel.zero not in (1, 2):
         return units
-    cap, merged = train.bucket_mb * 2**20, []
-    for i, size in enumerate(units):
-        alone = cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1))
-        if merged and not alone and not merged[-1][1] and (merged[-1][0] + size) * pbytes <= cap:
-            merged[-1] = (merged[-1][0] + size, False)
-        else:
-            merged.append((size, alone))
-    return [size for size, _ in merged]
+    alone = [cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1)) for i in range(len(units))]
+    return [(sum(units[i][0] for i in group), sum(units[i][1] for i in group))
+            for group in merged_units([size * pbytes for size, _ in units], train.bucket_mb * 2**20, alone)]
 
 
 def _per_shard(params: float, experts: float, shard: int, ep: int) -> float:
@@ -319,7 +361,6 @@ def _shard_degree(parallel: ParallelConfig) -> int:
 
 def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, attention: str = "flash") -> dict:
     """The busiest rank's peak by kind (module docstring) and ``total``."""
-    from parallelisms.perf.model import microbatches_per_step
 
     dims, e = parallel.dims, element_bytes(parallel, train)
     m = microbatches_per_step(parallel, train)
@@ -382,7 +423,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
                "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + held}
         out["total"] = sum(out[k] for k in KINDS)
-        ending = end_of_backward(cfg, parallel, train, params, experts)
+        ending = end_of_backward(cfg, parallel, train, params, experts, block, other)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
             out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
         if best is None or out["total"] > best["total"]:

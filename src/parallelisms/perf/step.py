@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.options import FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf import cpu
+from parallelisms.perf.buckets import ddp_buckets
 from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, LayerShape, PassTimes, head_times, layer_times
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
@@ -225,11 +226,13 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
     ``update`` (ZeRO-1/2's gather after the optimizer; ``overlapped_update`` under the next forward) or ``reduce``
     (gradients, bucket by bucket; ``reduce_each``: sharded gradients, every microbatch's backward) or ``copies``
     (EPLB's redundant experts summing their gradients over ep, one blocking call after the reduction). The
-    calls are the engine's (:func:`_engine_calls`), else one per ``--bucket-mb`` of gradients."""
+    calls are the engine's (:func:`_engine_calls`) or DDP's buckets (:func:`parallelisms.perf.buckets.ddp_buckets`),
+    else one per ``--bucket-mb`` of gradients."""
     out = []
-    bucket = train.bucket_mb * 2**20
     sharded_params = sharding_stage(parallel) == 3
     engine = {"dp": _engine_calls(cfg, parallel, train), "ep_replicate": _engine_calls(cfg, parallel, train, True)}
+    ddp = {} if engine["dp"] else ddp_buckets(cfg, parallel, train)  # DDP: a call per bucket and reducing group
+    bucket = train.bucket_mb * 2**20
     m = _microbatches_reduced(parallel, train)
     for v in comm_per_step(cfg, parallel, train, parallel.mixed_precision.compute_bytes, pipeline=False):
         # EPLB's copies' gradients: one call after the layout's reduction, exposed whole (the norm's scalar is not)
@@ -241,7 +244,8 @@ def _data_parallel_traffic(cfg, parallel, train, hw) -> list[tuple[str, str, flo
         if n <= 1:
             continue
         full = v.bytes_per_rank / ({"all_reduce": 2}.get(v.kind, 1) * (n - 1) / n)
-        calls = 1 if full < 64 or copies else engine.get("dp" if v.dim.startswith("dp") else v.dim, {}).get(v.kind) or max(1, math.ceil(full / bucket))
+        calls = (1 if full < 64 or copies else ddp.get(v.dim, 1) if ddp
+                 else engine.get("dp" if v.dim.startswith("dp") else v.dim, {}).get(v.kind) or max(1, math.ceil(full / bucket)))
         role = ("scalar" if full < 64 else "copies" if copies else "gather" if v.kind == "all_gather" and sharded_params
                 else ("overlapped_update" if parallel.overlap_param_gather else "update") if v.kind == "all_gather"
                 else "reduce_each" if m > 1 and _gradient_shards(parallel) > 1 else "reduce")
@@ -268,7 +272,7 @@ def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     With ``experts``, the calls over ``ep_replicate`` of the units' expert weights, a shard of their own in
     each unit holding a block (neither end: the per-parameter style gathers every one again for backward,
     buffer reuse all but the last two blocks', still in its two buffers).
-    Empty for DDP (its buckets: ``--bucket-mb``)."""
+    Empty for DDP (its buckets: :func:`parallelisms.perf.buckets.ddp_buckets`)."""
     flat = parallel.zero or parallel.fsdp or parallel.mixed_precision is Precision.BF16
     if not flat:
         return {}
