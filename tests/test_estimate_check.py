@@ -366,6 +366,23 @@ def test_dualpipe_redundant_experts_bytes_agree(schedule):
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
 
 
+@pytest.mark.parametrize("flags", [
+    "--dp 2 --pp 2 --global-batch 8 --microbatches 4",  # fp32 DDP
+    "--dp 2 --pp 2 --mixed-precision bf16 --global-batch 8 --microbatches 4 --bucket-mb 0.5",  # DDP in bf16 too
+    "--dp 2 --pp 2 --tp 2 --global-batch 8 --microbatches 4",  # each stage's norm over its tp group
+    f"--dp 2 --pp 2 --ep 2 {MOE} --global-batch 8 --microbatches 4",  # the experts' norm over ep
+])
+def test_pipedream_updates_per_microbatch(flags):
+    """PipeDream steps every stage after each microbatch: DDP all-reduces the stage's gradient (its buckets, fp32,
+    in bf16 too) and the stage clips its own gradient norm (over tp and ep, not pp) at each of the M updates
+    (perf/model.py: pipedream_updates), bytes and calls."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--schedule pipedream {flags}".split())
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    ours, theirs = _engine_calls(f"--schedule pipedream {flags}")
+    assert theirs and ours == theirs
+
+
 @pytest.mark.parametrize("engine", ["", "--zero 1", "--fsdp full_shard --fsdp-style per_param",
                                     "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard"])
 def test_dualpipe_bytes_agree(engine):

@@ -5,7 +5,7 @@ first, the embedding's last), cut by the runtime's own
 :func:`~parallelisms.parallel.wrap.gradient_buckets` under ``--bucket-mb``; a bucket holds one reducing group (the
 expert weights under expert parallelism: the ranks holding the same experts, ``ep_replicate``). DDP all-reduces
 each bucket once a step (under gradient accumulation, in the last microbatch's backward; a pipeline stage after
-its last backward work)."""
+its last backward work; PipeDream before each of its per-microbatch updates)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
 from parallelisms.parallel.pipeline.schedules import pipeline_microbatches
 from parallelisms.parallel.row_split import rows_per_rank
 from parallelisms.parallel.wrap import gradient_buckets
-from parallelisms.perf.model import expert_slots, vocab_rows
+from parallelisms.perf.model import expert_slots, pipedream_updates, vocab_rows
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
 
@@ -64,4 +64,4 @@ def ddp_buckets(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig) 
         cut = gradient_buckets([n * train.dtype.bytes for n, _ in params], int(train.bucket_mb * 2**20),
                                [group for _, group in params])
         out.update(params[bucket[0]][1] for bucket in cut)
-    return dict(out)
+    return {group: calls * pipedream_updates(parallel) for group, calls in out.items()}

@@ -120,8 +120,8 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
                   pipeline: bool = True) -> list[CommVolume]:
     """Bytes rank 0 sends per step, by collective and mesh dimension, from the spec's formulas: each parallelism's
     collectives from the function its descriptor names (``volumes`` in :data:`PARALLELISMS`, in
-    :mod:`parallelisms.perf.volumes`), in the registry's order, then the global gradient norm's (none under
-    PipeDream, which updates per microbatch); ``pipeline`` False leaves out the stages' sends (the step model prices
+    :mod:`parallelisms.perf.volumes`), in the registry's order, then the gradient norm's (PipeDream's per stage
+    and update); ``pipeline`` False leaves out the stages' sends (the step model prices
     them through the schedule).
 
     Every collective the runtime's ledger counts, expert all-to-alls assuming uniform routing. Parameter
@@ -132,8 +132,6 @@ def comm_per_step(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     for p in PARALLELISMS.values():
         if p.volumes and (pipeline or p.dim != "pp"):
             out += _named(p.volumes)(cfg, parallel, train, dtype_bytes)
-    if parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM:
-        return out
     return out + grad_norm_volumes(parallel, train.dtype.bytes)
 
 
@@ -186,9 +184,13 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: i
     if parallel.ep_balance is not Balance.MEASURED or not parallel.ep_redundant or parallel.dims.ep == 1:
         return 0.0
     copied = len(replicated(expert_placement(cfg, parallel), cfg.n_experts))
+    return pipedream_updates(parallel) * layers * copied * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+
+
+def pipedream_updates(parallel: ParallelConfig) -> int:
+    """Optimizer updates (and DDP gradient all-reduces) a step: PipeDream's one per microbatch, else one."""
     pipedream = parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
-    updates = pipeline_microbatches(parallel) if pipedream else 1
-    return updates * layers * copied * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    return pipeline_microbatches(parallel) if pipedream else 1
 
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
@@ -297,19 +299,22 @@ def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[Com
     mesh dimensions form a group, and each group is all-reduced (one element) over each of its dimensions.
     Groups: tensor-parallel weights (tp), weights replicated across tp (the norms), each also over pp (stages)
     and the sharding dimension of ZeRO/FSDP, and expert weights (ep), over pp and, sharded, over the ranks
-    holding the same experts (``ep_replicate``); dimensions of size 1 send nothing."""
+    holding the same experts (``ep_replicate``); dimensions of size 1 send nothing. PipeDream clips each stage's
+    gradient on its own, at each of its per-microbatch updates: not over pp."""
     dims = parallel.dims
     sharding = _sharding_dim(parallel)
-    base = [("pp", dims.pp)] + ([sharding] if sharding else [])
+    updates = pipedream_updates(parallel)
+    stages = [] if dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM else [("pp", dims.pp)]
+    base = stages + ([sharding] if sharding else [])
     groups = [base] + ([base + [("tp", dims.tp)]] if dims.tp > 1 else [])
     if dims.ep > 1:  # expert weights are sharded over the ranks holding the same experts, not over dp
         replicas = [("ep_replicate", dims.span("ep_replicate")[0])] if sharding else []
-        groups.append([("pp", dims.pp)] + replicas + [("ep", dims.ep)])
+        groups.append(stages + replicas + [("ep", dims.ep)])
     out = []
     for group in groups:
         for name, size in group:
             if size > 1:
-                out.append(CommVolume("all_reduce", name, 2 * (size - 1) / size * elem_bytes))
+                out.append(CommVolume("all_reduce", name, updates * 2 * (size - 1) / size * elem_bytes))
     return out
 
 

@@ -50,9 +50,9 @@ from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, La
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.parallel.wrap import merged_units
-from parallelisms.perf.model import (block_params, comm_per_step, mirror_gradient_bytes, sharding_stage,
-                                     microbatches_per_step, model_flops_per_token, model_state_bytes, rank0_holds_head,
-                                     vocab_rows)
+from parallelisms.perf.model import (block_params, comm_per_step, microbatches_per_step, mirror_gradient_bytes,
+                                     model_flops_per_token, model_state_bytes, pipedream_updates, rank0_holds_head,
+                                     sharding_stage, vocab_rows)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
@@ -273,7 +273,8 @@ def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     each unit holding a block (neither end: the per-parameter style gathers every one again for backward,
     buffer reuse all but the last two blocks', still in its two buffers).
     Empty for DDP (its buckets: :func:`parallelisms.perf.buckets.ddp_buckets`)."""
-    flat = parallel.zero or parallel.fsdp or parallel.mixed_precision is Precision.BF16
+    flat = parallel.zero or parallel.fsdp or (parallel.mixed_precision is Precision.BF16
+                                              and pipedream_updates(parallel) == 1)  # PipeDream in bf16: DDP
     if not flat:
         return {}
     held = parallel.dims.pp > 1
@@ -393,13 +394,13 @@ def _optimizer_time(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     gradient and two moments once (36 bytes per parameter), the eager multi-tensor step on a GPU moves
     FOREACH_ADAMW_BYTES; at the optimizer's rate (``hw.optimizer_bytes_per_s``: a CPU's measured against the
     nominal 36 bytes), plus the host time per parameter tensor of a per-tensor step (``hw.optimizer_tensor_us``;
-    0 for fused ones)."""
+    0 for fused ones); PipeDream steps once per microbatch."""
     states = _states(cfg, parallel)
     if not states["optimizer"]:
         return 0.0
     per_param = FOREACH_ADAMW_BYTES if kernels == "eager" and hw.kind != "cpu" else FUSED_ADAMW_BYTES
-    return (states["optimizer"] / 8 * per_param / hw.optimizer_bytes_per_s
-            + _optimizer_tensors(cfg, parallel, train) * hw.optimizer_tensor_us * 1e-6)
+    return pipedream_updates(parallel) * (states["optimizer"] / 8 * per_param / hw.optimizer_bytes_per_s
+                                          + _optimizer_tensors(cfg, parallel, train) * hw.optimizer_tensor_us * 1e-6)
 
 
 def memory_per_rank(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: Hardware, lay: Layout,

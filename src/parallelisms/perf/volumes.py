@@ -16,7 +16,7 @@ from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
 from parallelisms.perf.model import (CommVolume, block_params, dense_shards, expert_block_change, expert_slot_params,
                                      expert_slots, microbatches_per_step, mirror_gradient_bytes, per_param_padding,
-                                     rank0_dense_and_experts, rank0_end_shares, redundant_expert_grads, sharding_stage)
+                                     pipedream_updates, rank0_dense_and_experts, rank0_end_shares, redundant_expert_grads, sharding_stage)
 from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
 
 
@@ -74,7 +74,8 @@ def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shar
     without a pipeline the engines reduce sharded gradients (ZeRO-2/3, FSDP but NO_SHARD) and gather sharded
     parameters (``gathered`` bytes per microbatch before the ring factor) every microbatch; a pipeline stage holds
     its units through the step (once); ZeRO-1 reduces once a step and gathers after it, as ZeRO-2 does; DDP
-    all-reduces. Gradients travel in fp32, parameters in the compute dtype."""
+    all-reduces (under PipeDream, each of its per-microbatch updates). Gradients travel in fp32, parameters in
+    the compute dtype."""
     if shards <= 1:
         return []
     ring, grads = (shards - 1) / shards, params * 4
@@ -86,7 +87,7 @@ def _engine_volumes(parallel: ParallelConfig, train: TrainConfig, dim: str, shar
         gathers = m if parallel.fsdp and parallel.fsdp.stage == 2 else 1
         return [CommVolume("reduce_scatter", dim, (m if parallel.zero != 1 else 1) * ring * grads),
                 CommVolume("all_gather", dim, gathers * ring * params * dtype_bytes)]
-    return [CommVolume("all_reduce", dim, 2 * ring * grads)]
+    return [CommVolume("all_reduce", dim, pipedream_updates(parallel) * 2 * ring * grads)]
 
 
 def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_bytes: int) -> float:
