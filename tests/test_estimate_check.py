@@ -302,6 +302,17 @@ def test_fully_sharded_engines_peak_unit_by_unit_in_backward(name):
     assert out["ok"], out
 
 
+def test_recomputed_moe_layers_peak_at_their_combine():
+    """A full-recompute MoE block's recomputation in backward peaks as its combine's all-to-all returns: the rows
+    gathered for the dispatch, received and put back in arrival order beside what the layer keeps (perf/memory.py:
+    moe_combine_bytes), here the peak of ZeRO-3's backward in fp32 with a 512 vocabulary."""
+    shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", "512", "--layers", "4", "--seq-len", "64"]
+    out = _checked(shape + f"{EXPERTS} --dp 8 --ep 8 --zero 3 --recompute full --global-batch 8".split())
+    assert out["peak_phase"] == "backward", out["peak_phase"]
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
 MOE_SHAPE = ["--hidden", "128", "--heads", "8", "--kv-heads", "8", "--ffn", "64", "--vocab", "4096", "--layers", "2",
              "--seq-len", "256", "--experts", "16", "--topk", "4"]
 

@@ -109,6 +109,15 @@ def dispatch_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e:
     return block - tokens * (mlp_activation_bytes(cfg, parallel, e) - moe)
 
 
+def moe_combine_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
+    """Per token, what an MoE layer's forward holds beyond what it keeps (:func:`mlp_activation_bytes`) at its
+    peak, per routed row h-wide rows: under expert parallelism, as the combine's all-to-all returns, the rows
+    gathered for the dispatch, the rows received and the experts' output put back in arrival order (its weighted
+    copy not yet made), three; without it, as the output is weighted, the gathered rows, one. A full-recompute
+    block's recomputation in backward peaks there."""
+    return cfg.top_k * e * cfg.dim * (3 if parallel.dims.ep > 1 else 1)
+
+
 def padded_slots(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """The grouped GEMM's padded rows per routed row a rank receives, under balanced routing
     (``parallel/ep_balance.py``: an expert's rows split evenly over its copies, so an uncopied expert's slot is
@@ -323,6 +332,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     # gradient (sequence parallelism: also the input gathered again and the gradient laid out for its reduce-scatter)
     mlp = tokens * mlp_activation_bytes(cfg, parallel, e) + 3 * e * tokens * cfg.ffn_dim / dims.tp
     attention_backward = other - mlp + e * tokens * cfg.dim * (3 if parallel.sequence_parallel else 1)
+    recomputed_moe = parallel.recompute is Recompute.FULL and cfg.n_experts  # its recomputation peaks at the combine
+    mlp_backward = other + tokens * moe_combine_bytes(cfg, parallel, e) * bool(recomputed_moe)
     held = engine_buffers(cfg, parallel, max(table, rank_block))  # at the loss
     moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
 
@@ -370,7 +381,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
             out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
         walk = fully_sharded_backward(cfg, parallel, train, _shard_degree(parallel), block,
-                                      (other, attention_backward), m)
+                                      (mlp_backward, attention_backward), m)
         if walk is not None and sum(walk.values()) > out["grads"] + out["activations"]:
             out = {**out, **walk}
             out["total"] = sum(out[k] for k in KINDS)
