@@ -267,6 +267,8 @@ SHARDED_BACKWARD = {
     "zero3 bf16 full recompute: the same, the blocks keeping their inputs only":
         "--zero 3 --mixed-precision bf16 --recompute full",
     "flat full_shard bf16 full recompute": "--fsdp full_shard --mixed-precision bf16 --recompute full",
+    "flat full_shard bf16 prefetch 2: two units gathered ahead": "--fsdp full_shard --fsdp-prefetch 2 "
+                                                                  "--mixed-precision bf16 --recompute full",
     "zero3 fp32: the head's gradient beside the gathered head and last block": "--zero 3",
     "per_param bf16 full recompute: the embedding's gradient and fp32 main gradient, the shards so far":
         "--fsdp full_shard --fsdp-style per_param --mixed-precision bf16 --recompute full",

@@ -325,9 +325,9 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     if parallel.recompute is Recompute.FULL:  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute=Recompute.NONE, attention=attention, seq=seq)
     rank_block = block_params(cfg, dims.tp) + expert_block_change(cfg, parallel)  # its expert slots, not a tp share
-    if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
-        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * rank_block
-        # beside a block's backward than the default's one ahead
+    # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks beside a block's backward than the
+    # default's one ahead (a fully sharded engine's backward counts the units ahead itself)
+    prefetched = (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * rank_block
     # after the MLP's backward (its share freed) the attention's input projections' backward holds their input's
     # gradient (sequence parallelism: also the input gathered again and the gradient laid out for its reduce-scatter)
     mlp = tokens * mlp_activation_bytes(cfg, parallel, e) + 3 * e * tokens * cfg.ffn_dim / dims.tp
@@ -335,7 +335,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     recomputed_moe = parallel.recompute is Recompute.FULL and cfg.n_experts  # its recomputation peaks at the combine
     mlp_backward = other + tokens * moe_combine_bytes(cfg, parallel, e) * bool(recomputed_moe)
     held = engine_buffers(cfg, parallel, max(table, rank_block))  # at the loss
-    moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
+    moment = (other + prefetched, max(other + prefetched, head_bytes(cfg, tokens, parallel, e)))
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
         params = stage_parameters(cfg, parallel, layers, embedding, head)

@@ -8,9 +8,10 @@ norm), each block from the last (under expert parallelism two units: its experts
 the same experts, ``ep_replicate``, complete first, then its other weights), the embedding. With c the compute
 dtype's bytes and m the shards' (fp32), a unit of U parameters sharded n ways holds:
 
-* gathered, c U: a block's units from its backward's start; the next unit once the block's MLP is done
-  (``parallel/common.py: after_last_child_backward``), with the flat engine's gather source (c U / n); the flat
-  engine gathers the last block as the head's backward begins, and the embedding; per-parameter FSDP only units
+* gathered, c U: a block's units from its backward's start; the next unit (the flat engine's next
+  ``--fsdp-prefetch`` units) once the block's MLP is done (``parallel/common.py: after_last_child_backward``), with
+  the flat engine's gather source (c U / n); the flat engine prefetches as the head's backward begins, and gathers
+  the embedding; per-parameter FSDP only units
   whose forward saved weights, so not the embedding, and not the last block until its backward;
 * its gradient: the flat engine's per-parameter gradients (c U), then their concatenation (c U); resharded,
   once the previous unit's reduction completes, the concatenation and its fp32 copy being reduced
@@ -85,19 +86,25 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
     mlp_weights = last - (2 * cfg.q_dim + 2 * kv) * cfg.dim / dims.tp - 2 * cfg.dim  # the last unit's but attention's
     main = m * (not flat and c != m)  # per-parameter FSDP's fp32 main gradient, from the unit's first gradient on
 
-    def ahead(size: float, n: int) -> float:
-        """A unit prefetched, and the flat engine's source of its gather in flight."""
-        return c * size * (1 + flat / n)
+    order = [(size, n) for size, n, _ in units]  # every unit in backward order
+    depth = parallel.fsdp_prefetch if flat else 1  # units gathered ahead (``--fsdp-prefetch``: the flat engine's)
 
-    prefetched = ahead(*blocks[0][:2]) * flat  # the flat engine prefetches the last block as the head's begins
+    def ahead(position: int, count: int) -> float:
+        """The ``count`` units after ``position`` in backward order, prefetched (the flat engine also gathers the
+        embedding, and holds each gather's source until it completes)."""
+        end = min(position + 1 + count, len(order) - (not flat))
+        return sum(c * size * (1 + flat / n) for size, n in order[position + 1:end])
+
+    prefetched = ahead(0, depth) * flat  # the flat engine prefetches as the head's backward begins
     unit(*units[0], cfg.n_layers * kept, c * (table + cfg.dim) + prefetched, prefetched)
     for i in reversed(range(cfg.n_layers)):
-        act = i * kept
-        # the MLP's backward, then (its experts' unit done) the attention's, the next unit prefetched
-        moments.append((done, act + kept + backward[0] + gathered + main * first + in_flight))
+        act, position = i * kept, len(blocks) * (cfg.n_layers - i)  # the position of the block's last unit
+        earlier = ahead(position, max(0, depth - len(blocks)))  # prefetched by the block after it
+        # the MLP's backward, then (its experts' unit done) the attention's, the next units prefetched
+        moments.append((done, act + kept + backward[0] + gathered + earlier + main * first + in_flight))
         if len(blocks) > 1:
-            unit(*blocks[0], act + kept, gathered, gathered - c * first)
-        nxt = ahead(*blocks[0][:2]) if i else ahead(table, shard) * flat
+            unit(*blocks[0], act + kept, gathered + earlier, gathered + earlier - c * first)
+        nxt = ahead(position, depth)
         formed = main * last or c * mlp_weights
         moments.append((done, act + kept + backward[1] + c * last + nxt + formed + in_flight))
         unit(*blocks[-1], act, c * last + nxt, nxt)
