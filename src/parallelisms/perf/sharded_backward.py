@@ -56,7 +56,8 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
     table = vocab_rows(cfg, dims.tp) * cfg.dim
     matrix = max(cfg.q_dim, 0 if cfg.n_experts else cfg.ffn_dim) * cfg.dim / dims.tp  # a block's largest weight
     # (parameters, shard degree, largest parameter) of a block's units in backward order
-    blocks = [(experts, max(1, shard // dims.ep), experts / cfg.mlp_matrices)] * bool(experts) + [(dense, shard, matrix)]
+    blocks = [(experts, max(1, shard // dims.ep), experts / cfg.mlp_matrices)] * bool(experts)
+    blocks.append((dense, shard, matrix))
     units = [(table + cfg.dim, shard, table), *blocks * cfg.n_layers, (table, shard, table)]
     accumulated = microbatches > 1
     moments, done, in_flight = [], sum(m * size / n for size, n, _ in units) * accumulated, 0.0
