@@ -176,7 +176,7 @@ def test_pipeline_gradients_by_stage(flags):
     (4100, "--dp 6 --fsdp-style per_param --global-batch 6"),
 ])
 def test_fully_sharded_in_a_blocks_backward(vocab, flags):
-    """FULL_SHARD in bf16 with full recompute (perf/memory.py: backward_buffers; perf/model.py: per_param_padding),
+    """FULL_SHARD in bf16 with full recompute (perf/sharded_backward.py; perf/model.py: per_param_padding),
     as Llama 3 405B on FSDP 128 x tp 8 runs it (its 16,032-row vocabulary shards pad to 16,128 per parameter)."""
     shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", str(vocab), "--layers", "4", "--seq-len", "128"]
     out = _checked(shape + f"--fsdp full_shard --mixed-precision bf16 --recompute full {flags}".split())
@@ -286,9 +286,65 @@ def test_data_parallel_calls_per_step_agree_with_the_dry_run(name):
 def test_fully_sharded_fp32_in_a_blocks_backward(style):
     """FULL_SHARD in fp32 with full recompute at a vocabulary small enough that a block's backward is the peak:
     the two gathered blocks, the block's gradients and two send buffers once its backward is done, in the
-    parameters' dtype (perf/memory.py: backward_buffers)."""
+    parameters' dtype (perf/sharded_backward.py)."""
     shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", "256", "--layers", "4", "--seq-len", "128"]
     out = _checked(shape + f"--dp 8 --fsdp full_shard --fsdp-style {style} --recompute full --global-batch 8".split())
+    assert out["peak_phase"] == "backward", out["peak_phase"]
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
+# 64 positions: model states outweigh activations, and a fully sharded engine (ZeRO-3, FSDP FULL_SHARD, flat or
+# per-parameter) peaks in backward, after the loss: name (the moment at the peak): flags
+SHARDED_BACKWARD = {
+    "zero3 bf16: the last block's gradient beside the head's reduction in flight":
+        "--zero 3 --mixed-precision bf16",
+    "zero3 bf16 full recompute: the same, the blocks keeping their inputs only":
+        "--zero 3 --mixed-precision bf16 --recompute full",
+    "flat full_shard bf16 full recompute": "--fsdp full_shard --mixed-precision bf16 --recompute full",
+    "flat full_shard bf16 prefetch 2: two units gathered ahead": "--fsdp full_shard --fsdp-prefetch 2 "
+                                                                  "--mixed-precision bf16 --recompute full",
+    "zero3 fp32: the head's gradient beside the gathered head and last block": "--zero 3",
+    "per_param bf16 full recompute: the embedding's gradient and fp32 main gradient, the shards so far":
+        "--fsdp full_shard --fsdp-style per_param --mixed-precision bf16 --recompute full",
+    "zero3 bf16 grad-accum 2: the shards' gradients from the first microbatch on":
+        "--zero 3 --mixed-precision bf16 --grad-accum 2",
+    "hsdp 2x4 bf16 full recompute": "--dp-replicate 2 --dp-shard 4 --fsdp hybrid_shard --mixed-precision bf16 "
+                                    "--recompute full",
+}
+EXPERTS = "--experts 16 --ffn 64 --topk 4"
+SHARDED_EXPERTS = {  # ep over every data-parallel rank: the experts unsharded, their fp32 gradients whole
+    "zero3 ep8": "--ep 8 --zero 3",
+    "flat full_shard ep8": "--ep 8 --fsdp full_shard",
+    "per_param ep8": "--ep 8 --fsdp full_shard --fsdp-style per_param",
+    "flat full_shard ep4 (experts over 2 replicas)": "--ep 4 --fsdp full_shard",
+    "per_param ep8 grad-accum 2": "--ep 8 --fsdp full_shard --fsdp-style per_param --grad-accum 2",
+}
+
+
+@pytest.mark.parametrize("name", [*SHARDED_BACKWARD, *SHARDED_EXPERTS])
+def test_fully_sharded_engines_peak_unit_by_unit_in_backward(name):
+    """The backward of a fully sharded engine unit by unit (perf/sharded_backward.py): each unit's gradient forms
+    beside its gathered weights and the previous unit's in flight, and the reduced shards' gradients accumulate
+    to the optimizer; with expert parallelism over every data-parallel rank the experts' whole, so that the end of
+    backward (the embedding's) or the first block's backward is the peak (DeepSeek-V3's shape on FSDP)."""
+    flags = SHARDED_BACKWARD.get(name) or f"{EXPERTS} {SHARDED_EXPERTS[name]} --mixed-precision bf16 --recompute full"
+    accumulation = 2 if "--grad-accum" in flags else 1
+    if "--dp-replicate" not in flags:
+        flags += " --dp 8"
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "64", "--global-batch", str(8 * accumulation)]
+    out = _checked(shape + flags.split())
+    assert out["peak_phase"] == "backward", out["peak_phase"]
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
+def test_recomputed_moe_layers_peak_at_their_combine():
+    """A full-recompute MoE block's recomputation in backward peaks as its combine's all-to-all returns: the rows
+    gathered for the dispatch, received and put back in arrival order beside what the layer keeps (perf/memory.py:
+    moe_combine_bytes), here the peak of ZeRO-3's backward in fp32 with a 512 vocabulary."""
+    shape = SHAPE[:SHAPE.index("--vocab")] + ["--vocab", "512", "--layers", "4", "--seq-len", "64"]
+    out = _checked(shape + f"{EXPERTS} --dp 8 --ep 8 --zero 3 --recompute full --global-batch 8".split())
     assert out["peak_phase"] == "backward", out["peak_phase"]
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     assert out["ok"], out

@@ -29,7 +29,9 @@ shifted copy and exponentials in forward, 3 max(4, e) + e); without it (a pipeli
 backward (three e f-wide gradients). Microbatches in flight come from the pipeline schedule (the simulator's
 held activations per rank; a chunk holds its share of the layers); a pipeline stage's gradients exist from its
 first backward on (with as many microbatches as stages, the first stage peaks at the end of warm-up, before them):
-the walk of a rank's actions is :mod:`parallelisms.perf.pipeline_walk`.
+the walk of a rank's actions is :mod:`parallelisms.perf.pipeline_walk`. Without a pipeline a fully sharded engine's
+(ZeRO-3, FSDP) backward, unit by unit, is a later candidate (:mod:`parallelisms.perf.sharded_backward`), as the end
+of an engine's backward that keeps the full gradient or reduces it into shards (ZeRO-1/2) is (:func:`end_of_backward`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.buckets import module_parameters
 from parallelisms.perf.model import microbatches_per_step, sharding_stage, vocab_rows
 from parallelisms.perf.pipeline_walk import StageGradients, held_at_peak, peak_candidates
+from parallelisms.perf.sharded_backward import fully_sharded_backward
 from parallelisms.perf.stages import schedule_of, stage_sizes
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations")
@@ -106,6 +109,15 @@ def dispatch_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e:
     rows = 2 + (parallel.ep_balance is Balance.MEASURED)
     moe = cfg.top_k * (rows * e * cfg.dim + _routing_bytes(parallel, e)) + 4 * cfg.n_experts
     return block - tokens * (mlp_activation_bytes(cfg, parallel, e) - moe)
+
+
+def moe_combine_bytes(cfg: ModelConfig, parallel: ParallelConfig, e: int) -> float:
+    """Per token, what an MoE layer's forward holds beyond what it keeps (:func:`mlp_activation_bytes`) at its
+    peak, per routed row h-wide rows: under expert parallelism, as the combine's all-to-all returns, the rows
+    gathered for the dispatch, the rows received and the experts' output put back in arrival order (its weighted
+    copy not yet made), three; without it, as the output is weighted, the gathered rows, one. A full-recompute
+    block's recomputation in backward peaks there."""
+    return cfg.top_k * e * cfg.dim * (3 if parallel.dims.ep > 1 else 1)
 
 
 def padded_slots(cfg: ModelConfig, parallel: ParallelConfig) -> float:
@@ -223,27 +235,6 @@ def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: flo
     return compute * largest_unit
 
 
-def backward_buffers(parallel: ParallelConfig, train: TrainConfig, block: float) -> float:
-    """What FULL_SHARD / HYBRID_SHARD (no pipeline) holds at a block's backward for ``block`` parameters a block;
-    where activations are small (full recompute) this, not the loss, is the peak:
-
-    * in mixed precision, beside the block's backward: the block's and the prefetched block's gathered bf16
-      weights (2 x 2 bytes a parameter), and per-parameter FSDP (``parallel/fsdp2.py``) two fp32 main gradients
-      laid out for the reduce-scatter (the block's, forming, and the one before it, in flight), the flat engine
-      (``parallel/flat.py``) the block's bf16 gradient and the previous unit's bf16 gradient and fp32 copy in
-      flight: 2 x 4 or 2 + 2 + 4 bytes;
-    * without it, once the block's backward is done and its reduce-scatter begins (its activations freed): the
-      two gathered blocks, the block's gradients and two send buffers (the block's and the previous one's, in
-      flight), 5 x the parameters' bytes (``_grad_send_buffer``; the flat engine's own gradient and buffers
-      alike)."""
-    if (not (parallel.fsdp and parallel.fsdp.stage == 3) or parallel.fsdp_style is FsdpStyle.REUSE
-            or parallel.dims.pp > 1):
-        return 0.0
-    if parallel.mixed_precision is Precision.BF16:
-        return 2 * (2 + 4) * block
-    return 5 * train.dtype.bytes * block
-
-
 def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, params: float,
                     experts: float = 0.0, block: float = 0.0, during: float = 0.0) -> dict | None:
     """The later candidates for the peak of an engine that keeps the full gradient (ZeRO-1, and NO_SHARD: mixed
@@ -259,7 +250,7 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     * the optimizer, whose per-tensor AdamW makes two temporaries of the largest shard (DDP: of the largest
       parameter, ``perf/buckets.py: module_parameters``, beside its buckets).
 
-    ``None`` for ZeRO-3 and FSDP (their gathered blocks: :func:`backward_buffers`) and under a pipeline."""
+    ``None`` for ZeRO-3 and FSDP (:mod:`parallelisms.perf.sharded_backward`) and under a pipeline."""
     from parallelisms.perf.model import block_params
 
     bf16, n = parallel.mixed_precision is Precision.BF16, (_shard_degree(parallel) if parallel.zero in (1, 2) else 1)
@@ -367,21 +358,25 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     rows = max(1, train.global_batch // (dims.dp * m))
     tokens = rows * train.seq_len / dims.cp
     seq = train.seq_len / dims.cp
-    from parallelisms.perf.model import block_params, expert_slot_params
+    from parallelisms.perf.model import block_params, expert_block_change, expert_slot_params
 
     table = vocab_rows(cfg, dims.tp) * cfg.dim + cfg.dim  # the head's unit: its table and final norm
     block = block_activation_bytes(cfg, tokens, parallel, e, attention=attention, seq=seq)
     other = 3 * e * tokens * cfg.ffn_dim / dims.tp  # a block's backward: three f-wide gradients
     if parallel.recompute is Recompute.FULL:  # the block being recomputed, its activations all kept
         other += block_activation_bytes(cfg, tokens, parallel, e, recompute=Recompute.NONE, attention=attention, seq=seq)
-    if parallel.fsdp_prefetch > 1:  # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks
-        other += (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * block_params(
-            cfg, dims.tp)  # beside a block's backward than the default's one ahead
-    held = engine_buffers(cfg, parallel, max(table, block_params(cfg, dims.tp)))  # at the loss, and beside a
-    buffers = max(0.0, backward_buffers(parallel, train, block_params(cfg, dims.tp)) - held)  # block's backward
-    # without mixed precision the buffers peak once the block's backward has freed what the block kept
-    other = other + buffers if parallel.mixed_precision is Precision.BF16 else max(other, buffers - block)
-    moment = (other, max(other, head_bytes(cfg, tokens, parallel, e)))
+    rank_block = block_params(cfg, dims.tp) + expert_block_change(cfg, parallel)  # its expert slots, not a tp share
+    # --fsdp-prefetch N (flat, sharded, no pipeline): N - 1 more gathered blocks beside a block's backward than the
+    # default's one ahead (a fully sharded engine's backward counts the units ahead itself)
+    prefetched = (parallel.fsdp_prefetch - 1) * (2 if parallel.mixed_precision is Precision.BF16 else e) * rank_block
+    # after the MLP's backward (its share freed) the attention's input projections' backward holds their input's
+    # gradient (sequence parallelism: also the input gathered again and the gradient laid out for its reduce-scatter)
+    mlp = tokens * mlp_activation_bytes(cfg, parallel, e) + 3 * e * tokens * cfg.ffn_dim / dims.tp
+    attention_backward = other - mlp + e * tokens * cfg.dim * (3 if parallel.sequence_parallel else 1)
+    recomputed_moe = parallel.recompute is Recompute.FULL and cfg.n_experts  # its recomputation peaks at the combine
+    mlp_backward = other + tokens * moe_combine_bytes(cfg, parallel, e) * bool(recomputed_moe)
+    held = engine_buffers(cfg, parallel, max(table, rank_block))  # at the loss
+    moment = (other + prefetched, max(other + prefetched, head_bytes(cfg, tokens, parallel, e)))
 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
         params = stage_parameters(cfg, parallel, layers, embedding, head)
@@ -426,6 +421,11 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         ending = end_of_backward(cfg, parallel, train, params, experts, block, other)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
             out = {**ending, "buffers": out["buffers"], "total": sum(ending.values()) + out["buffers"]}
+        walk = fully_sharded_backward(cfg, parallel, train, _shard_degree(parallel), block,
+                                      (mlp_backward, attention_backward), m)
+        if walk is not None and sum(walk.values()) > out["grads"] + out["activations"]:
+            out = {**out, **walk}
+            out["total"] = sum(out[k] for k in KINDS)
         if best is None or out["total"] > best["total"]:
             best = out
     return best
