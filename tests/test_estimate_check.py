@@ -539,3 +539,16 @@ def test_dualpipe_copies_exchange_their_gradients_after_the_activations(flags):
     out = _checked(shape + f"--dp 2 --pp 2 --schedule dualpipe --global-batch 8 --microbatches 4 {flags}".split())
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", ["--cp 2 --cp-attention ulysses --zero 1 --mixed-precision bf16",
+                                   "--cp 2 --schedule dualpipe --zero 1 --mixed-precision bf16"])
+def test_a_merged_stage_unit_forms_its_gradient_at_the_backwards_end(flags):
+    """A pipeline stage whose units merge into one flat unit (ZeRO-1, a stage under the gradient bucket) forms its
+    gradient at the end of each backward, its microbatch freed: its parameters' gradients and their concatenation
+    beside the held fp32 main gradient (at the stage's first backward, the concatenation and its fp32 copy), which
+    with few activations per rank (cp 2, 128 positions) is the peak (perf/pipeline_walk.py: a backward's end)."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--dp 2 --pp 2 --global-batch 8 --microbatches 4 {flags}".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out

@@ -375,15 +375,18 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         fp32 each unit's accumulated gradient, in bf16 the fp32 main gradient each microbatch's gradient is added
         into unit by unit, a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
-        linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time."""
+        linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time, the
+        stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed)."""
         last, bf16 = len(sizes) - 1, parallel.mixed_precision is Precision.BF16
         full_shard = sharding_stage(parallel) == 3
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
         split = bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
+        formed = [0.0] * len(sizes)
         for s in stages:
             units = _stage_units(cfg, parallel, train, sizes[s], s == 0, s == last)
             made[s] = 4 * sum(units)
+            formed[s] = 2 * units[0] * (2 if bf16 else e) * (flat and not full_shard)
             deposited[s] = 2 * (sum(units) - (units[0] if s == 0 and units[0] == table - cfg.dim else 0)) * split
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
@@ -391,7 +394,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
         reuse = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
-        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss)
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss,
+                              formed=tuple(formed))
 
     best = None
     paused = dispatch_bytes(cfg, tokens, parallel, e, block) if cfg.n_experts and dims.ep > 1 else 0.0
