@@ -610,3 +610,63 @@ def test_a_context_mode_is_priced_by_its_descriptor(monkeypatch):
     after = block_activation_bytes(cfg, 64, parallel, 4, seq=64)
     ring = cp_modes.unrepeated(4, cfg.q_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads, 2)
     assert after - before == pytest.approx(64 * (1000.0 - ring) + 7.0)
+
+
+@pytest.mark.parametrize("flags", ["--schedule interleaved --chunks 2", "--schedule dualpipev",
+                                   "--schedule dualpipe --mixed-precision bf16"])
+def test_a_ranks_stages_share_their_models_rotary_tables(flags):
+    """A pipeline rank's stages are cut from one model and share its rotary tables (``Transformer.stage``); only
+    DualPipe's second direction, a copy of the model, holds its own (``parallel/pipeline/stage.py``)."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--dp 2 --pp 2 --cp 2 --global-batch 8 --microbatches 4 {flags}".split())
+    assert out["memory"]["buffers"]["difference"] == 0, out["memory"]["buffers"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", [
+    "--dp 8 --zero 1 --mixed-precision bf16 --global-batch 8",  # one stage: one parameter, one unit
+    "--dp 2 --pp 2 --global-batch 8 --microbatches 4",  # the first and last stages exchange the fp32 gradient
+    "--dp 2 --pp 2 --tp 2 --zero 3 --global-batch 8 --microbatches 4",  # the flat engine's shard of it
+    "--dp 4 --pp 2 --fsdp full_shard --fsdp-style per_param --vocab 4099 --mixed-precision bf16 --global-batch 16 "
+    "--microbatches 4",  # per-parameter FSDP's padded rows, gathered and exchanged
+    "--dp 2 --pp 2 --schedule zb-v --global-batch 8 --microbatches 4",  # both ends on rank 0: one stepped copy
+    "--dp 2 --pp 2 --schedule dualpipe --mixed-precision bf16 --global-batch 8 --microbatches 4",
+])
+def test_tied_embeddings_agree_with_the_dry_run(flags):
+    """A tied embedding and head (``parallel/tied.py``): one parameter on one stage (counted once in the model
+    states); under a pipeline the last stage's copy, whose fp32 gradient (the engine's shard of it) the first and
+    last stages' ranks exchange over pp after the step's reductions (perf/model.py: tied_gradient_bytes), and on a
+    rank holding both ends (V-shaped schedules, DualPipe) a copy the optimizer leaves out."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128", "--tie-embeddings"]
+    out = _checked(shape + flags.split())
+    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    for kind in ("params", "optimizer"):
+        assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", ["--cp 2 --mixed-precision bf16", "--cp 2 --zero 1 --mixed-precision bf16",
+                                   "--seq-len 64 --mixed-precision bf16"])
+def test_dualpipe_copies_exchange_their_gradients_after_the_activations(flags):
+    """DualPipe's two copies of a stage exchange their fp32 gradients after the step's reductions in one batched
+    send and receive (``parallel/pipeline/stage.py: add_mirror_copies``): with few activations per rank (context
+    parallelism, short sequences) that is the peak, every stage's gradients beside a receive buffer of what the
+    engine holds (perf/memory.py: mirror_exchange)."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--dp 2 --pp 2 --schedule dualpipe --global-batch 8 --microbatches 4 {flags}".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("flags", ["--cp 2 --cp-attention ulysses --zero 1 --mixed-precision bf16",
+                                   "--cp 2 --schedule dualpipe --zero 1 --mixed-precision bf16"])
+def test_a_merged_stage_unit_forms_its_gradient_at_the_backwards_end(flags):
+    """A pipeline stage whose units merge into one flat unit (ZeRO-1, a stage under the gradient bucket) forms its
+    gradient at the end of each backward, its microbatch freed: its parameters' gradients and their concatenation
+    beside the held fp32 main gradient (at the stage's first backward, the concatenation and its fp32 copy), which
+    with few activations per rank (cp 2, 128 positions) is the peak (perf/pipeline_walk.py: a backward's end)."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
+    out = _checked(shape + f"--dp 2 --pp 2 --global-batch 8 --microbatches 4 {flags}".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
+    assert out["ok"], out

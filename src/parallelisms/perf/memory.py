@@ -37,7 +37,7 @@ of an engine's backward that keeps the full gradient or reduces it into shards (
 from __future__ import annotations
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
-from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute
+from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.parallel.cp_modes import MODES
 from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.buckets import module_parameters
@@ -148,7 +148,13 @@ def stage_parameters(cfg: ModelConfig, parallel: ParallelConfig, layers: float, 
 
     block = block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel)
     table = vocab_rows(cfg, parallel.dims.tp) * cfg.dim
-    return layers * block + embedding * table + head * (table + cfg.dim)
+    return layers * block + embedding * table + head * (head_table(cfg, parallel, table) + cfg.dim)
+
+
+def head_table(cfg: ModelConfig, parallel: ParallelConfig, table: float) -> float:
+    """The head's own table: none where it is the tied embedding's parameter (one stage: ``parallel/tied.py``),
+    else ``table`` (untied, or a pipeline's copy of the tied weight)."""
+    return 0.0 if cfg.tie_embeddings and parallel.one_tied_parameter() else table
 
 
 def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig, e: int) -> float:
@@ -161,7 +167,8 @@ def weight_pass_bytes(cfg: ModelConfig, tokens: float, parallel: ParallelConfig,
 
 def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block: float, tokens: float, e: int,
            moment: tuple[float, float], head_kept: float, grads_of=None, paused: float = 0.0) -> list[dict]:
-    """Per pipeline rank: layers held, which ends, and the activations at its peak (bytes: the blocks' of the
+    """Per pipeline rank: layers held, which ends, the model copies its stages are cut from (DualPipe's second
+    direction is a copy: ``parallel/pipeline/stage.py``), and the activations at its peak (bytes: the blocks' of the
     microbatches in flight, ``block`` a block's, and the peak's ``moment``: (without the head, with it)), with the
     stages' gradients (``grads_of(stages, layers per stage)``: :class:`StageGradients`) and ``paused`` the bytes of a
     forward paused at its first expert dispatch where DualPipe's F&B chunks run a backward there (else 0)."""
@@ -169,7 +176,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     dims = parallel.dims
     if dims.pp == 1:
         return [{"layers": cfg.n_layers, "peak": cfg.n_layers * block + moment[1], "embedding": True, "head": True,
-                 "stages": 1}]
+                 "stages": 1, "copies": 1}]
     m = microbatches_per_step(parallel, train)
     schedule = schedule_of(parallel.schedule, dims.pp, m, parallel.chunks)
     sizes = stage_sizes(cfg, schedule.num_stages)  # the runtime's cut: uneven where the layers do not divide
@@ -180,22 +187,25 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
         held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
-                "head": schedule.num_stages - 1 in stages}
+                "head": schedule.num_stages - 1 in stages, "copies": len({p for p, _ in schedule.modules_on(r)})}
         grads = grads_of(stages, sizes) if grads_of else None
         candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r, bool(paused))
-        out.append({**held, "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept,
-                                                 grads, paused)})
+        out.append({**held, "gradients": grads,
+                    "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept, grads,
+                                         paused)})
     return out
 
 
 def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, microbatches: int = 1,
-                 experts: float = 0.0) -> dict:
+                 experts: float = 0.0, local_copy: float = 0.0) -> dict:
     """Params, grads and optimizer state at the peak, and the compute-dtype copy the engine keeps (activations),
     for ``params`` parameters on the rank, as the engines hold them (``parallel/zero.py``, ``fsdp*.py``). With
     gradient accumulation (``microbatches`` > 1, no pipeline) the peak comes in a later microbatch, beside the
     gradients accumulated so far: whole (local, DDP, ZeRO-1; bf16's own gradients under mixed precision without
     sharded gradients) or the reduced shards (ZeRO-2/3, FSDP). Of ``params``, the ``experts`` (expert-parallel
-    weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``)."""
+    weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``);
+    ``local_copy``: a tied head's copy on the rank holding the embedding too, which the optimizer leaves out (its
+    gradient is added to the embedding's and it takes the embedding's update: ``parallel/tied.py``)."""
     dims, bf16 = parallel.dims, parallel.mixed_precision is Precision.BF16
     full_shard, sharded = sharding_stage(parallel) == 3, bool(sharding_stage(parallel))
     shard = _shard_degree(parallel) if sharded else 1
@@ -219,7 +229,8 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
                 held_grads = 4 * params
         else:
             held_grads = 4 * per_shard
-    return {"params": master, "grads": held_grads, "optimizer": 8 * per_shard, "compute_copy": compute_copy}
+    stepped = _per_shard(params - local_copy, experts, shard, dims.ep)
+    return {"params": master, "grads": held_grads, "optimizer": 8 * stepped, "compute_copy": compute_copy}
 
 
 def engine_buffers(cfg: ModelConfig, parallel: ParallelConfig, largest_unit: float) -> float:
@@ -312,6 +323,16 @@ def reduced_unit_by_unit(parallel: ParallelConfig, train: TrainConfig, units: li
     return highest
 
 
+def mirror_exchange(parallel: ParallelConfig, grads: StageGradients, params: float, experts: float) -> float:
+    """What DualPipe's two copies of a stage hold as they exchange their gradients after the step's reductions
+    (``parallel/pipeline/stage.py: add_mirror_copies``, one batched send and receive): every stage's gradients on
+    the rank and a receive buffer for the fp32 gradients the engine holds (its shards under a sharding engine);
+    the activations are gone by then."""
+    stages = len(grads.made)
+    shard = _shard_degree(parallel) if sharding_stage(parallel) else 1
+    return grads.held((1,) * stages, (0,) * stages) + 4 * _per_shard(params, experts, shard, parallel.dims.ep)
+
+
 def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
                  head: bool) -> list[float]:
     """Parameters of each of the engine's units (:func:`_units_and_blocks`)."""
@@ -329,7 +350,7 @@ def _units_and_blocks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     t, pbytes = parallel.dims.tp, train.dtype.bytes
     table = vocab_rows(cfg, t) * cfg.dim
     units = [(table, 0)] * embedding + [(block_params(cfg, t) + expert_block_change(cfg, parallel), 1)] * layers
-    units += [(table + cfg.dim, 0)] * head
+    units += [(head_table(cfg, parallel, table) + cfg.dim, 0)] * head
     if parallel.zero not in (1, 2):
         return units
     alone = [cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1)) for i in range(len(units))]
@@ -381,7 +402,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     def states_of(layers: float, embedding: bool, head: bool, stages: int) -> tuple[float, float, dict]:
         params = stage_parameters(cfg, parallel, layers, embedding, head)
         experts = layers * expert_slot_params(cfg, parallel)
-        return params, experts, model_states(cfg, parallel, params, m, experts)
+        local = head_table(cfg, parallel, vocab_rows(cfg, dims.tp) * cfg.dim) * (cfg.tie_embeddings and embedding)
+        return params, experts, model_states(cfg, parallel, params, m, experts, local * head)
 
     def stage_gradients(stages: list[int], sizes: list[int]) -> StageGradients:
         """A pipeline rank's gradients by stage (:class:`StageGradients`), held through the step: DDP in fp32 the
@@ -389,15 +411,18 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         fp32 each unit's accumulated gradient, in bf16 the fp32 main gradient each microbatch's gradient is added
         into unit by unit, a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
-        linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time."""
+        linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time, the
+        stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed)."""
         last, bf16 = len(sizes) - 1, parallel.mixed_precision is Precision.BF16
         full_shard = sharding_stage(parallel) == 3
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
         split = bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
+        formed = [0.0] * len(sizes)
         for s in stages:
             units = _stage_units(cfg, parallel, train, sizes[s], s == 0, s == last)
             made[s] = 4 * sum(units)
+            formed[s] = 2 * units[0] * (2 if bf16 else e) * (flat and not full_shard)
             deposited[s] = 2 * (sum(units) - (units[0] if s == 0 and units[0] == table - cfg.dim else 0)) * split
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
@@ -405,7 +430,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
         reuse = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
-        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss)
+        return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss,
+                              formed=tuple(formed))
 
     best = None
     paused = dispatch_bytes(cfg, tokens, parallel, e, block) if cfg.n_experts and dims.ep > 1 else 0.0
@@ -414,9 +440,12 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         params, experts, states = states_of(rank["layers"], rank["embedding"], rank["head"], rank["stages"])
         if dims.pp > 1:  # the stage's gradients are in the walk's peak (:func:`held_at_peak`)
             states["grads"] = 0.0
-        rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["stages"]  # a table per stage module
+        rotary = 4 * cfg.max_seq_len * cfg.head_dim * rank["copies"]  # the stages share their model's tables
         out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
                "buffers": float(rotary), "activations": rank["peak"] + states["compute_copy"] + held}
+        if parallel.schedule is Schedule.DUALPIPE and dims.pp > 1:
+            exchange = mirror_exchange(parallel, rank["gradients"], params, experts)
+            out["activations"] = max(out["activations"], exchange + states["compute_copy"] + held)
         out["total"] = sum(out[k] for k in KINDS)
         ending = end_of_backward(cfg, parallel, train, params, experts, block, other)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from dataclasses import dataclass
 
 from parallelisms.config import ModelConfig, ParallelConfig, TrainConfig
@@ -285,6 +286,22 @@ def mirror_gradient_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     shards = dense_shards(parallel)
     padded = dense + sum(per_param_padding(cfg, parallel, shards))
     return 4 * (padded / shards + experts / parallel.dims.span("ep_replicate")[0])
+
+
+def tied_gradient_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes of the fp32 gradient a tied embedding's two copies exchange over pp after the step's reductions
+    (``parallel/tied.py``), where rank 0 holds the embedding and the last stage's rank the head's copy (a rank
+    holding both adds them in place): what the engine holds of the table, its shard (the flat engine's unit
+    padded to the shards, per-parameter FSDP's rows) or the whole table."""
+    if not cfg.tie_embeddings or parallel.dims.pp == 1 or rank0_held(cfg, parallel)[1]:
+        return 0.0
+    rows = vocab_rows(cfg, parallel.dims.tp)
+    if not sharding_stage(parallel):
+        return 4.0 * rows * cfg.dim
+    shards = dense_shards(parallel)
+    if parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM:
+        return 4.0 * (rows + padding_rows(rows, shards)) // shards * cfg.dim
+    return 4.0 * math.ceil(rows * cfg.dim / shards)
 
 
 def _sharding_dim(parallel: ParallelConfig) -> tuple[str, int] | None:

@@ -20,7 +20,8 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
     gradients (a weight pass ran since the stage's last backward), forwards paused per stage, the moment: 0 a
     forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
-    last stage, whose backward begins with the loss's), 3 between actions). A forward holds its stage-microbatch
+    last stage, whose backward begins with the loss's), 3 between actions, (6, stage, first) a full backward's end on
+    the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A forward holds its stage-microbatch
     until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the weight pass reads,
     which the weight pass frees. ``inside``: a DualPipe F&B chunk's
     backward runs inside its forward, paused at its stage's first expert dispatch (``executor._compute_pair``), so
@@ -58,6 +59,9 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
             flying[a.stage] -= 1
             weighing[a.stage] += a.kind is Kind.BACKWARD_INPUT
             deposited[a.stage] = 0  # the unit hooks take the deposits into the stage's gradients
+            if a.kind is Kind.BACKWARD:  # its end: the stage's first unit's gradient formed from its parameters'
+                first, made[a.stage] = not made[a.stage], 1
+                note((6, a.stage, first))
         elif a.kind is Kind.BACKWARD_WEIGHT:
             deposited[a.stage] = 1
             note(3)  # a weight pass begins: its remainder still held, the stage's gradients deposited
@@ -105,7 +109,10 @@ def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tupl
             held += grads.held(made, deposited)
         at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)
         loss, block = moment[1] - head_kept, transient + moment[0]
-        extra = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}.get(when, 0.0)
+        if isinstance(when, tuple):  # a backward's end on stage when[1], the stage's first (when[2]) or a later one
+            extra = grads.formed[when[1]] / (2 if when[2] else 1) if grads and grads.formed else 0.0
+        else:
+            extra = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}.get(when, 0.0)
         best = max(best, held + extra)
     return best
 
@@ -120,12 +127,16 @@ class StageGradients:
     ``transient`` the unit gradient a backward forms (a flat unit's gradient, the unit's size, before it is added
     to the held one), and ``at_loss`` the
     same beside the loss where the loss's backward is an input pass, which forms it while the loss's tensors live
-    (fp32, as the dry run shows it)."""
+    (fp32, as the dry run shows it); ``formed``, per stage, what a full backward's end holds beyond them: a flat
+    engine's first unit (formed last) as its parameters' gradients and their concatenation, before the unit hook adds
+    it into the held gradient (at the stage's first backward the concatenation becomes the held gradient, or its
+    fp32 copy does: the parameters' gradients, or the concatenation, beside the held ones)."""
     made: tuple[float, ...]
     deposited: tuple[float, ...]
     transient: float = 0.0
     whole: bool = False
     at_loss: float = 0.0
+    formed: tuple[float, ...] = ()
 
     def held(self, made: tuple, deposited: tuple) -> float:
         grads = sum(self.made) if self.whole else sum(n * b for n, b in zip(made, self.made))

@@ -16,7 +16,8 @@ from parallelisms.options import FsdpStyle, Precision, Recompute, Schedule
 from parallelisms.perf.context import context_volumes
 from parallelisms.perf.model import (CommVolume, block_params, dense_shards, expert_block_change, expert_slot_params,
                                      expert_slots, microbatches_per_step, mirror_gradient_bytes, per_param_padding,
-                                     pipedream_updates, rank0_dense_and_experts, rank0_end_shares, redundant_expert_grads, sharding_stage)
+                                     pipedream_updates, rank0_dense_and_experts, rank0_end_shares,
+                                     redundant_expert_grads, sharding_stage, tied_gradient_bytes)
 from parallelisms.perf.stages import rank0_held, rank0_layers, schedule_of
 
 
@@ -95,17 +96,18 @@ def _gathered_per_microbatch(cfg: ModelConfig, parallel: ParallelConfig, dtype_b
     engine every unit for forward and again for backward; the per-parameter one (FSDP2) every unit for forward
     and the blocks again for backward (the head stays gathered after its forward, the embedding's backward needs
     no weights); buffer reuse (YaFSDP) the same less the last block, still in its buffer when backward starts.
-    A pipeline stage holds its units through the step: one gather a step. The dense weights only: the experts
+    A pipeline stage holds its units through the step: one gather a step (per-parameter FSDP's padded rows too).
+    The dense weights only: the experts
     gather over the ranks holding the same experts (:func:`_gradient_sync`)."""
     params = rank0_dense_and_experts(cfg, parallel)[0] * dtype_bytes
+    padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
     if parallel.dims.pp > 1:
-        return params
+        return params + sum(padding) * dtype_bytes
     if parallel.fsdp_style is FsdpStyle.FLAT or parallel.zero:
         return 2 * params
     experts = expert_slot_params(cfg, parallel)  # a block's, on this rank
     block = (block_params(cfg, parallel.dims.tp) + expert_block_change(cfg, parallel) - experts) * dtype_bytes
     blocks = rank0_layers(cfg, parallel) * block
-    padding = per_param_padding(cfg, parallel, parallel.dims.dp_shard * parallel.dims.cp)
     reused = block if parallel.fsdp_style is FsdpStyle.REUSE else 0
     return params + blocks - reused + (sum(padding) + padding[1]) * dtype_bytes
 
@@ -196,7 +198,8 @@ def _expert_all_to_alls(cfg: ModelConfig, parallel: ParallelConfig, train: Train
 def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                       dtype_bytes: int) -> list[CommVolume]:
     """The stages' sends: as many activations and gradients as the schedule has rank 0 send, of the residual
-    stream (sequence-sharded under SP); DualPipe's two copies of each stage exchange their fp32 gradient buffers."""
+    stream (sequence-sharded under SP); DualPipe's two copies of each stage exchange their fp32 gradient buffers, a
+    tied embedding's two copies theirs."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     dims = parallel.dims
@@ -211,5 +214,7 @@ def pipeline_parallel(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     out = [CommVolume("send", "pp", sends * activation)]
     if parallel.schedule is Schedule.DUALPIPE:
         out.append(CommVolume("send", "pp", mirror_gradient_bytes(cfg, parallel)))
+    if tied_gradient_bytes(cfg, parallel):
+        out.append(CommVolume("send", "pp", tied_gradient_bytes(cfg, parallel)))
     return out
 
