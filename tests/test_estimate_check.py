@@ -311,6 +311,10 @@ SHARDED_BACKWARD = {
         "--zero 3 --mixed-precision bf16 --grad-accum 2",
     "hsdp 2x4 bf16 full recompute": "--dp-replicate 2 --dp-shard 4 --fsdp hybrid_shard --mixed-precision bf16 "
                                     "--recompute full",
+    "zero3 tied: the table gathered from the head's backward on, beside the head's gradient of it":
+        "--zero 3 --tie-embeddings",
+    "flat full_shard bf16 tied full recompute": "--fsdp full_shard --tie-embeddings --mixed-precision bf16 "
+                                                "--recompute full",
 }
 EXPERTS = "--experts 16 --ffn 64 --topk 4"
 SHARDED_EXPERTS = {  # ep over every data-parallel rank: the experts unsharded, their fp32 gradients whole
@@ -427,16 +431,19 @@ def test_dualpipe_redundant_experts_bytes_agree(schedule):
     "--dp 2 --pp 2 --mixed-precision bf16 --global-batch 8 --microbatches 4 --bucket-mb 0.5",  # DDP in bf16 too
     "--dp 2 --pp 2 --tp 2 --global-batch 8 --microbatches 4",  # each stage's norm over its tp group
     f"--dp 2 --pp 2 --ep 2 {MOE} --global-batch 8 --microbatches 4",  # the experts' norm over ep
+    "--pp 4 --global-batch 8 --microbatches 8",  # no data parallelism: the gradients dropped at each update
 ])
 def test_pipedream_updates_per_microbatch(flags):
     """PipeDream steps every stage after each microbatch: DDP all-reduces the stage's gradient (its buckets, fp32,
     in bf16 too) and the stage clips its own gradient norm (over tp and ep, not pp) at each of the M updates
-    (perf/model.py: pipedream_updates), bytes and calls."""
+    (perf/model.py: pipedream_updates), bytes and calls. Memory: the microbatches in flight hold the stashed
+    versions of the stage's weights their forwards ran on (perf/pipeline_walk.py counts the versions alive)."""
     shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
     out = _checked(shape + f"--schedule pipedream {flags}".split())
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     ours, theirs = _engine_calls(f"--schedule pipedream {flags}")
-    assert theirs and ours == theirs
+    assert ours == theirs and bool(theirs) == ("--dp" in flags)
 
 
 @pytest.mark.parametrize("engine", ["", "--zero 1", "--fsdp full_shard --fsdp-style per_param",

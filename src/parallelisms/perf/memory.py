@@ -183,16 +183,20 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     weight_pass = weight_pass_bytes(cfg, tokens, parallel, e)
     partial = ([n * weight_pass for n in sizes],
                e * tokens * (cfg.dim + vocab_rows(cfg, dims.tp)))  # the head's linear
+    last = schedule.num_stages - 1
+    # PipeDream: a forward runs on a stashed copy of its version of the stage's weights (compute dtype), which its
+    # microbatch holds until its backward (the walk counts the versions alive)
+    stash = [e * stage_parameters(cfg, parallel, n, s == 0, s == last) * (parallel.schedule is Schedule.PIPEDREAM)
+             for s, n in enumerate(sizes)]
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
         held = {"layers": sum(sizes[s] for s in stages), "stages": len(stages), "embedding": 0 in stages,
-                "head": schedule.num_stages - 1 in stages, "copies": len({p for p, _ in schedule.modules_on(r)})}
+                "head": last in stages, "copies": len({p for p, _ in schedule.modules_on(r)})}
         grads = grads_of(stages, sizes) if grads_of else None
         candidates = peak_candidates(parallel.schedule, dims.pp, m, parallel.chunks, r, bool(paused))
-        out.append({**held, "gradients": grads,
-                    "peak": held_at_peak(candidates, [n * block for n in sizes], partial, moment, head_kept, grads,
-                                         paused)})
+        out.append({**held, "gradients": grads, "peak": held_at_peak(candidates, [n * block for n in sizes], partial,
+                                                                     moment, head_kept, grads, paused, stash)})
     return out
 
 
@@ -205,8 +209,10 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
     sharded gradients) or the reduced shards (ZeRO-2/3, FSDP). Of ``params``, the ``experts`` (expert-parallel
     weights) are sharded over the ranks that hold the same experts (``ep_replicate``: ``split_expert_units``);
     ``local_copy``: a tied head's copy on the rank holding the embedding too, which the optimizer leaves out (its
-    gradient is added to the embedding's and it takes the embedding's update: ``parallel/tied.py``)."""
-    dims, bf16 = parallel.dims, parallel.mixed_precision is Precision.BF16
+    gradient is added to the embedding's and it takes the embedding's update: ``parallel/tied.py``). PipeDream's
+    compute-dtype weights are its stashed versions (:func:`_ranks`), its engine DDP over the fp32 ones."""
+    dims = parallel.dims
+    bf16 = parallel.mixed_precision is Precision.BF16 and parallel.schedule is not Schedule.PIPEDREAM
     full_shard, sharded = sharding_stage(parallel) == 3, bool(sharding_stage(parallel))
     shard = _shard_degree(parallel) if sharded else 1
     per_shard = _per_shard(params, experts, shard, dims.ep)
@@ -412,9 +418,10 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         into unit by unit, a stage's from its first backward; with a split backward's
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
         linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time, the
-        stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed)."""
-        last, bf16 = len(sizes) - 1, parallel.mixed_precision is Precision.BF16
-        full_shard = sharding_stage(parallel) == 3
+        stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed).
+        PipeDream without data parallelism drops the stage's gradients at each update."""
+        last, full_shard = len(sizes) - 1, sharding_stage(parallel) == 3
+        bf16 = parallel.mixed_precision is Precision.BF16 and parallel.schedule is not Schedule.PIPEDREAM  # DDP there
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
         split = bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
@@ -427,6 +434,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
+        if parallel.schedule is Schedule.PIPEDREAM and dims.dp * dims.cp == 1:  # freed at each update
+            made, transient, ddp = [0.0] * len(sizes), max(made), False
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
         reuse = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3

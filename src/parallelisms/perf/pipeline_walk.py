@@ -18,7 +18,8 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     """The distinct moments at which a rank's memory may peak, from one walk of its actions in order (``plan``
     prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
     stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
-    gradients (a weight pass ran since the stage's last backward), forwards paused per stage, the moment: 0 a
+    gradients (a weight pass ran since the stage's last backward), forwards paused per stage, PipeDream's stashed
+    weight versions alive per stage (the in-flight microbatches' and the latest stashed), the moment: 0 a
     forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
     last stage, whose backward begins with the loss's), 3 between actions, (6, stage, first) a full backward's end on
     the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A forward holds its stage-microbatch
@@ -33,13 +34,19 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     flying, weighing = [0] * schedule.num_stages, [0] * schedule.num_stages
     made, deposited = [0] * schedule.num_stages, [0] * schedule.num_stages
     paused = [0] * schedule.num_stages
+    versions = [[] for _ in range(schedule.num_stages)]  # PipeDream: the in-flight microbatches' weight versions
+    latest: list = [None] * schedule.num_stages  # and the version stashed last, kept until the next one
     seen = set()
 
     def note(when: int) -> None:
-        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), tuple(paused), when))
+        stashed = tuple(len(set(v) | ({latest[s]} if latest[s] is not None else set())) for s, v in enumerate(versions))
+        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), tuple(paused), stashed, when))
 
     def forward(a) -> None:
         flying[a.stage] += 1
+        if a.version is not None:
+            versions[a.stage].append(a.version)
+            latest[a.stage] = a.version
         note((4 if a.mb in split else 1) if a.stage == last else 0)
 
     actions = schedule.compute(rank)
@@ -57,6 +64,8 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             note(5 if a.stage == last else 2)  # its microbatch still held, a unit's gradient being formed
             flying[a.stage] -= 1
+            if a.version is not None:
+                versions[a.stage].remove(a.version)
             weighing[a.stage] += a.kind is Kind.BACKWARD_INPUT
             deposited[a.stage] = 0  # the unit hooks take the deposits into the stage's gradients
             if a.kind is Kind.BACKWARD:  # its end: the stage's first unit's gradient formed from its parameters'
@@ -93,18 +102,19 @@ def _undominated(states: set[tuple]) -> list[tuple]:
 
 def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tuple[list[float], float],
                  moment: tuple[float, float], head_kept: float, grads: "StageGradients | None" = None,
-                 paused: float = 0.0) -> float:
+                 paused: float = 0.0, stash: list[float] | None = None) -> float:
     """The most bytes a rank holds over its :func:`peak_candidates` beyond its model states: a stage-microbatch in
     flight holds ``full[stage]`` bytes (on the last stage also the head's ``head_kept``), a split backward's
     remainder ``partial`` ((per stage, the last stage's head)), a forward paused at its first expert dispatch
     ``paused`` (:func:`dispatch_bytes`); a forward peaks at ``moment`` beyond what is held
     (the loss's on the last stage, a block's backward elsewhere: (other, last)), a backward at a block's backward
     (on the last stage, or the loss's backward) and the unit gradient it forms; and the stages' gradients
-    (:class:`StageGradients`) from their first backward."""
+    (:class:`StageGradients`) from their first backward; PipeDream's stashed versions ``stash[stage]`` bytes each."""
     best = 0.0
-    for flying, weighing, made, deposited, pausing, when in candidates:
+    for flying, weighing, made, deposited, pausing, stashed, when in candidates:
         held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1] + paused * sum(pausing)
-                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1])
+                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1]
+                + sum(n * b for n, b in zip(stashed, stash or [0.0] * len(full))))
         if grads is not None:
             held += grads.held(made, deposited)
         at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)

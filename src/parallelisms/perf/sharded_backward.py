@@ -40,15 +40,16 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
     """The highest moment of the backward (module docstring) as {grads, activations} bytes, for the dense weights
     sharded ``shard`` ways, ``kept`` bytes a block keeps for backward and ``backward`` what a block's backward holds
     beside them in its MLP and in its attention, ``microbatches`` accumulated without a pipeline. ``None`` for other
-    engines, under a pipeline and with a tied head."""
+    engines, under a pipeline and for per-parameter FSDP with a tied head."""
     from parallelisms.perf.model import (block_params, expert_block_change, expert_slot_params, sharding_stage,
                                          vocab_rows)
 
     dims = parallel.dims
-    if (sharding_stage(parallel) != 3 or dims.pp > 1 or parallel.fsdp_style is FsdpStyle.REUSE and parallel.fsdp
-            or cfg.tie_embeddings):
-        return None
     flat = not (parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM)
+    tied = cfg.tie_embeddings and parallel.one_tied_parameter()  # the head's table is the embedding's unit's
+    if (sharding_stage(parallel) != 3 or dims.pp > 1 or parallel.fsdp_style is FsdpStyle.REUSE and parallel.fsdp
+            or tied and not flat):
+        return None
     m = max(4, train.dtype.bytes)
     c = 2 if parallel.mixed_precision is Precision.BF16 else train.dtype.bytes
     experts = expert_slot_params(cfg, parallel)
@@ -58,7 +59,8 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
     # (parameters, shard degree, largest parameter) of a block's units in backward order
     blocks = [(experts, max(1, shard // dims.ep), experts / cfg.mlp_matrices)] * bool(experts)
     blocks.append((dense, shard, matrix))
-    units = [(table + cfg.dim, shard, table), *blocks * cfg.n_layers, (table, shard, table)]
+    units = [(cfg.dim if tied else table + cfg.dim, shard, cfg.dim if tied else table), *blocks * cfg.n_layers,
+             (table, shard, table)]
     accumulated = microbatches > 1
     moments, done, in_flight = [], sum(m * size / n for size, n, _ in units) * accumulated, 0.0
 
@@ -98,6 +100,7 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
 
     prefetched = ahead(0, depth) * flat  # the flat engine prefetches as the head's backward begins
     unit(*units[0], cfg.n_layers * kept, c * (table + cfg.dim) + prefetched, prefetched)
+    held_from = len(moments)
     for i in reversed(range(cfg.n_layers)):
         act, position = i * kept, len(blocks) * (cfg.n_layers - i)  # the position of the block's last unit
         earlier = ahead(position, max(0, depth - len(blocks)))  # prefetched by the block after it
@@ -109,6 +112,8 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
         formed = main * last or c * mlp_weights
         moments.append((done, act + kept + backward[1] + c * last + nxt + formed + in_flight))
         unit(*blocks[-1], act, c * last + nxt, nxt)
-    unit(*units[-1], 0.0, c * table * flat, 0.0)
+    unit(*units[-1], 0.0, c * table * flat * (not tied), 0.0)
+    # a tied table stays gathered from the head's backward to the embedding's, beside the head's gradient of it
+    moments[held_from:] = [(g, a + 2 * c * table * tied) for g, a in moments[held_from:]]
     grads, activations = max(moments, key=sum)
     return {"grads": grads, "activations": activations}
