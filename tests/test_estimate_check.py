@@ -315,6 +315,8 @@ SHARDED_BACKWARD = {
         "--zero 3 --tie-embeddings",
     "flat full_shard bf16 tied full recompute": "--fsdp full_shard --tie-embeddings --mixed-precision bf16 "
                                                 "--recompute full",
+    "per_param tied": "--fsdp full_shard --fsdp-style per_param --tie-embeddings",
+    "per_param bf16 tied": "--fsdp full_shard --fsdp-style per_param --tie-embeddings --mixed-precision bf16",
 }
 EXPERTS = "--experts 16 --ffn 64 --topk 4"
 SHARDED_EXPERTS = {  # ep over every data-parallel rank: the experts unsharded, their fp32 gradients whole

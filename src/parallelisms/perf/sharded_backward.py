@@ -40,15 +40,14 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
     """The highest moment of the backward (module docstring) as {grads, activations} bytes, for the dense weights
     sharded ``shard`` ways, ``kept`` bytes a block keeps for backward and ``backward`` what a block's backward holds
     beside them in its MLP and in its attention, ``microbatches`` accumulated without a pipeline. ``None`` for other
-    engines, under a pipeline and for per-parameter FSDP with a tied head."""
+    engines and under a pipeline."""
     from parallelisms.perf.model import (block_params, expert_block_change, expert_slot_params, sharding_stage,
                                          vocab_rows)
 
     dims = parallel.dims
     flat = not (parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM)
     tied = cfg.tie_embeddings and parallel.one_tied_parameter()  # the head's table is the embedding's unit's
-    if (sharding_stage(parallel) != 3 or dims.pp > 1 or parallel.fsdp_style is FsdpStyle.REUSE and parallel.fsdp
-            or tied and not flat):
+    if sharding_stage(parallel) != 3 or dims.pp > 1 or parallel.fsdp_style is FsdpStyle.REUSE and parallel.fsdp:
         return None
     m = max(4, train.dtype.bytes)
     c = 2 if parallel.mixed_precision is Precision.BF16 else train.dtype.bytes
@@ -112,8 +111,9 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
         formed = main * last or c * mlp_weights
         moments.append((done, act + kept + backward[1] + c * last + nxt + formed + in_flight))
         unit(*blocks[-1], act, c * last + nxt, nxt)
-    unit(*units[-1], 0.0, c * table * flat * (not tied), 0.0)
-    # a tied table stays gathered from the head's backward to the embedding's, beside the head's gradient of it
+    # a tied table stays gathered from the head's backward to the embedding's, beside the head's gradient of it,
+    # which the embedding's unit then completes
     moments[held_from:] = [(g, a + 2 * c * table * tied) for g, a in moments[held_from:]]
+    unit(*units[-1], 0.0, c * table * flat * (not tied), 0.0)
     grads, activations = max(moments, key=sum)
     return {"grads": grads, "activations": activations}
