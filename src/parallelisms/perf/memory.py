@@ -339,6 +339,19 @@ def mirror_exchange(parallel: ParallelConfig, grads: StageGradients, params: flo
     return grads.held((1,) * stages, (0,) * stages) + 4 * _per_shard(params, experts, shard, parallel.dims.ep)
 
 
+def largest_optimizer_tensor(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int,
+                             embedding: bool, head: bool) -> float:
+    """Elements of the largest tensor the optimizer of a rank holding ``layers`` blocks and the ends named steps:
+    a flat engine's largest unit's shard (its units merged under ``--bucket-mb`` for ZeRO-1/2), else the largest
+    parameter (``perf/buckets.py: module_parameters``)."""
+    flat = parallel.zero or parallel.fsdp or (parallel.mixed_precision is Precision.BF16
+                                              and parallel.schedule is not Schedule.PIPEDREAM)
+    if not flat or parallel.fsdp_style is FsdpStyle.PER_PARAM and parallel.fsdp:
+        return max(size for size, _ in module_parameters(cfg, parallel, layers, embedding, head))
+    shard = _shard_degree(parallel) if sharding_stage(parallel) else 1
+    return max(_stage_units(cfg, parallel, train, layers, embedding, head)) / shard
+
+
 def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
                  head: bool) -> list[float]:
     """Parameters of each of the engine's units (:func:`_units_and_blocks`)."""
@@ -455,6 +468,12 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         if parallel.schedule is Schedule.DUALPIPE and dims.pp > 1:
             exchange = mirror_exchange(parallel, rank["gradients"], params, experts)
             out["activations"] = max(out["activations"], exchange + states["compute_copy"] + held)
+        if dims.pp > 1:  # the optimizer: every stage's gradients beside per-tensor AdamW's two temporaries
+            temporaries = 8 * largest_optimizer_tensor(cfg, parallel, train, rank["layers"], rank["embedding"],
+                                                       rank["head"])
+            stages = (1,) * len(rank["gradients"].made)
+            optimizer = rank["gradients"].held(stages, (0,) * len(stages)) + temporaries + states["compute_copy"]
+            out["activations"] = max(out["activations"], optimizer)
         out["total"] = sum(out[k] for k in KINDS)
         ending = end_of_backward(cfg, parallel, train, params, experts, block, other)
         if ending is not None and sum(ending.values()) + out["buffers"] > out["total"]:
