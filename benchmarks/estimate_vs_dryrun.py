@@ -19,7 +19,7 @@ import time
 
 # the rows whose dry run takes longest (split backward's weight passes are not replayed; all-gather attention's
 # masks are built for real), and rows whose mechanisms a quicker row covers: what ``--quick`` leaves out (the
-# other 22 rows take about 9 minutes)
+# other 23 rows take about 9 minutes)
 SLOW = "slow"
 
 # (preset, GPUs, layout flags[, SLOW]): dp, ZeRO-1/2/3, every FSDP strategy and style, tp, sp, every cp mode, ep,
@@ -50,6 +50,7 @@ MATRIX = [
     ("llama3-70b", 256, "--dp 8 --tp 8 --pp 4 --sp --zero 1 --schedule dualpipev", SLOW),
     ("llama3-70b", 1024, "--dp 16 --tp 8 --pp 8 --sp --zero 1 --schedule interleaved --chunks 2"),
     ("deepseek-v3-moe", 512, "--dp 64 --ep 64 --tp 8 --sp --zero 1 --recompute full"),
+    ("deepseek-v3-moe", 512, "--dp 64 --ep 64 --tp 8 --sp --fsdp full_shard --recompute full"),
     ("llama3-405b", 1024, "--dp 128 --tp 8 --sp --fsdp full_shard --fsdp-style per_param --recompute full"),
     ("llama3-405b", 2048, "--dp-replicate 2 --dp-shard 128 --tp 8 --sp --fsdp hybrid_shard --recompute full"),
     ("llama3-405b", 2048, "--dp 16 --tp 8 --pp 16 --sp --zero 1", SLOW),
