@@ -41,7 +41,8 @@ from parallelisms.options import Balance, FsdpStrategy, FsdpStyle, Precision, Re
 from parallelisms.parallel.cp_modes import MODES
 from parallelisms.parallel.wrap import merged_units
 from parallelisms.perf.buckets import module_parameters
-from parallelisms.perf.model import microbatches_per_step, sharding_stage, vocab_rows
+from parallelisms.perf.model import (flat_mixed_precision, microbatches_per_step, pipedream, sharding_stage,
+                                     vocab_rows)
 from parallelisms.perf.pipeline_walk import StageGradients, held_at_peak, peak_candidates
 from parallelisms.perf.sharded_backward import fully_sharded_backward
 from parallelisms.perf.stages import schedule_of, stage_sizes
@@ -186,7 +187,7 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     last = schedule.num_stages - 1
     # PipeDream: a forward runs on a stashed copy of its version of the stage's weights (compute dtype), which its
     # microbatch holds until its backward (the walk counts the versions alive)
-    stash = [e * stage_parameters(cfg, parallel, n, s == 0, s == last) * (parallel.schedule is Schedule.PIPEDREAM)
+    stash = [e * stage_parameters(cfg, parallel, n, s == 0, s == last) * pipedream(parallel)
              for s, n in enumerate(sizes)]
     out = []
     for r in range(dims.pp):
@@ -212,7 +213,7 @@ def model_states(cfg: ModelConfig, parallel: ParallelConfig, params: float, micr
     gradient is added to the embedding's and it takes the embedding's update: ``parallel/tied.py``). PipeDream's
     compute-dtype weights are its stashed versions (:func:`_ranks`), its engine DDP over the fp32 ones."""
     dims = parallel.dims
-    bf16 = parallel.mixed_precision is Precision.BF16 and parallel.schedule is not Schedule.PIPEDREAM
+    bf16 = flat_mixed_precision(parallel)
     full_shard, sharded = sharding_stage(parallel) == 3, bool(sharding_stage(parallel))
     shard = _shard_degree(parallel) if sharded else 1
     per_shard = _per_shard(params, experts, shard, dims.ep)
@@ -344,8 +345,7 @@ def largest_optimizer_tensor(cfg: ModelConfig, parallel: ParallelConfig, train: 
     """Elements of the largest tensor the optimizer of a rank holding ``layers`` blocks and the ends named steps:
     a flat engine's largest unit's shard (its units merged under ``--bucket-mb`` for ZeRO-1/2), else the largest
     parameter (``perf/buckets.py: module_parameters``)."""
-    flat = parallel.zero or parallel.fsdp or (parallel.mixed_precision is Precision.BF16
-                                              and parallel.schedule is not Schedule.PIPEDREAM)
+    flat = parallel.zero or parallel.fsdp or flat_mixed_precision(parallel)
     if not flat or parallel.fsdp_style is FsdpStyle.PER_PARAM and parallel.fsdp:
         return max(size for size, _ in module_parameters(cfg, parallel, layers, embedding, head))
     shard = _shard_degree(parallel) if sharding_stage(parallel) else 1
@@ -434,7 +434,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed).
         PipeDream without data parallelism drops the stage's gradients at each update."""
         last, full_shard = len(sizes) - 1, sharding_stage(parallel) == 3
-        bf16 = parallel.mixed_precision is Precision.BF16 and parallel.schedule is not Schedule.PIPEDREAM  # DDP there
+        bf16 = flat_mixed_precision(parallel)
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
         split = bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward
         made, deposited, largest = [0.0] * len(sizes), [0.0] * len(sizes), 0.0  # by stage index
@@ -447,7 +447,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
-        if parallel.schedule is Schedule.PIPEDREAM and dims.dp * dims.cp == 1:  # freed at each update
+        if pipedream(parallel) and dims.dp * dims.cp == 1:  # freed at each update
             made, transient, ddp = [0.0] * len(sizes), max(made), False
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)

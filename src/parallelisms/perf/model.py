@@ -188,10 +188,20 @@ def redundant_expert_grads(cfg: ModelConfig, parallel: ParallelConfig, layers: i
     return pipedream_updates(parallel) * layers * copied * cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
 
 
+def pipedream(parallel: ParallelConfig) -> bool:
+    """Whether the layout runs PipeDream: a pipeline whose stages update after every microbatch."""
+    return parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
+
+
 def pipedream_updates(parallel: ParallelConfig) -> int:
     """Optimizer updates (and DDP gradient all-reduces) a step: PipeDream's one per microbatch, else one."""
-    pipedream = parallel.dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM
-    return pipeline_microbatches(parallel) if pipedream else 1
+    return pipeline_microbatches(parallel) if pipedream(parallel) else 1
+
+
+def flat_mixed_precision(parallel: ParallelConfig) -> bool:
+    """Whether bf16 mixed precision runs through the flat engine's plan (fp32 master shards, a bf16 compute copy):
+    everywhere but PipeDream, whose bf16 is its stashed versions' and whose engine is DDP over the fp32 weights."""
+    return parallel.mixed_precision is Precision.BF16 and not pipedream(parallel)
 
 
 def per_param_padding(cfg: ModelConfig, parallel: ParallelConfig, shards: int) -> tuple[float, float]:
@@ -321,7 +331,7 @@ def grad_norm_volumes(parallel: ParallelConfig, elem_bytes: int = 4) -> list[Com
     dims = parallel.dims
     sharding = _sharding_dim(parallel)
     updates = pipedream_updates(parallel)
-    stages = [] if dims.pp > 1 and parallel.schedule is Schedule.PIPEDREAM else [("pp", dims.pp)]
+    stages = [] if pipedream(parallel) else [("pp", dims.pp)]
     base = stages + ([sharding] if sharding else [])
     groups = [base] + ([base + [("tp", dims.tp)]] if dims.tp > 1 else [])
     if dims.ep > 1:  # expert weights are sharded over the ranks holding the same experts, not over dp

@@ -50,9 +50,9 @@ from parallelisms.perf.compute import FOREACH_ADAMW_BYTES, FUSED_ADAMW_BYTES, La
 from parallelisms.perf.hardware import Hardware
 from parallelisms.parallel.pipeline.schedules import V_SHAPED
 from parallelisms.parallel.wrap import merged_units
-from parallelisms.perf.model import (block_params, comm_per_step, microbatches_per_step, mirror_gradient_bytes,
-                                     model_flops_per_token, model_state_bytes, pipedream_updates, rank0_holds_head,
-                                     sharding_stage, vocab_rows)
+from parallelisms.perf.model import (block_params, comm_per_step, flat_mixed_precision, microbatches_per_step,
+                                     mirror_gradient_bytes, model_flops_per_token, model_state_bytes, pipedream_updates,
+                                     rank0_holds_head, sharding_stage, vocab_rows)
 from parallelisms.perf.network import collective_time, comm_time, group
 from parallelisms.perf.overlap import behind, head_comm, tensor_parallel_comm
 from parallelisms.perf.context import context_times
@@ -273,8 +273,7 @@ def _engine_calls(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     each unit holding a block (neither end: the per-parameter style gathers every one again for backward,
     buffer reuse all but the last two blocks', still in its two buffers).
     Empty for DDP (its buckets: :func:`parallelisms.perf.buckets.ddp_buckets`)."""
-    flat = parallel.zero or parallel.fsdp or (parallel.mixed_precision is Precision.BF16
-                                              and pipedream_updates(parallel) == 1)  # PipeDream in bf16: DDP
+    flat = parallel.zero or parallel.fsdp or flat_mixed_precision(parallel)
     if not flat:
         return {}
     held = parallel.dims.pp > 1
