@@ -372,7 +372,8 @@ def _units_and_blocks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     units += [(head_table(cfg, parallel, table) + cfg.dim, 0)] * head
     if parallel.zero not in (1, 2):
         return units
-    alone = [cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1)) for i in range(len(units))]
+    alone = [cfg.tie_embeddings and ((embedding and i == 0) or (head and i == len(units) - 1))
+             for i in range(len(units))]
     return [(sum(units[i][0] for i in group), sum(units[i][1] for i in group))
             for group in merged_units([size * pbytes for size, _ in units], train.bucket_mb * 2**20, alone)]
 

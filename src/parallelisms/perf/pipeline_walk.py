@@ -22,11 +22,11 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     weight versions alive per stage (the in-flight microbatches' and the latest stashed), the moment: 0 a
     forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
     last stage, whose backward begins with the loss's), 3 between actions, (6, stage, first) a full backward's end on
-    the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A forward holds its stage-microbatch
-    until its backward frees it; a split backward's input pass (Zero Bubble) leaves what the weight pass reads,
-    which the weight pass frees. ``inside``: a DualPipe F&B chunk's
-    backward runs inside its forward, paused at its stage's first expert dispatch (``executor._compute_pair``), so
-    the forward's stage-microbatch is whole only once the backward has freed its own."""
+    the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A
+    forward holds its stage-microbatch until its backward frees it; a split backward's input pass (Zero Bubble)
+    leaves what the weight pass reads, which the weight pass frees. ``inside``: a DualPipe F&B chunk's backward runs
+    inside its forward, paused at its stage's first expert dispatch (``executor._compute_pair``), so the forward's
+    stage-microbatch is whole only once the backward has freed its own."""
     from parallelisms.parallel.pipeline.schedules import Kind
 
     schedule = schedule_of(name, pp, m, chunks)
@@ -114,7 +114,7 @@ def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tupl
     for flying, weighing, made, deposited, pausing, stashed, when in candidates:
         held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1] + paused * sum(pausing)
                 + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1]
-                + sum(n * b for n, b in zip(stashed, stash or [0.0] * len(full))))
+                + sum(n * b for n, b in zip(stashed, stash or ())))
         if grads is not None:
             held += grads.held(made, deposited)
         at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)
