@@ -7,19 +7,22 @@ forwards paused at an expert dispatch), and each moment's bytes are priced from 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 from functools import lru_cache
 
 from parallelisms.perf.stages import schedule_of
 
 
 @lru_cache(maxsize=4096)
-def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: bool = False) -> tuple[tuple, ...]:
+def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: bool = False) -> "Candidates":
     """The distinct moments at which a rank's memory may peak, from one walk of its actions in order (``plan``
-    prices thousands of layouts of a few schedules): (forwards held per stage, split-backward remainders held per
-    stage, the stages whose gradients exist (a backward ran on them), the stages holding a weight pass's deposited
-    gradients (a weight pass ran since the stage's last backward), forwards paused per stage, PipeDream's stashed
-    weight versions alive per stage (the in-flight microbatches' and the latest stashed), the moment: 0 a
+    prices thousands of layouts of a few schedules), each as (its counts, :func:`counts` of: forwards held per
+    stage, split-backward remainders held per stage, the stages whose gradients exist (a backward ran on them), the
+    stages holding a weight pass's deposited gradients (a weight pass ran since the stage's last backward),
+    forwards paused per stage, PipeDream's stashed weight versions alive per stage (the in-flight microbatches' and
+    the latest stashed); the moment: 0 a
     forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
     last stage, whose backward begins with the loss's), 3 between actions, (6, stage, first) a full backward's end on
     the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A
@@ -39,8 +42,9 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     seen = set()
 
     def note(when: int) -> None:
-        stashed = tuple(len(set(v) | ({latest[s]} if latest[s] is not None else set())) for s, v in enumerate(versions))
-        seen.add((tuple(flying), tuple(weighing), tuple(made), tuple(deposited), tuple(paused), stashed, when))
+        stashed = (tuple(len(set(v) | ({latest[s]} if latest[s] is not None else set())) for s, v in enumerate(versions))
+                   if stashing else (0,) * schedule.num_stages)
+        seen.add((counts(flying, weighing, made, deposited, paused, stashed), when))
 
     def forward(a) -> None:
         flying[a.stage] += 1
@@ -51,6 +55,7 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
 
     actions = schedule.compute(rank)
     split = {a.mb for a in actions if a.kind is Kind.BACKWARD_INPUT and a.stage == last}
+    stashing = any(a.version is not None for a in actions)  # PipeDream's weight versions
     chunk = None  # the forward of the F&B chunk whose backward runs now
     for i, a in enumerate(actions):
         if a.kind is Kind.FORWARD:
@@ -83,24 +88,41 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
             paused[chunk.stage] -= 1
             forward(chunk)
             chunk = None
-    return tuple(_undominated(seen))
+    return _counted_columns(_undominated(seen))
+
+
+def counts(flying, weighing, made, deposited, paused, stashed) -> tuple[int, ...]:
+    """A moment's counts in the order of :func:`_weights`' bytes: per stage the forwards held, the remainders held,
+    the stashed versions, the gradients made, the deposits; then the forwards paused, and the last stage's
+    forwards and remainders held (its head's bytes)."""
+    return (*flying, *weighing, *stashed, *made, *deposited, sum(paused), flying[-1], weighing[-1])
 
 
 def _undominated(states: set[tuple]) -> list[tuple]:
     """The states no other state of the same moment holds at least as much of, in every count: every byte figure
     is non-negative, so only these can be the peak."""
-    def covers(a: tuple, b: tuple) -> bool:
-        return all(x >= y for x, y in zip(sum(a[:-1], ()), sum(b[:-1], ())))
-
-    ordered = sorted(states, key=lambda st: -sum(sum(counts) for counts in st[:-1]))
+    ordered = sorted(states, key=lambda state: -sum(state[0]))
     kept: list[tuple] = []
     for state in ordered:
-        if not any(k[-1] == state[-1] and covers(k, state) for k in kept):
+        if not any(k[1] == state[1] and all(map(operator.ge, k[0], state[0])) for k in kept):
             kept.append(state)
     return kept
 
 
-def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tuple[list[float], float],
+class Candidates(NamedTuple):
+    """:func:`peak_candidates`' moments, each (its counts in ``columns``, the moment): the columns of
+    :func:`counts` that some moment counts (a schedule without split backwards or PipeDream counts no remainders
+    or stashed versions)."""
+    columns: tuple[int, ...]
+    moments: tuple[tuple, ...]
+
+
+def _counted_columns(moments: list[tuple]) -> Candidates:
+    columns = tuple(c for c in range(len(moments[0][0])) if any(held[c] for held, _ in moments))
+    return Candidates(columns, tuple((tuple(held[c] for c in columns), when) for held, when in moments))
+
+
+def held_at_peak(candidates: Candidates, full: list[float], partial: tuple[list[float], float],
                  moment: tuple[float, float], head_kept: float, grads: "StageGradients | None" = None,
                  paused: float = 0.0, stash: list[float] | None = None) -> float:
     """The most bytes a rank holds over its :func:`peak_candidates` beyond its model states: a stage-microbatch in
@@ -110,21 +132,33 @@ def held_at_peak(candidates: tuple[tuple, ...], full: list[float], partial: tupl
     (the loss's on the last stage, a block's backward elsewhere: (other, last)), a backward at a block's backward
     (on the last stage, or the loss's backward) and the unit gradient it forms; and the stages' gradients
     (:class:`StageGradients`) from their first backward; PipeDream's stashed versions ``stash[stage]`` bytes each."""
+    stages = len(full)
+    weights = _weights(stages, full, partial, head_kept, grads, paused, stash)
+    weights = [weights[c] for c in candidates.columns]
+    whole = sum(grads.made) if grads is not None and grads.whole else 0.0
+    at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)
+    loss, block = moment[1] - head_kept, transient + moment[0]
+    extras = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}
     best = 0.0
-    for flying, weighing, made, deposited, pausing, stashed, when in candidates:
-        held = (sum(n * b for n, b in zip(flying, full)) + head_kept * flying[-1] + paused * sum(pausing)
-                + sum(n * b for n, b in zip(weighing, partial[0])) + partial[1] * weighing[-1]
-                + sum(n * b for n, b in zip(stashed, stash or ())))
-        if grads is not None:
-            held += grads.held(made, deposited)
-        at_loss, transient = (grads.at_loss, grads.transient) if grads else (0.0, 0.0)
-        loss, block = moment[1] - head_kept, transient + moment[0]
+    for held, when in candidates.moments:
         if isinstance(when, tuple):  # a backward's end on stage when[1], the stage's first (when[2]) or a later one
             extra = grads.formed[when[1]] / (2 if when[2] else 1) if grads and grads.formed else 0.0
         else:
-            extra = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}.get(when, 0.0)
-        best = max(best, held + extra)
+            extra = extras.get(when, 0.0)
+        best = max(best, sum(map(operator.mul, held, weights)) + whole + extra)
     return best
+
+
+def _weights(stages: int, full: list[float], partial: tuple[list[float], float], head_kept: float,
+             grads: "StageGradients | None", paused: float, stash: list[float] | None) -> list[float]:
+    """The bytes of one of each count of :func:`counts`."""
+    def per_stage(values) -> list[float]:
+        return [*values[:stages], *[0.0] * (stages - len(values[:stages]))]
+
+    made = () if grads is None or grads.whole else grads.made
+    deposited = () if grads is None else grads.deposited
+    return [*per_stage(full), *per_stage(partial[0]), *per_stage(stash or ()), *per_stage(made),
+            *per_stage(deposited), paused, head_kept, partial[1]]
 
 
 @dataclass(frozen=True)
