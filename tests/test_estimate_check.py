@@ -111,6 +111,23 @@ def test_pipeline_gradients_exist_from_the_first_backward(flags):
     assert out["ok"], out
 
 
+def _rank0(cfg):
+    """Rank 0's dry run without memory (its ledger: one step)."""
+    from parallelisms.dryrun import dry_run_rank
+
+    return dry_run_rank(cfg.model, cfg.train, cfg.layout, 0, memory=False)
+
+
+def _bytes(argv: list[str]) -> tuple[dict, bool]:
+    """The estimate's and the dry run's bytes per collective per step of rank 0, side by side, and whether equal."""
+    from parallelisms.api import configure
+    from parallelisms.estimate_check import compare_collectives, estimated_collectives, recorded_collectives
+
+    cfg = configure(argv)
+    estimated = estimated_collectives(cfg.model, cfg.layout, cfg.train)
+    return compare_collectives(estimated, recorded_collectives(_rank0(cfg)))
+
+
 def _checked(argv: list[str]) -> dict:
     """``estimate --check``'s object for a layout's command-line flags."""
     from parallelisms.api import configure
@@ -208,9 +225,9 @@ def test_the_gradient_norm_runs_over_the_engines_shard_group(flags):
     """With context parallelism every sharding engine shards over its data-parallel ranks x cp, under a pipeline
     too and in the per-parameter styles (``parallel/shard_group.py``, which the step model reads): the gradient
     norm's all-reduces run over that group."""
-    out = _checked(SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"] + flags.split())
-    assert out["collectives"]["all_reduce/dp"]["dry_run"] > 0
-    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    collectives, equal = _bytes(SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"] + flags.split())
+    assert collectives["all_reduce/dp"]["dry_run"] > 0
+    assert equal, {k: v for k, v in collectives.items() if v["difference"]}
 
 
 # The data-parallel engines' calls per step: the step model prices each call's latency, counting them over the
@@ -256,7 +273,6 @@ def _engine_calls(flags: str, shape: list[str] = SHAPE) -> tuple[dict, dict]:
     from collections import Counter
 
     from parallelisms.api import configure
-    from parallelisms.dryrun import dry_run
     from parallelisms.estimate_check import NOT_THE_STEP, dim_family
     from parallelisms.perf.hardware import load_hardware
     from parallelisms.perf.step import _data_parallel_traffic
@@ -267,7 +283,7 @@ def _engine_calls(flags: str, shape: list[str] = SHAPE) -> tuple[dict, dict]:
     for name, _, _, calls in _data_parallel_traffic(cfg.model, cfg.layout, cfg.train, load_hardware("h100")):
         kind, dim = name.split("/")
         ours[f"{kind}/{dim_family(dim)}"] += calls
-    events = [e for e in dry_run(cfg.model, cfg.train, cfg.layout)["runs"][0].events
+    events = [e for e in _rank0(cfg).events
               if e.phase not in NOT_THE_STEP and e.kind != "recv" and e.bytes_per_rank and e.dim.startswith(("dp", "ep_replicate"))]
     theirs = Counter(f"{e.kind}/{dim_family(e.dim)}" for e in events)
     return dict(ours), dict(theirs)
@@ -454,10 +470,10 @@ def test_dualpipe_bytes_agree(engine):
     sharded engine."""
     shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
     dp, batch = ("", 32) if "--dp-shard" in engine else ("--dp 2", 16)
-    out = _checked(shape + f"{dp} {engine} --pp 4 --tp 2 --sp --schedule dualpipe --mixed-precision bf16 "
-                           f"--global-batch {batch} --microbatches 8".split())
-    assert out["collectives"]["send/pp"]["dry_run"] > 0 and out["collectives"]["all_gather/tp"]["dry_run"] > 0
-    assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
+    collectives, equal = _bytes(shape + f"{dp} {engine} --pp 4 --tp 2 --sp --schedule dualpipe --mixed-precision bf16 "
+                                        f"--global-batch {batch} --microbatches 8".split())
+    assert collectives["send/pp"]["dry_run"] > 0 and collectives["all_gather/tp"]["dry_run"] > 0
+    assert equal, {k: v for k, v in collectives.items() if v["difference"]}
 
 
 @pytest.mark.parametrize("balance", ["", "--ep-balance measured --ep-redundant 1"])

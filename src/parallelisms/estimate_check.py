@@ -57,11 +57,8 @@ def compare(estimated: dict, dry_run: dict, collectives: tuple[dict, dict], tole
     total_e, total_d = float(estimated["total"]), float(dry_run["peak_bytes"])
     memory["total"] = {"estimate": total_e, "dry_run": total_d, "difference": total_e - total_d,
                        "relative": total_e / total_d - 1 if total_d else 0.0}
-    ours, theirs = collectives
-    comm = {k: {"estimate": ours.get(k, 0.0), "dry_run": theirs.get(k, 0.0),
-                "difference": ours.get(k, 0.0) - theirs.get(k, 0.0)} for k in sorted(set(ours) | set(theirs))}
+    comm, comm_ok = compare_collectives(*collectives)
     memory_ok = abs(memory["total"]["relative"]) <= tolerance
-    comm_ok = all(abs(v["difference"]) <= 1e-9 * max(1.0, v["dry_run"]) for v in comm.values())
     return {"memory": memory, "peak_phase": dry_run.get("peak_phase"), "peak_module": dry_run.get("peak_module"),
             "collectives": comm, "tolerance": tolerance, "memory_ok": memory_ok, "collectives_ok": comm_ok,
             "ok": memory_ok and comm_ok}
@@ -97,3 +94,10 @@ def check_lines(out: dict) -> list[str]:
     lines.append(f"verdict: {verdict} (memory {'within' if out['memory_ok'] else 'beyond'} "
                  f"{out['tolerance']:.0%}; collectives {'equal' if out['collectives_ok'] else 'differ'})")
     return lines
+
+
+def compare_collectives(ours: dict, theirs: dict) -> tuple[dict, bool]:
+    """Bytes per ``kind/dimension`` side by side (estimate, dry run, difference), and whether every one is equal."""
+    comm = {k: {"estimate": ours.get(k, 0.0), "dry_run": theirs.get(k, 0.0),
+                "difference": ours.get(k, 0.0) - theirs.get(k, 0.0)} for k in sorted(set(ours) | set(theirs))}
+    return comm, all(abs(v["difference"]) <= 1e-9 * max(1.0, v["dry_run"]) for v in comm.values())
