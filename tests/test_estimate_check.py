@@ -2,6 +2,7 @@
 step equal, on a small model with the mechanisms of the real presets at 8 to 64 fake ranks; the memory closed
 forms against Korthikanti et al. (MLSys'23) Table 2 and against the tensors this runtime's block keeps."""
 
+import functools
 import json
 
 import pytest
@@ -35,16 +36,26 @@ LAYOUTS = {  # name: flags (each layout's world size in the name)
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_estimate_agrees_with_the_dry_run(name):
+def _checked(argv: list[str]) -> dict:
+    """``estimate --check``'s object for a layout's command-line flags (a layout two tests check is dry-run once)."""
     from parallelisms.api import configure
+
+    cfg = configure(argv)
+    return _check(cfg.model, cfg.layout, cfg.train)
+
+
+@functools.lru_cache(maxsize=None)
+def _check(model: ModelConfig, layout: ParallelConfig, train: TrainConfig) -> dict:
     from parallelisms.estimate_check import check
     from parallelisms.perf.estimate import estimate
     from parallelisms.perf.hardware import load_hardware
 
-    cfg = configure(SHAPE + LAYOUTS[name].split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    return check(model, layout, train, estimate(model, layout, train, load_hardware("h100"))["memory_per_rank"])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_estimate_agrees_with_the_dry_run(name):
+    out = _checked(SHAPE + LAYOUTS[name].split())
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     assert out["collectives"] and out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
     for kind in ("params", "optimizer"):  # the model states are exact
@@ -72,15 +83,8 @@ def test_engines_holding_the_full_gradient_peak_after_the_loss(name):
     """ZeRO-1 and NO_SHARD keep every unit's full gradient until the optimizer, ZeRO-2 the first unit's as it is
     reduced: with few activations their peak is at the end of backward or in the optimizer, not at the loss
     (perf/memory.py: end_of_backward)."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
     shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
-    cfg = configure(shape + LATE_PEAKS[name].split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    out = _checked(shape + LATE_PEAKS[name].split())
     assert out["peak_phase"] in ("backward", "optimizer"), out["peak_phase"]
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     for kind in ("params", "optimizer"):
@@ -98,15 +102,8 @@ def test_pipeline_gradients_exist_from_the_first_backward(flags):
     """A bf16 pipeline stage's gradients (its fp32 main gradient, once) appear at its first backward, which the
     estimate walks with the schedule: on short sequences, where they weigh as much as the activations, the estimate
     holds within 5% (counting them at every moment, twice, put it 36% over)."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
     shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
-    cfg = configure(shape + "--dp 2 --pp 2 --tp 2 --sp --zero 1 --mixed-precision bf16".split() + flags.split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    out = _checked(shape + "--dp 2 --pp 2 --tp 2 --sp --zero 1 --mixed-precision bf16".split() + flags.split())
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     assert out["ok"], out
 
@@ -126,18 +123,6 @@ def _bytes(argv: list[str]) -> tuple[dict, bool]:
     cfg = configure(argv)
     estimated = estimated_collectives(cfg.model, cfg.layout, cfg.train)
     return compare_collectives(estimated, recorded_collectives(_rank0(cfg)))
-
-
-def _checked(argv: list[str]) -> dict:
-    """``estimate --check``'s object for a layout's command-line flags."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
-    cfg = configure(argv)
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    return check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
 
 
 @pytest.mark.parametrize("flags", [
@@ -394,14 +379,7 @@ def test_expert_layouts_agree_with_the_dry_run(flags):
     their reverse in backward; under SP the layer gathers its input and its output's gradient over tp and
     reduce-scatters nothing; the gradient norm sums the expert weights over ep and their replicas, not over dp.
     Memory: what an MoE layer keeps per routed row (perf/memory.py: mlp_activation_bytes)."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
-    cfg = configure(MOE_SHAPE + flags.split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    out = _checked(MOE_SHAPE + flags.split())
     assert "--ep" not in flags or out["collectives"]["all_to_all/ep"]["dry_run"] > 0
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
@@ -424,16 +402,9 @@ def test_dualpipe_redundant_experts_bytes_agree(schedule):
     exchange and the replicated experts' all-reduce over ep move both stages' weights (``perf/stages.py:
     rank0_held``); the experts' counts are per slot, redundant ones included. DualPipeV's two chunks hold as many
     layers as one path's."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
     shape = MOE_SHAPE[:MOE_SHAPE.index("--layers")] + ["--layers", "4"] + MOE_SHAPE[MOE_SHAPE.index("--seq-len"):]
-    cfg = configure(shape + f"--dp 4 --ep 4 --pp 2 --schedule {schedule} --ep-balance measured --ep-redundant 1 "
+    out = _checked(shape + f"--dp 4 --ep 4 --pp 2 --schedule {schedule} --ep-balance measured --ep-redundant 1 "
                             "--global-batch 16 --microbatches 4".split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
     assert out["collectives"]["all_reduce/ep"]["dry_run"] > 0 and out["collectives"]["send/pp"]["dry_run"] > 0
     assert out["collectives_ok"], {k: v for k, v in out["collectives"].items() if v["difference"]}
     # memory: the grouped GEMM pads the redundant slots as full as an uncopied expert's (perf/memory.py:
@@ -494,15 +465,8 @@ def test_dualpipev_backward_runs_inside_a_paused_forward(balance):
 def test_fp32_ddp_pipeline_holds_its_gradients_once(schedule):
     """DDP in fp32 under a pipeline: the parameters' own gradients are the stage's gradient buffers, every stage's
     from the rank's first backward, priced once (not again as the fresh gradients mixed precision accumulates)."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
     shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "128"]
-    cfg = configure(shape + f"--dp 2 --pp 2 --schedule {schedule} --global-batch 8 --microbatches 4".split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
+    out = _checked(shape + f"--dp 2 --pp 2 --schedule {schedule} --global-batch 8 --microbatches 4".split())
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     assert out["ok"], out
 
@@ -523,15 +487,8 @@ def test_expert_weights_are_sharded_over_their_replicas():
     """ZeRO-1 with expert parallelism: the expert weights' master, optimizer state, reduce-scatter and all-gather are
     over the ranks holding the same experts (ep_replicate, here one rank), the other weights' over dp; the router
     is whole on every tensor-parallel rank."""
-    from parallelisms.api import configure
-    from parallelisms.estimate_check import check
-    from parallelisms.perf.estimate import estimate
-    from parallelisms.perf.hardware import load_hardware
-
-    cfg = configure(MOE_SHAPE + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
+    out = _checked(MOE_SHAPE + "--dp 8 --ep 8 --tp 2 --sp --zero 1 --recompute full --mixed-precision bf16 "
                             "--global-batch 8".split())
-    result = estimate(cfg.model, cfg.layout, cfg.train, load_hardware("h100"))
-    out = check(cfg.model, cfg.layout, cfg.train, result["memory_per_rank"])
     assert abs(out["memory"]["total"]["relative"]) <= 0.05, out["memory"]
     for kind in ("params", "optimizer"):
         assert out["memory"][kind]["difference"] == pytest.approx(0, abs=1024), kind
