@@ -432,6 +432,18 @@ def test_pipedream_updates_per_microbatch(flags):
         assert theirs and ours == theirs
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pipedream_updates_beside_the_microbatches_in_flight(precision):
+    """PipeDream's update after each backward holds the stage's gradient (dropped there without data parallelism)
+    and per-tensor AdamW's two temporaries of its largest tensor, the embedding's on the first stage, while the other
+    microbatches are in flight: with as many microbatches as stages at 64 positions, where the model states weigh as
+    much as the activations, that is the peak (perf/pipeline_walk.py: the update moment)."""
+    shape = SHAPE[:SHAPE.index("--seq-len")] + ["--seq-len", "64", "--mixed-precision", precision]
+    out = _checked(shape + "--pp 4 --schedule pipedream --global-batch 8 --microbatches 4".split())
+    assert abs(out["memory"]["total"]["relative"]) <= 0.03, out["memory"]
+    assert out["ok"], out
+
+
 @pytest.mark.parametrize("engine", ["", "--zero 1", "--fsdp full_shard --fsdp-style per_param",
                                     "--dp-replicate 2 --dp-shard 2 --fsdp hybrid_shard"])
 def test_dualpipe_bytes_agree(engine):

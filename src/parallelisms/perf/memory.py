@@ -433,7 +433,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         weight passes (Zero Bubble, DualPipe) in bf16, the units' deposited bf16 gradients (the units holding a
         linear layer) until the stage's next backward; a backward forms one flat unit's gradient at a time, the
         stage's first unit at its end as its parameters' gradients and their concatenation (the microbatch freed).
-        PipeDream without data parallelism drops the stage's gradients at each update."""
+        PipeDream without data parallelism drops the stage's gradients at each update; its update after each
+        backward holds per-tensor AdamW's two temporaries of the stage's largest tensor."""
         last, full_shard = len(sizes) - 1, sharding_stage(parallel) == 3
         bf16 = flat_mixed_precision(parallel)
         flat = bool(parallel.zero) or (bool(parallel.fsdp) or bf16) and parallel.fsdp_style is FsdpStyle.FLAT
@@ -448,13 +449,19 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             largest = max(largest, *units)
         ddp = not (parallel.zero or parallel.fsdp or bf16)
         transient = largest * (2 if bf16 else e) * (flat and not full_shard)
-        if pipedream(parallel) and dims.dp * dims.cp == 1:  # freed at each update
-            made, transient, ddp = [0.0] * len(sizes), max(made), False
+        updates = [0.0] * len(sizes)
+        if pipedream(parallel):
+            dropped = dims.dp * dims.cp == 1  # without data parallelism the gradients go at each update
+            updates = [(made[s] * dropped + 8 * largest_optimizer_tensor(cfg, parallel, train, sizes[s], s == 0,
+                                                                         s == last)) * (s in stages)
+                       for s in range(len(sizes))]
+            if dropped:
+                made, transient, ddp = [0.0] * len(sizes), max(made), False
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
         at_loss = transient * (not bf16 and schedule_of(parallel.schedule, dims.pp, m, parallel.chunks).split_backward)
         reuse = parallel.fsdp_style is FsdpStyle.REUSE and sharding_stage(parallel) == 3
         return StageGradients(tuple(made), tuple(deposited), transient, whole=ddp or reuse, at_loss=at_loss,
-                              formed=tuple(formed))
+                              formed=tuple(formed), updates=tuple(updates))
 
     best = None
     paused = dispatch_bytes(cfg, tokens, parallel, e, block) if cfg.n_experts and dims.ep > 1 else 0.0

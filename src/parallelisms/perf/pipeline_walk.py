@@ -25,7 +25,8 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     the latest stashed); the moment: 0 a
     forward off the last stage, 1 a forward on it (4 where its backward is an input pass), 2 a backward (5 on the
     last stage, whose backward begins with the loss's), 3 between actions, (6, stage, first) a full backward's end on
-    the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward). A
+    the stage, its microbatch freed, its first unit's gradient formed; ``first``: the stage's first backward; (7,
+    stage) PipeDream's update of the stage (its optimizer action), the other microbatches in flight). A
     forward holds its stage-microbatch until its backward frees it; a split backward's input pass (Zero Bubble)
     leaves what the weight pass reads, which the weight pass frees. ``inside``: a DualPipe F&B chunk's backward runs
     inside its forward, paused at its stage's first expert dispatch (``executor._compute_pair``), so the forward's
@@ -42,8 +43,9 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     seen = set()
 
     def note(when: int) -> None:
-        stashed = (tuple(len(set(v) | ({latest[s]} if latest[s] is not None else set())) for s, v in enumerate(versions))
-                   if stashing else (0,) * schedule.num_stages)
+        stashed = (0,) * schedule.num_stages
+        if stashing:
+            stashed = tuple(len(set(v) | ({latest[s]} - {None})) for s, v in enumerate(versions))
         seen.add((counts(flying, weighing, made, deposited, paused, stashed), when))
 
     def forward(a) -> None:
@@ -80,6 +82,9 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
             deposited[a.stage] = 1
             note(3)  # a weight pass begins: its remainder still held, the stage's gradients deposited
             weighing[a.stage] -= 1
+        elif a.kind is Kind.OPTIMIZER:  # PipeDream's update of the stage, the other microbatches in flight
+            note((7, a.stage))
+            continue
         else:
             continue
         made[a.stage] = 1
@@ -141,7 +146,9 @@ def held_at_peak(candidates: Candidates, full: list[float], partial: tuple[list[
     extras = {0: moment[0], 1: loss, 2: block, 4: at_loss + loss, 5: max(loss, block)}
     best = 0.0
     for held, when in candidates.moments:
-        if isinstance(when, tuple):  # a backward's end on stage when[1], the stage's first (when[2]) or a later one
+        if isinstance(when, tuple) and when[0] == 7:  # PipeDream's update of stage when[1]
+            extra = grads.updates[when[1]] if grads and grads.updates else 0.0
+        elif isinstance(when, tuple):  # a backward's end on stage when[1], the stage's first (when[2]) or a later one
             extra = grads.formed[when[1]] / (2 if when[2] else 1) if grads and grads.formed else 0.0
         else:
             extra = extras.get(when, 0.0)
@@ -174,13 +181,16 @@ class StageGradients:
     (fp32, as the dry run shows it); ``formed``, per stage, what a full backward's end holds beyond them: a flat
     engine's first unit (formed last) as its parameters' gradients and their concatenation, before the unit hook adds
     it into the held gradient (at the stage's first backward the concatenation becomes the held gradient, or its
-    fp32 copy does: the parameters' gradients, or the concatenation, beside the held ones)."""
+    fp32 copy does: the parameters' gradients, or the concatenation, beside the held ones); ``updates``, per stage,
+    what PipeDream's update after each backward holds beyond them (its gradient where the update drops it, and
+    per-tensor AdamW's two temporaries of the largest tensor it steps)."""
     made: tuple[float, ...]
     deposited: tuple[float, ...]
     transient: float = 0.0
     whole: bool = False
     at_loss: float = 0.0
     formed: tuple[float, ...] = ()
+    updates: tuple[float, ...] = ()
 
     def held(self, made: tuple, deposited: tuple) -> float:
         grads = sum(self.made) if self.whole else sum(n * b for n, b in zip(made, self.made))
