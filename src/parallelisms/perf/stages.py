@@ -38,7 +38,11 @@ class RankStages:
 
 def stage_sizes(cfg: ModelConfig, stages: int) -> list[int]:
     """Layers in each of ``stages`` stages as the runtime cuts them (one line where the layers cannot fill them)."""
-    bounds = equal_bounds(cfg.n_layers, stages)
+    return _layer_counts(cfg.n_layers, stages)
+
+
+def _layer_counts(layers: int, stages: int) -> list[int]:
+    bounds = equal_bounds(layers, stages)
     return [bounds[s + 1] - bounds[s] for s in range(stages)]
 
 
@@ -47,8 +51,14 @@ def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[R
     pp = parallel.dims.pp
     if pp == 1:
         return [RankStages(cfg.n_layers, (cfg.n_layers,), True, True, True)]
-    schedule = schedule_of(parallel.schedule, pp, m, parallel.chunks)
-    size = stage_sizes(cfg, schedule.num_stages)
+    return list(_rank_stages(cfg.n_layers, parallel.schedule, pp, m, parallel.chunks))
+
+
+@lru_cache(maxsize=1024)
+def _rank_stages(layers: int, name: str, pp: int, m: int, chunks: int) -> tuple[RankStages, ...]:
+    """:func:`pipeline_ranks` of ``layers`` blocks, once per shape (``plan`` prices many layouts of one)."""
+    schedule = schedule_of(name, pp, m, chunks)
+    size = _layer_counts(layers, schedule.num_stages)
     last = schedule.num_stages - 1
     out = []
     for rank in range(pp):
@@ -56,7 +66,7 @@ def pipeline_ranks(cfg: ModelConfig, parallel: ParallelConfig, m: int) -> list[R
         own = [s for path, s in held if path == 0]
         out.append(RankStages(sum(size[s] for s in own), tuple(size[s] for _, s in held), 0 in own, last in own,
                               any(s == last for _, s in held)))
-    return out
+    return tuple(out)
 
 
 def busiest_rank(ranks: list[RankStages], layer_s: float, head_s: float) -> RankStages:
