@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import NamedTuple
 from functools import lru_cache
+from typing import NamedTuple
 
 from parallelisms.perf.stages import schedule_of
 
@@ -123,7 +123,7 @@ class Candidates(NamedTuple):
 
 
 def _counted_columns(moments: list[tuple]) -> Candidates:
-    columns = tuple(c for c in range(len(moments[0][0])) if any(held[c] for held, _ in moments))
+    columns = tuple(c for c in range(len(moments[0][0]) if moments else 0) if any(held[c] for held, _ in moments))
     return Candidates(columns, tuple((tuple(held[c] for c in columns), when) for held, when in moments))
 
 
