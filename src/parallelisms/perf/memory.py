@@ -185,10 +185,10 @@ def _ranks(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, block
     partial = ([n * weight_pass for n in sizes],
                e * tokens * (cfg.dim + vocab_rows(cfg, dims.tp)))  # the head's linear
     last = schedule.num_stages - 1
-    # PipeDream: a forward runs on a stashed copy of its version of the stage's weights (compute dtype), which its
-    # microbatch holds until its backward (the walk counts the versions alive)
-    stash = [e * stage_parameters(cfg, parallel, n, s == 0, s == last) * pipedream(parallel)
-             for s, n in enumerate(sizes)]
+    stash = None
+    if pipedream(parallel):  # a forward runs on a stashed copy of its version of the stage's weights (compute
+        # dtype), which its microbatch holds until its backward (the walk counts the versions alive)
+        stash = [e * stage_parameters(cfg, parallel, n, s == 0, s == last) for s, n in enumerate(sizes)]
     out = []
     for r in range(dims.pp):
         stages = [s for _, s in schedule.modules_on(r)]
@@ -278,8 +278,8 @@ def end_of_backward(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConf
     if parallel.dims.pp > 1 or not (keeps_full or frees or ddp):
         return None
     if ddp:  # the optimizer beside DDP's buckets: per-tensor AdamW's two temporaries of the largest parameter
-        largest = max(size for size, _ in module_parameters(cfg, parallel, cfg.n_layers, True, True))
-        return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params, "activations": 8 * largest}
+        temporaries = optimizer_temporaries(cfg, parallel, train, cfg.n_layers, True, True)
+        return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params, "activations": temporaries}
     if n == 1 and not bf16:
         return None  # one shard in fp32: the shard is the full parameter, its gradient the full gradient, no copy
     compute = 2 if bf16 else 4
@@ -340,16 +340,16 @@ def mirror_exchange(parallel: ParallelConfig, grads: StageGradients, params: flo
     return grads.held((1,) * stages, (0,) * stages) + 4 * _per_shard(params, experts, shard, parallel.dims.ep)
 
 
-def largest_optimizer_tensor(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int,
-                             embedding: bool, head: bool) -> float:
-    """Elements of the largest tensor the optimizer of a rank holding ``layers`` blocks and the ends named steps:
-    a flat engine's largest unit's shard (its units merged under ``--bucket-mb`` for ZeRO-1/2), else the largest
-    parameter (``perf/buckets.py: module_parameters``)."""
+def optimizer_temporaries(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int,
+                          embedding: bool, head: bool) -> float:
+    """Bytes of per-tensor AdamW's two fp32 temporaries of the largest tensor the optimizer of a rank holding
+    ``layers`` blocks and the ends named steps: a flat engine's largest unit's shard (its units merged under
+    ``--bucket-mb`` for ZeRO-1/2), else the largest parameter (``perf/buckets.py: module_parameters``)."""
     flat = parallel.zero or parallel.fsdp or flat_mixed_precision(parallel)
     if not flat or parallel.fsdp_style is FsdpStyle.PER_PARAM and parallel.fsdp:
-        return max(size for size, _ in module_parameters(cfg, parallel, layers, embedding, head))
+        return 8 * max(size for size, _ in module_parameters(cfg, parallel, layers, embedding, head))
     shard = _shard_degree(parallel) if sharding_stage(parallel) else 1
-    return max(_stage_units(cfg, parallel, train, layers, embedding, head)) / shard
+    return 8 * max(_stage_units(cfg, parallel, train, layers, embedding, head)) / shard
 
 
 def _stage_units(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, layers: int, embedding: bool,
@@ -452,9 +452,8 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
         updates = [0.0] * len(sizes)
         if pipedream(parallel):
             dropped = dims.dp * dims.cp == 1  # without data parallelism the gradients go at each update
-            updates = [(made[s] * dropped + 8 * largest_optimizer_tensor(cfg, parallel, train, sizes[s], s == 0,
-                                                                         s == last)) * (s in stages)
-                       for s in range(len(sizes))]
+            updates = [(made[s] * dropped + optimizer_temporaries(cfg, parallel, train, sizes[s], s == 0, s == last))
+                       * (s in stages) for s in range(len(sizes))]
             if dropped:
                 made, transient, ddp = [0.0] * len(sizes), max(made), False
         # fp32 under a split backward: the input pass forms the unit's gradient while the loss's tensors live
@@ -477,8 +476,7 @@ def rank_memory(cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             exchange = mirror_exchange(parallel, rank["gradients"], params, experts)
             out["activations"] = max(out["activations"], exchange + states["compute_copy"] + held)
         if dims.pp > 1:  # the optimizer: every stage's gradients beside per-tensor AdamW's two temporaries
-            temporaries = 8 * largest_optimizer_tensor(cfg, parallel, train, rank["layers"], rank["embedding"],
-                                                       rank["head"])
+            temporaries = optimizer_temporaries(cfg, parallel, train, rank["layers"], rank["embedding"], rank["head"])
             stages = (1,) * len(rank["gradients"].made)
             optimizer = rank["gradients"].held(stages, (0,) * len(stages)) + temporaries + states["compute_copy"]
             out["activations"] = max(out["activations"], optimizer)

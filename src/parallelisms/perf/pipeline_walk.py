@@ -42,7 +42,7 @@ def peak_candidates(name: str, pp: int, m: int, chunks: int, rank: int, inside: 
     latest: list = [None] * schedule.num_stages  # and the version stashed last, kept until the next one
     seen = set()
 
-    def note(when: int) -> None:
+    def note(when: int | tuple) -> None:
         stashed = (0,) * schedule.num_stages
         if stashing:
             stashed = tuple(len(set(v) | ({latest[s]} - {None})) for s, v in enumerate(versions))

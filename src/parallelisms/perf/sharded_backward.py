@@ -45,10 +45,10 @@ def fully_sharded_backward(cfg: ModelConfig, parallel: ParallelConfig, train: Tr
                                          vocab_rows)
 
     dims = parallel.dims
-    flat = not (parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM)
-    tied = cfg.tie_embeddings and parallel.one_tied_parameter()  # the head's table is the embedding's unit's
     if sharding_stage(parallel) != 3 or dims.pp > 1 or parallel.fsdp_style is FsdpStyle.REUSE and parallel.fsdp:
         return None
+    flat = not (parallel.fsdp and parallel.fsdp_style is FsdpStyle.PER_PARAM)
+    tied = cfg.tie_embeddings and parallel.one_tied_parameter()  # the head's table is the embedding's unit's
     m = max(4, train.dtype.bytes)
     c = 2 if parallel.mixed_precision is Precision.BF16 else train.dtype.bytes
     experts = expert_slot_params(cfg, parallel)
